@@ -1,0 +1,51 @@
+"""jmp_lite: mixed precision for JAX, Flax and optax.
+
+Immutable precision policies, loss scaling that lives inside the optimizer, and
+jit-safe tree utilities. A drop-in successor to DeepMind's jmp:
+``import jmp_lite as jmp`` runs code written for jmp.
+
+Example:
+  >>> import jax.numpy as jnp, optax, jmp_lite
+  >>> policy = jmp_lite.get_policy("params=f32,compute=f16,output=f32")
+  >>> opt = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15))
+"""
+
+from jmp_lite._src.dtypes import half_dtype
+from jmp_lite._src.loss_scale import DynamicLossScale
+from jmp_lite._src.loss_scale import LossScale
+from jmp_lite._src.loss_scale import NoOpLossScale
+from jmp_lite._src.loss_scale import StaticLossScale
+from jmp_lite._src.optax_wrapper import get_loss_scale
+from jmp_lite._src.optax_wrapper import loss_scaling
+from jmp_lite._src.optax_wrapper import LossScaleState
+from jmp_lite._src.optax_wrapper import scaled_value_and_grad
+from jmp_lite._src.policy import cast_to_full
+from jmp_lite._src.policy import cast_to_half
+from jmp_lite._src.policy import get_policy
+from jmp_lite._src.policy import Policy
+from jmp_lite._src.policy import PRESETS
+from jmp_lite._src.policy import with_policy
+from jmp_lite._src.tree import all_finite
+from jmp_lite._src.tree import select_tree
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DynamicLossScale",
+    "LossScale",
+    "LossScaleState",
+    "NoOpLossScale",
+    "PRESETS",
+    "Policy",
+    "StaticLossScale",
+    "all_finite",
+    "cast_to_full",
+    "cast_to_half",
+    "get_loss_scale",
+    "get_policy",
+    "half_dtype",
+    "loss_scaling",
+    "scaled_value_and_grad",
+    "select_tree",
+    "with_policy",
+)

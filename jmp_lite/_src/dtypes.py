@@ -1,0 +1,136 @@
+"""Dtype names, parsing and canonicalisation.
+
+This is the bottom layer of jmp_lite: every other module asks this one what a
+dtype is called, which dtypes a policy may hold and what "half" means on the
+current backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The floating dtypes a policy may hold, with their names. The first name is the
+# one ``str(policy)`` prints (jmp's convention: f32 prints as "full").
+_DTYPE_NAMES: dict[np.dtype, tuple[str, ...]] = {
+    np.dtype(jnp.float32): ("full", "f32", "float32"),
+    np.dtype(jnp.float16): ("f16", "float16"),
+    np.dtype(jnp.bfloat16): ("bf16", "bfloat16"),
+    np.dtype(jnp.float64): ("f64", "float64"),
+}
+
+_NAME_TO_DTYPE: dict[str, np.dtype] = {
+    name: dtype for dtype, names in _DTYPE_NAMES.items() for name in names
+}
+
+#: Every dtype name the policy grammar accepts ("half" is resolved per backend).
+DTYPE_NAMES: tuple[str, ...] = tuple(_NAME_TO_DTYPE) + ("half",)
+
+FLOAT32 = np.dtype(jnp.float32)
+
+
+def half_dtype() -> np.dtype:
+  """Returns the half-precision dtype for the current default backend.
+
+  bfloat16 on TPU (which has no fast float16), float16 everywhere else — the
+  same rule as jmp.
+
+  Returns:
+    ``numpy.dtype('bfloat16')`` on TPU, otherwise ``numpy.dtype('float16')``.
+
+  Example:
+    >>> import jmp_lite
+    >>> jmp_lite.half_dtype() in ("float16", "bfloat16")
+    True
+  """
+  on_tpu = jax.default_backend() == "tpu"
+  return np.dtype(jnp.bfloat16) if on_tpu else np.dtype(jnp.float16)
+
+
+def parse_dtype(value: str) -> np.dtype:
+  """Parses a dtype name such as ``"f16"`` or ``"bfloat16"``.
+
+  Case and surrounding whitespace are ignored.
+
+  Args:
+    value: one of ``full``, ``f32``, ``float32``, ``half``, ``f16``,
+      ``float16``, ``bf16``, ``bfloat16``, ``f64``, ``float64``.
+
+  Returns:
+    The canonical ``numpy.dtype``.
+
+  Raises:
+    TypeError: if ``value`` is not a string.
+    ValueError: if the name is unknown.
+  """
+  if not isinstance(value, str):
+    raise TypeError(
+        f"A dtype name must be a string, got {type(value).__name__}: {value!r}."
+    )
+  name = value.strip().lower()
+  if name == "half":
+    return half_dtype()
+  try:
+    return _NAME_TO_DTYPE[name]
+  except KeyError:
+    raise ValueError(
+        f"Unknown dtype {value!r}. Valid dtype names are: "
+        f"{', '.join(DTYPE_NAMES)}."
+    ) from None
+
+
+def canonical_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
+  """Turns a dtype-like (name, numpy/jax dtype or scalar type) into a policy dtype.
+
+  Args:
+    dtype: a dtype name understood by :func:`parse_dtype`, a ``numpy.dtype``,
+      or a scalar type such as ``jnp.float16`` or ``np.float32``.
+    what: how to refer to the value in error messages.
+
+  Returns:
+    The canonical ``numpy.dtype``; equal inputs give equal, equally hashing
+    outputs.
+
+  Raises:
+    TypeError: if ``dtype`` is not dtype-like.
+    ValueError: if it is not one of the floating dtypes a policy may hold.
+  """
+  if isinstance(dtype, str):
+    return parse_dtype(dtype)
+  try:
+    result = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(
+        f"{what} must be a floating dtype or a dtype name, got "
+        f"{type(dtype).__name__}: {dtype!r}. Use e.g. jnp.float16 or 'bf16'."
+    ) from None
+  if result not in _DTYPE_NAMES:
+    raise ValueError(
+        f"{what} must be one of float32, float16, bfloat16 or float64, got "
+        f"{result.name}. Mixed-precision policies only hold floating dtypes."
+    )
+  return result
+
+
+def dtype_name(dtype: Any) -> str:
+  """Returns the short name ``str(policy)`` uses for a policy dtype."""
+  return _DTYPE_NAMES[canonical_dtype(dtype)][0]
+
+
+def is_floating(dtype: Any) -> bool:
+  """Whether ``dtype`` is a real floating dtype (including bfloat16 and fp8)."""
+  return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def at_least_f32(dtype: Any) -> np.dtype:
+  """The dtype loss-scale arithmetic runs in: float64 stays, every other float
+  (f16, bf16, fp8, f32) computes in float32.
+
+  Same as ``promote_types(dtype, float32)`` for floats, but independent of
+  ``jax_numpy_dtype_promotion`` (strict mode forbids bf16/f32 promotion).
+  """
+  dtype = np.dtype(dtype)
+  return dtype if dtype == np.float64 else FLOAT32
