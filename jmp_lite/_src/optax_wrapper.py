@@ -216,7 +216,7 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
     >>> float(jmp_lite.get_loss_scale(opt.init({"w": jnp.zeros(2)})).loss_scale)
     8.0
   """
-  if isinstance(opt_state, _LOSS_SCALE_TYPES):
+  if isinstance(opt_state, loss_scale_lib.LossScale):
     return opt_state
   found = _find_states(opt_state)
   if not found:
@@ -274,8 +274,7 @@ def scaled_value_and_grad(
     raise TypeError(
         f"scaled_value_and_grad expects a loss function, got {type(fun).__name__}."
     )
-  if not isinstance(loss_scale, _LOSS_SCALE_TYPES):
-    loss_scale = get_loss_scale(loss_scale)
+  loss_scale = get_loss_scale(loss_scale)
 
   def scaled_fun(*args, **kwargs):
     out = fun(*args, **kwargs)

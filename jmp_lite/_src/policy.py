@@ -37,7 +37,8 @@ class Policy:
   Dtypes are canonicalised to ``numpy.dtype`` so that equal policies compare and
   hash equal whatever spelling built them (``jnp.float16``, ``np.float16``,
   ``"f16"``); a policy is therefore usable as static config (``jax.jit``'s
-  ``static_argnums``, Flax module attributes, dict keys).
+  ``static_argnums``, Flax module attributes, dict keys). A float64 policy needs
+  ``jax.config.update("jax_enable_x64", True)`` to give float64 JAX arrays.
 
   Args:
     param_dtype: dtype parameters are stored in (usually float32).

@@ -74,8 +74,9 @@ def cast_floating(tree: T, dtype: Any) -> T:
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   """Returns a scalar boolean array: are all floating leaves of ``tree`` finite?
 
-  Non-floating leaves (ints, bools, objects) count as finite. An empty tree is
-  finite.
+  Non-floating leaves (ints, bools, objects) count as finite, and so do Python
+  floats, which are not arrays (jmp checks those too; gradients are always
+  arrays). An empty tree is finite.
 
   Args:
     tree: any pytree, typically gradients.
