@@ -1,0 +1,111 @@
+"""End-to-end test of the demo, ``examples/digits_demo.py``.
+
+The demo runs as a user would run it (a subprocess, with the repository root on
+``PYTHONPATH`` so an uninstalled checkout works), for a few steps only: this
+checks that it runs and writes well-formed results, not the accuracies it
+reaches with the default number of steps.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEMO = ROOT / "examples" / "digits_demo.py"
+RUNS = ("f32", "bf16", "f16_scaled", "f16_unscaled")
+NUMBERS = (
+    "test_accuracy",
+    "final_train_loss",
+    "median_step_ms",
+    "skipped_steps",
+    "final_loss_scale",
+    "zero_grad_fraction",
+)
+STEPS = 30
+
+
+def _is_finite_number(x):
+  is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
+  return is_number and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+  """Runs the demo once for all tests in this module."""
+  out = tmp_path_factory.mktemp("digits_demo")
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+  )
+  # The demo needs one device, not the 8 simulated ones conftest asks for.
+  env["XLA_FLAGS"] = " ".join(
+      flag for flag in env.get("XLA_FLAGS", "").split()
+      if not flag.startswith("--xla_force_host_platform_device_count")
+  )
+  proc = subprocess.run(
+      [sys.executable, str(DEMO), "--steps", str(STEPS), "--period", "10",
+       "--out", str(out)],
+      capture_output=True, text=True, env=env, timeout=300, check=False,
+  )
+  return proc, out
+
+
+@pytest.mark.slow
+def test_demo_exits_cleanly_and_prints_the_comparison(demo_run):
+  proc, _ = demo_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for text in ("| run | policy |", "f16 + dynamic loss scaling",
+               "f16, no loss scaling", "Verdict:", "Underflow setting:"):
+    assert text in proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_writes_png_markdown_and_json(demo_run):
+  proc, out = demo_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  png = (out / "digits_demo.png").read_bytes()
+  assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+  markdown = (out / "digits_demo.md").read_text()
+  assert "| f16, no loss scaling |" in markdown
+  assert "Verdict:" in markdown
+
+
+@pytest.mark.slow
+def test_demo_json_has_the_four_runs_with_finite_figures(demo_run):
+  proc, out = demo_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads((out / "digits_demo.json").read_text())
+  assert data["config"]["steps"] == STEPS
+  assert tuple(data["runs"]) == RUNS
+  for name, run in data["runs"].items():
+    for key in NUMBERS:
+      assert _is_finite_number(run[key]), (name, key, run[key])
+    assert 0 <= run["test_accuracy"] <= 100
+    assert 0 <= run["zero_grad_fraction"] <= 1
+    assert len(run["loss_history"]) == STEPS
+    assert len(run["loss_scale_history"]) == STEPS
+    assert all(_is_finite_number(x) for x in run["loss_history"]), name
+  runs = data["runs"]
+  assert runs["f16_scaled"]["policy"] == "p=full,c=f16,o=full"
+  assert runs["bf16"]["policy"] == "p=full,c=bf16,o=full"
+  # No-op runs keep scale 1; the dynamic run starts at 2**15 and, with
+  # --period 10 and 30 steps, grows or backs off: it changes.
+  for name in ("f32", "bf16", "f16_unscaled"):
+    assert runs[name]["final_loss_scale"] == 1
+  scale_history = runs["f16_scaled"]["loss_scale_history"]
+  assert scale_history[0] == 2.0**15
+  assert len(set(scale_history)) > 1
+  # The same initial parameters and batch in every run: the first loss agrees
+  # across precisions up to half-precision rounding.
+  first = [run["loss_history"][0] for run in runs.values()]
+  assert max(first) - min(first) < 0.05
+  # The default loss weight is the underflow setting: without loss scaling
+  # most f16 gradient entries are exactly zero at step 1, unlike f32's.
+  zeros = {name: run["zero_grad_fraction"] for name, run in runs.items()}
+  assert zeros["f16_unscaled"] > zeros["f32"] + 0.5
+  assert zeros["f16_scaled"] < zeros["f32"] + 0.05
