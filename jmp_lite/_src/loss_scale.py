@@ -31,48 +31,53 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 
 
-def _is_host_value(x: Any) -> bool:
-  """Python numbers and numpy values: readable without touching a device."""
-  return isinstance(x, (numbers.Number, np.ndarray, np.generic))
+def _is_concrete(x: Any) -> bool:
+  """Whether ``x``'s value can be read (it is not a tracer)."""
+  return not isinstance(x, jax.core.Tracer)
 
 
-def _as_scalar_leaf(x: Any, dtype: np.dtype, what: str, owner: str) -> Any:
-  """Converts a loss-scale leaf to a scalar of ``dtype``, cheaply and jit-safely.
+def _is_complex(x: Any) -> bool:
+  return isinstance(x, complex) or (
+      tree_lib.is_array(x) and jnp.issubdtype(x.dtype, jnp.complexfloating)
+  )
 
-  Pytree unflattening calls the constructor too (with tracers, abstract values,
-  ``ShapeDtypeStruct`` or placeholder objects), so only arrays and numbers are
-  converted; anything else is kept as it is. No value is read from a device.
+
+def _scalar_leaf(x: Any, dtype: np.dtype, what: str, owner: str) -> jax.Array:
+  """Validates a user-given loss-scale leaf; returns it as a ``dtype`` scalar.
+
+  Accepts Python and numpy numbers and JAX arrays (tracers too) of any real
+  dtype: a float16/bfloat16/int scale becomes float32.
   """
-  if isinstance(x, (bool, np.bool_)):
+  if isinstance(x, (bool, np.bool_)) or (
+      tree_lib.is_array(x) and x.dtype == np.bool_
+  ):
     raise TypeError(f"{owner}: {what} must be a number, got a bool ({x!r}).")
-  if _is_host_value(x) or isinstance(x, jax.Array):
-    if isinstance(x, complex) or (
-        tree_lib.is_array(x) and jnp.issubdtype(x.dtype, jnp.complexfloating)
-    ):
-      raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
-    if tree_lib.is_array(x):
-      if np.ndim(x) != 0:
-        raise ValueError(
-            f"{owner}: {what} must be a scalar, got an array of shape "
-            f"{np.shape(x)}. Pass a single number such as 2.0**15."
-        )
-      if x.dtype == np.bool_:
-        raise TypeError(f"{owner}: {what} must be a number, got a bool array.")
-      if x.dtype == dtype:
-        return x if isinstance(x, jax.Array) else jnp.asarray(x)
-      if isinstance(x, jax.Array):
-        return x.astype(dtype)
-    return jnp.asarray(x, dtype=dtype)
-  return x
+  if _is_complex(x):
+    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
+  if not (isinstance(x, numbers.Real) or tree_lib.is_array(x)):
+    raise TypeError(
+        f"{owner}: {what} must be a number or a scalar array, got "
+        f"{type(x).__name__}: {x!r}. Pass e.g. 2.0**15."
+    )
+  if np.ndim(x) != 0:
+    raise ValueError(
+        f"{owner}: {what} must be a scalar, got an array of shape "
+        f"{np.shape(x)}. Pass a single number such as 2.0**15."
+    )
+  if isinstance(x, jax.Array):
+    return x if x.dtype == dtype else x.astype(dtype)
+  return jnp.asarray(x, dtype=dtype)
 
 
 def _static_number(x: Any, what: str, owner: str) -> float:
   """Reads static config (a Python or numpy number, or a concrete array)."""
-  if isinstance(x, jax.core.Tracer):
+  if not _is_concrete(x):
     raise TypeError(
         f"{owner}: {what} is static configuration and cannot be a traced value;"
         " pass a Python number."
     )
+  if _is_complex(x):
+    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
   if isinstance(x, (bool, np.bool_)) or not (
       isinstance(x, numbers.Real) or (tree_lib.is_array(x) and np.ndim(x) == 0)
   ):
@@ -83,6 +88,59 @@ def _static_number(x: Any, what: str, owner: str) -> float:
   if not math.isfinite(value):
     raise ValueError(f"{owner}: {what} must be finite, got {value}.")
   return value
+
+
+def _check_positive_scale(x: Any, owner: str) -> float | None:
+  """Checks a concrete scale value is positive and finite; returns it."""
+  if not _is_concrete(x):
+    return None
+  value = _static_number(x, "loss_scale", owner)
+  if value <= 0:
+    raise ValueError(f"{owner}: loss_scale must be positive, got {value}.")
+  return value
+
+
+def _register(cls):
+  """Registers a frozen dataclass as a pytree; ``static`` fields are treedef.
+
+  Fields come from ``dataclasses.fields`` and their ``static`` metadata, so no
+  field can be forgotten (jmp's flatten dropped ``min_loss_scale``). Unlike
+  ``jax.tree_util.register_dataclass``, unflattening does not call
+  ``__init__``: JAX rebuilds pytrees with tracers, stacked arrays (``pmap``,
+  ``vmap``), ``ShapeDtypeStruct``s and placeholder objects as leaves, so the
+  constructor's validation must only run on a user's call, like a NamedTuple's.
+  """
+  fields = dataclasses.fields(cls)
+  data = tuple(f.name for f in fields if not f.metadata.get("static", False))
+  meta = tuple(f.name for f in fields if f.metadata.get("static", False))
+  keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
+
+  def flatten_with_keys(obj):
+    children = tuple((k, getattr(obj, n)) for k, n in zip(keys, data))
+    return children, tuple(getattr(obj, n) for n in meta)
+
+  def flatten(obj):
+    return tuple(getattr(obj, n) for n in data), tuple(getattr(obj, n) for n in meta)
+
+  def unflatten(aux, children):
+    obj = object.__new__(cls)
+    for name, value in zip(meta, aux):
+      object.__setattr__(obj, name, value)
+    for name, value in zip(data, children):
+      object.__setattr__(obj, name, value)
+    return obj
+
+  jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+  return cls
+
+
+def _replace(obj, **changes):
+  """Like ``dataclasses.replace`` without re-running ``__init__`` (jit-safe)."""
+  new = object.__new__(type(obj))
+  for field in dataclasses.fields(obj):
+    value = changes.get(field.name, getattr(obj, field.name))
+    object.__setattr__(new, field.name, value)
+  return new
 
 
 @runtime_checkable
@@ -196,13 +254,9 @@ class StaticLossScale:
 
   def __init__(self, loss_scale: Any):
     owner = "StaticLossScale"
-    if _is_host_value(loss_scale):
-      value = _static_number(loss_scale, "loss_scale", owner)
-      if value <= 0:
-        raise ValueError(f"{owner}: loss_scale must be positive, got {value}.")
-    object.__setattr__(
-        self, "loss_scale", _as_scalar_leaf(loss_scale, _F32, "loss_scale", owner)
-    )
+    leaf = _scalar_leaf(loss_scale, _F32, "loss_scale", owner)
+    _check_positive_scale(loss_scale, owner)
+    object.__setattr__(self, "loss_scale", leaf)
 
   def scale(self, tree: T) -> T:
     """Multiplies floating leaves by the scale, in ``promote_types(dtype, f32)``."""
@@ -253,7 +307,8 @@ class DynamicLossScale:
       scale.
     ValueError: for ``period < 1``, ``factor <= 1``, ``min_loss_scale <= 0``,
       ``max_loss_scale < min_loss_scale``, a scale that is not positive and
-      finite, or ``min_loss_scale > loss_scale`` (values known on the host).
+      finite, or ``min_loss_scale > loss_scale`` (checked whenever the scale is a
+      concrete value rather than a tracer).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -281,9 +336,7 @@ class DynamicLossScale:
       min_loss_scale: float = 1,
       max_loss_scale: float | None = None,
   ):
-    # This runs on every unflatten too (with tracers or placeholders as
-    # leaves), so leaves are only converted; static config is plain Python and
-    # cheap to re-validate; values are only checked where they are on the host.
+    # Only a user's call runs this: unflattening bypasses it (see _register).
     owner = "DynamicLossScale"
     if isinstance(period, (bool, np.bool_)) or not isinstance(
         period, numbers.Integral
@@ -315,38 +368,29 @@ class DynamicLossScale:
             f"{owner}: max_loss_scale ({max_loss_scale}) must be >= "
             f"min_loss_scale ({min_loss_scale})."
         )
-    # A user's constructor call passes the counter as a Python/numpy number
-    # (usually the default 0); unflattening passes arrays. Only in the former
-    # case are values read, so no device sync ever happens in a training loop.
-    if _is_host_value(counter) and (
-        _is_host_value(loss_scale)
-        or (
-            isinstance(loss_scale, jax.Array)
-            and not isinstance(loss_scale, jax.core.Tracer)
-            and np.ndim(loss_scale) == 0
-        )
+    scale_leaf = _scalar_leaf(loss_scale, _F32, "loss_scale", owner)
+    counter_leaf = _scalar_leaf(counter, _I32, "counter", owner)
+    value = _check_positive_scale(loss_scale, owner)
+    if value is not None and value < min_loss_scale:
+      raise ValueError(
+          f"{owner}: loss_scale ({value}) is below min_loss_scale "
+          f"({min_loss_scale}). Start at or above the minimum, or lower "
+          "min_loss_scale."
+      )
+    if (
+        value is not None
+        and max_loss_scale is not None
+        and value > max_loss_scale
     ):
-      if isinstance(loss_scale, (bool, np.bool_)):
-        raise TypeError(f"{owner}: loss_scale must be a number, got a bool.")
-      value = _static_number(loss_scale, "loss_scale", owner)
-      if value <= 0:
-        raise ValueError(f"{owner}: loss_scale must be positive, got {value}.")
-      if value < min_loss_scale:
-        raise ValueError(
-            f"{owner}: loss_scale ({value}) is below min_loss_scale "
-            f"({min_loss_scale}). Start at or above the minimum, or lower "
-            "min_loss_scale."
-        )
-      if max_loss_scale is not None and value > max_loss_scale:
-        raise ValueError(
-            f"{owner}: loss_scale ({value}) is above max_loss_scale "
-            f"({max_loss_scale})."
-        )
-      if int(counter) < 0:
-        raise ValueError(f"{owner}: counter must be >= 0, got {counter}.")
+      raise ValueError(
+          f"{owner}: loss_scale ({value}) is above max_loss_scale "
+          f"({max_loss_scale})."
+      )
+    if _is_concrete(counter) and int(counter) < 0:
+      raise ValueError(f"{owner}: counter must be >= 0, got {counter}.")
     set_ = object.__setattr__
-    set_(self, "loss_scale", _as_scalar_leaf(loss_scale, _F32, "loss_scale", owner))
-    set_(self, "counter", _as_scalar_leaf(counter, _I32, "counter", owner))
+    set_(self, "loss_scale", scale_leaf)
+    set_(self, "counter", counter_leaf)
     set_(self, "period", int(period))
     set_(self, "factor", factor)
     set_(self, "min_loss_scale", min_loss_scale)
@@ -390,12 +434,12 @@ class DynamicLossScale:
     new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
     zero = jnp.zeros_like(counter)
     new_counter = jnp.where(finite & ~grow, counter + 1, zero)
-    return dataclasses.replace(self, loss_scale=new_scale, counter=new_counter)
+    return _replace(self, loss_scale=new_scale, counter=new_counter)
 
 
-jax.tree_util.register_dataclass(NoOpLossScale)
-jax.tree_util.register_dataclass(StaticLossScale)
-jax.tree_util.register_dataclass(DynamicLossScale)
+_register(NoOpLossScale)
+_register(StaticLossScale)
+_register(DynamicLossScale)
 
 #: Any of the three loss scales (for type annotations).
 AnyLossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]

@@ -1,0 +1,322 @@
+"""Multi-device tests: finiteness agreed across replicas, and sharded training.
+
+conftest.py gives 8 simulated CPU devices. Under ``pmap``/``shard_map`` each
+device sees only its shard of the gradients, so without ``axis_name`` one
+device with an inf would back off its loss scale and skip its step while the
+others would not, and the replicas would drift apart. ``all_finite(...,
+axis_name=...)`` and ``loss_scaling(..., axis_name=...)`` make them agree.
+"""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+
+N = 8
+BAD_DEVICE = 3
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < N, reason=f"needs {N} devices (see conftest.py)"
+)
+
+try:
+  shard_map = jax.shard_map
+except AttributeError:  # jax < 0.7
+  from jax.experimental.shard_map import shard_map  # pylint: disable=all
+
+F16 = np.dtype(jnp.float16)
+F32 = np.dtype(jnp.float32)
+
+
+def _mesh(shape=(N,), names=("i",)):
+  devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+  return Mesh(devices, names)
+
+
+def _per_device(bad=None, dtype=F32, seed=0):
+  """A (N, 3) array, one row per device; ``bad`` goes into BAD_DEVICE's row."""
+  x = np.random.default_rng(seed).normal(size=(N, 3)).astype(dtype)
+  if bad is not None:
+    x[BAD_DEVICE, 1] = bad
+  return jnp.asarray(x)
+
+
+def _map(kind, fn, replicated_args, sharded_args):
+  """Runs ``fn(*replicated, *sharded_rows)`` once per device.
+
+  ``sharded_args`` have a leading axis of size N split over the devices;
+  ``fn`` sees one row of each (without the leading axis). Every output gets a
+  leading axis of size N, one entry per device.
+  """
+  n_rep = len(replicated_args)
+  if kind == "pmap":
+    mapped = jax.pmap(
+        fn, axis_name="i",
+        in_axes=(None,) * n_rep + (0,) * len(sharded_args),
+    )
+    return mapped(*replicated_args, *sharded_args)
+
+  def per_shard(*args):
+    rows = [jax.tree_util.tree_map(lambda x: x[0], a) for a in args[n_rep:]]
+    out = fn(*args[:n_rep], *rows)
+    return jax.tree_util.tree_map(lambda x: x[None], out)
+
+  mapped = shard_map(
+      per_shard, mesh=_mesh(),
+      in_specs=(P(),) * n_rep + (P("i"),) * len(sharded_args),
+      out_specs=P("i"),
+  )
+  return jax.jit(mapped)(*replicated_args, *sharded_args)
+
+
+MAPS = ["pmap", "shard_map"]
+
+
+# ---------------------------------------------------------------------------
+# all_finite with axis_name.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", MAPS)
+@pytest.mark.parametrize("bad", [np.inf, np.nan], ids=["inf", "nan"])
+@pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
+def test_all_finite_agrees_across_devices(kind, bad, dtype):
+  def fn(row):
+    tree = {"g": row, "step": jnp.int32(1), "h": jnp.ones(2, dtype)}
+    return (jmp_lite.all_finite(tree, axis_name="i"),
+            jmp_lite.all_finite(tree))
+
+  agreed, local = _map(kind, fn, (), (_per_device(bad, dtype),))
+  assert agreed.shape == (N,) and agreed.dtype == np.bool_
+  np.testing.assert_array_equal(agreed, np.zeros(N, bool))
+  # Locally only the bad device knows.
+  np.testing.assert_array_equal(local, np.arange(N) != BAD_DEVICE)
+
+  agreed, local = _map(kind, fn, (), (_per_device(None, dtype),))
+  np.testing.assert_array_equal(agreed, np.ones(N, bool))
+  np.testing.assert_array_equal(local, np.ones(N, bool))
+
+
+def test_all_finite_over_several_mesh_axes():
+  mesh = _mesh((2, 4), ("a", "b"))
+  x = _per_device(np.inf).reshape(2, 4, 3)
+
+  def fn(block):
+    both = jmp_lite.all_finite(block, axis_name=("a", "b"))
+    only_b = jmp_lite.all_finite(block, axis_name="b")
+    return both[None, None], only_b[None, None]
+
+  both, only_b = jax.jit(shard_map(
+      fn, mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b")
+  ))(x)
+  np.testing.assert_array_equal(both, np.zeros((2, 4), bool))
+  # BAD_DEVICE = 3 is in row 0 of the (2, 4) grid: only that row disagrees.
+  np.testing.assert_array_equal(only_b, [[False] * 4, [True] * 4])
+
+
+# ---------------------------------------------------------------------------
+# The optax wrapper with axis_name.
+# ---------------------------------------------------------------------------
+
+
+def _params():
+  return {"w": jnp.asarray(np.linspace(-1.0, 1.0, 3), F32)}
+
+
+def _make_step(opt, mean):
+  """One device's step; returns arrays only (params and state counters)."""
+
+  def step(params, state, row):
+    grads = {"w": row}
+    if mean:
+      grads = lax.pmean(grads, "i")
+    updates, state = opt.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    return (params["w"], state.loss_scale.loss_scale, state.skipped_steps,
+            state.last_finite)
+
+  return step
+
+
+def _assert_same_on_every_device(x):
+  x = np.asarray(x)
+  for i in range(1, N):
+    np.testing.assert_array_equal(x[i], x[0])
+
+
+@pytest.mark.parametrize("kind", MAPS)
+@pytest.mark.parametrize("mean", [False, True], ids=["no_mean", "pmean"])
+def test_loss_scaling_with_axis_name_skips_everywhere(kind, mean):
+  opt = jmp_lite.loss_scaling(
+      optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0), axis_name="i"
+  )
+  params = _params()
+  state = opt.init(params)
+  grads = _per_device(np.inf, F16)  # the inf is on one device only
+
+  new_w, scales, skipped, finite = _map(
+      kind, _make_step(opt, mean), (params, state), (grads,))
+
+  for x in (new_w, scales, skipped, finite):
+    _assert_same_on_every_device(x)
+  np.testing.assert_array_equal(scales, np.full(N, 4.0, F32))
+  np.testing.assert_array_equal(skipped, np.ones(N, np.int32))
+  np.testing.assert_array_equal(finite, np.zeros(N, bool))
+  np.testing.assert_array_equal(new_w, np.tile(params["w"], (N, 1)))
+
+
+@pytest.mark.parametrize("kind", MAPS)
+def test_loss_scaling_with_axis_name_applies_finite_step_everywhere(kind):
+  opt = jmp_lite.loss_scaling(
+      optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0, period=1), axis_name="i"
+  )
+  params = _params()
+  state = opt.init(params)
+  grads = _per_device(None, F16)
+
+  new_w, scales, skipped, finite = _map(
+      kind, _make_step(opt, mean=True), (params, state), (grads,))
+
+  for x in (new_w, scales, skipped, finite):
+    _assert_same_on_every_device(x)
+  np.testing.assert_array_equal(scales, np.full(N, 16.0, F32))
+  np.testing.assert_array_equal(finite, np.ones(N, bool))
+  expected = params["w"] - 0.1 * np.mean(np.asarray(grads, F32), axis=0) / 8.0
+  np.testing.assert_allclose(new_w[0], expected, atol=1e-5)  # f16 pmean
+
+
+@pytest.mark.parametrize("kind", MAPS)
+def test_without_axis_name_replicas_disagree(kind):
+  """Why ``axis_name`` exists: unsynchronised replicas drift apart."""
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0))
+  params = _params()
+  state = opt.init(params)
+  grads = _per_device(np.inf, F32)
+
+  new_w, scales, skipped, finite = _map(
+      kind, _make_step(opt, mean=False), (params, state), (grads,))
+
+  good = np.arange(N) != BAD_DEVICE
+  np.testing.assert_array_equal(finite, good)
+  np.testing.assert_array_equal(skipped, (~good).astype(np.int32))
+  np.testing.assert_array_equal(scales, np.where(good, 8.0, 4.0))
+  assert len({float(s) for s in np.asarray(scales)}) == 2
+  # The bad replica kept its params, the others moved.
+  np.testing.assert_array_equal(new_w[BAD_DEVICE], params["w"])
+  assert not np.allclose(new_w[0], params["w"])
+
+
+def test_pmap_train_step_returns_replicated_opt_state():
+  """The usual pmap loop: the whole opt state goes in and out replicated."""
+  opt = jmp_lite.loss_scaling(
+      optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0, min_loss_scale=2.0),
+      axis_name="i",
+  )
+  params = _params()
+
+  def step(params, state, row):
+    grads = lax.pmean({"w": row}, "i")
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def replicate(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.stack([x] * N), tree)
+
+  p_step = jax.pmap(step, axis_name="i")
+  rep_params, rep_state = replicate(params), replicate(opt.init(params))
+  rep_params, rep_state = p_step(rep_params, rep_state,
+                                 _per_device(np.inf, F16))
+  scale = rep_state.loss_scale
+  assert isinstance(scale, jmp_lite.DynamicLossScale)
+  assert scale.min_loss_scale == 2.0
+  np.testing.assert_array_equal(scale.loss_scale, np.full(N, 4.0, F32))
+  _assert_same_on_every_device(rep_params["w"])
+
+
+# ---------------------------------------------------------------------------
+# jax.jit with NamedSharding.
+# ---------------------------------------------------------------------------
+
+
+def _half_loss(params, batch):
+  x, y = batch
+  pred = x.astype(F16) @ params["w"].astype(F16) + params["b"].astype(F16)
+  return jnp.mean(jnp.square(pred.astype(F32) - y))
+
+
+def _sharded_setup():
+  opt = jmp_lite.loss_scaling(
+      optax.sgd(0.05, momentum=0.9),
+      jmp_lite.DynamicLossScale(2.0**10, period=2),
+  )
+
+  @jax.jit
+  def train_step(params, state, batch):
+    loss_scale = jmp_lite.get_loss_scale(state)
+    loss, grads = jmp_lite.scaled_value_and_grad(_half_loss, loss_scale)(
+        params, batch)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.normal(size=(4, 2)), F32),
+            "b": jnp.zeros(2, F32)}
+  xs = rng.normal(size=(4, 2 * N, 4)).astype(np.float32)
+  xs[1, 5, 2] = np.inf  # one example on one device, at step 1
+  ys = rng.normal(size=(4, 2 * N, 2)).astype(np.float32)
+  return opt, train_step, params, jnp.asarray(xs), jnp.asarray(ys)
+
+
+def _train(train_step, params, state, xs, ys, put_batch):
+  losses = []
+  for i in range(xs.shape[0]):
+    params, state, loss = train_step(params, state, put_batch((xs[i], ys[i])))
+    losses.append(loss)
+  return params, state, losses
+
+
+def test_jit_named_sharding_matches_single_device():
+  opt, train_step, params, xs, ys = _sharded_setup()
+  mesh = _mesh((N,), ("data",))
+  replicated = NamedSharding(mesh, P())
+  data = NamedSharding(mesh, P("data"))
+
+  sharded_params = jax.device_put(params, replicated)
+  sharded_state = jax.device_put(opt.init(params), replicated)
+  out_params, out_state, losses = _train(
+      train_step, sharded_params, sharded_state, xs, ys,
+      lambda batch: jax.device_put(batch, data),
+  )
+
+  scale = out_state.loss_scale.loss_scale
+  assert scale.shape == () and scale.dtype == F32
+  assert scale.sharding.is_fully_replicated
+  assert out_state.skipped_steps.sharding.is_fully_replicated
+  assert isinstance(out_state.loss_scale, jmp_lite.DynamicLossScale)
+  assert out_state.loss_scale.period == 2
+  assert int(out_state.skipped_steps) == 1
+  assert not np.isfinite(float(losses[1]))
+
+  device = jax.devices()[0]
+  ref_params, ref_state, ref_losses = _train(
+      train_step, jax.device_put(params, device),
+      jax.device_put(opt.init(params), device), xs, ys,
+      lambda batch: jax.device_put(batch, device),
+  )
+  assert float(scale) == float(ref_state.loss_scale.loss_scale)
+  assert int(out_state.loss_scale.counter) == int(ref_state.loss_scale.counter)
+  # float16 matmuls reduce in a different order on 8 shards than on one
+  # (float16 epsilon is ~1e-3).
+  for a, b in zip(losses, ref_losses):
+    np.testing.assert_allclose(a, b, rtol=1e-3)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=1e-4),
+      (out_params, out_state.inner_state), (ref_params, ref_state.inner_state),
+  )
