@@ -131,7 +131,9 @@ def loss_scaling(
   def init_fn(params):
     return LossScaleState(
         inner_state=inner.init(params),
-        loss_scale=loss_scale,
+        # Fresh buffers on every init: a step that donates its state must not
+        # delete the arrays of the loss scale this optimizer was built with.
+        loss_scale=jax.tree_util.tree_map(jnp.array, loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         consecutive_skips=jnp.zeros([], jnp.int32),
         last_finite=jnp.array(True),
