@@ -1,0 +1,636 @@
+"""Overhead of ``jmp_lite.loss_scaling`` against a hand-written jmp-style step.
+
+The question: does a jitted train step written with the optimizer wrapper
+(``loss_scaling`` + ``get_loss_scale`` + ``scaled_value_and_grad``) cost more
+than the same step written by hand the way jmp users write it (scale the loss,
+unscale the grads, ``all_finite``, ``adjust``, ``select_tree`` over params and
+optimizer state)? Target: median step-time ratio (a)/(b) <= 1.03.
+
+Both steps run the same model, policy (params f32, compute f16 or bf16, output
+f32), Adam and ``DynamicLossScale``; before timing, the script checks that they
+produce the same params, loss scale and losses.
+
+Method: each step is compiled ahead of time (``jax.jit(...).lower(...).compile()``,
+timed), run a few steps (the equivalence check, which doubles as warm-up), then
+timed in blocks of ``--steps`` steps, (a) and (b) interleaved in this process
+and alternating which goes first, ``--repeats`` times. Each block ends with
+``jax.block_until_ready``. Per-step time is block time / steps; the report gives
+the median and interquartile range of the per-step times and of the per-repeat
+ratios (a)/(b). Short blocks keep each (a)/(b) pair close in time, so load from
+other processes affects both alike; the same ratio computed from the process's
+CPU time (``time.process_time``) is reported as a cross-check.
+
+Run from the repository root::
+
+  python -m benchmarks.wrapper_overhead              # full run, ~1-3 min on 2 CPU cores
+  python -m benchmarks.wrapper_overhead --quick --out /tmp/wo   # smoke test
+
+Writes ``wrapper_overhead.json`` (machine, config, figures) and
+``wrapper_overhead.md`` (the table, with the command line) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import re
+import shlex
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+import optax
+
+import jmp_lite
+
+TARGET_RATIO = 1.03
+INITIAL_SCALE = 2.0**15
+LEARNING_RATE = 1e-3
+CHECK_STEPS = 8
+CHECK_ATOL = 1e-5
+CHECK_RTOL = 1e-4
+DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
+VARIANTS = ("jmp_lite", "hand")
+
+Params = Any
+Batch = dict[str, jax.Array]
+State = tuple[Any, ...]
+Step = Callable[[State, Batch], tuple[State, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """One model at one size and compute dtype.
+
+  Attributes:
+    model: ``"mlp"`` or ``"conv"``.
+    compute: compute dtype name for the policy, ``"f16"`` or ``"bf16"``.
+    batch: batch size.
+    sizes: MLP layer widths including input and output, e.g. (784, 1024, 10);
+      for the conv net (image side, channels 1, channels 2, classes).
+  """
+
+  model: str
+  compute: str
+  batch: int
+  sizes: tuple[int, ...]
+
+  @property
+  def name(self) -> str:
+    return f"{self.model}-{self.compute}"
+
+  @property
+  def policy(self) -> jmp_lite.Policy:
+    return jmp_lite.get_policy(f"p=f32,c={self.compute},o=f32")
+
+  def describe(self) -> str:
+    if self.model == "mlp":
+      return f"MLP {'->'.join(map(str, self.sizes))}, batch {self.batch}"
+    side, c1, c2, classes = self.sizes
+    return (
+        f"conv {side}x{side}x1 -> 3x3x{c1} -> 3x3x{c2}/2 -> {classes}, "
+        f"batch {self.batch}"
+    )
+
+
+def make_workloads(models: list[str], computes: list[str], quick: bool) -> list[Workload]:
+  """The workloads to run, at full or smoke-test (``quick``) size."""
+  shapes = {
+      "mlp": (8, (16, 32, 32, 10)) if quick else (256, (784, 1024, 1024, 10)),
+      "conv": (4, (8, 4, 8, 10)) if quick else (64, (28, 16, 32, 10)),
+  }
+  return [
+      Workload(model, compute, *shapes[model])
+      for model in models
+      for compute in computes
+  ]
+
+
+# --- models ------------------------------------------------------------------
+
+
+def _dense_init(key: jax.Array, fan_in: int, shape: tuple[int, ...]) -> dict[str, jax.Array]:
+  w = jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in).astype(np.float32)
+  return {"w": w, "b": jnp.zeros(shape[-1:], jnp.float32)}
+
+
+def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> Params:
+  """Float32 MLP params: a list of ``{"w", "b"}`` per layer."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return [
+      _dense_init(k, din, (din, dout))
+      for k, din, dout in zip(keys, sizes[:-1], sizes[1:])
+  ]
+
+
+def apply_mlp(params: Params, x: jax.Array) -> jax.Array:
+  """ReLU MLP; returns logits in the dtype of ``params`` and ``x``."""
+  for i, layer in enumerate(params):
+    x = x @ layer["w"] + layer["b"]
+    if i < len(params) - 1:
+      x = jax.nn.relu(x)
+  return x
+
+
+def init_conv(key: jax.Array, sizes: tuple[int, ...]) -> Params:
+  """Float32 params of a two-conv-layer net on ``side x side x 1`` images."""
+  side, c1, c2, classes = sizes
+  k1, k2, k3 = jax.random.split(key, 3)
+  flat = ((side + 1) // 2) ** 2 * c2
+  return {
+      "conv1": _dense_init(k1, 9, (3, 3, 1, c1)),
+      "conv2": _dense_init(k2, 9 * c1, (3, 3, c1, c2)),
+      "dense": _dense_init(k3, flat, (flat, classes)),
+  }
+
+
+def _conv(x: jax.Array, layer: dict[str, jax.Array], stride: int) -> jax.Array:
+  y = jax.lax.conv_general_dilated(
+      x, layer["w"], (stride, stride), "SAME",
+      dimension_numbers=("NHWC", "HWIO", "NHWC"),
+  )
+  return jax.nn.relu(y + layer["b"])
+
+
+def apply_conv(params: Params, x: jax.Array) -> jax.Array:
+  """conv 3x3 -> conv 3x3 stride 2 -> dense; returns logits."""
+  x = _conv(x, params["conv1"], 1)
+  x = _conv(x, params["conv2"], 2)
+  x = x.reshape(x.shape[0], -1)
+  return x @ params["dense"]["w"] + params["dense"]["b"]
+
+
+MODELS = {"mlp": (init_mlp, apply_mlp), "conv": (init_conv, apply_conv)}
+
+
+def make_batch(key: jax.Array, workload: Workload) -> Batch:
+  """A fixed synthetic batch: float32 inputs and int32 labels."""
+  kx, ky = jax.random.split(key)
+  if workload.model == "mlp":
+    shape = (workload.batch, workload.sizes[0])
+  else:
+    side = workload.sizes[0]
+    shape = (workload.batch, side, side, 1)
+  classes = workload.sizes[-1]
+  return {
+      "x": jax.random.normal(kx, shape, jnp.float32),
+      "y": jax.random.randint(ky, (workload.batch,), 0, classes, jnp.int32),
+  }
+
+
+def make_loss_fn(apply_fn: Callable[..., jax.Array], policy: jmp_lite.Policy):
+  """Cross-entropy computed under ``policy``; the loss is float32."""
+
+  def loss_fn(params: Params, batch: Batch) -> jax.Array:
+    params, x = policy.cast_to_compute((params, batch["x"]))
+    logits = apply_fn(params, x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["y"]
+    ).mean()
+
+  return loss_fn
+
+
+# --- the two train steps -----------------------------------------------------
+
+
+def make_jmp_lite_step(loss_fn, opt: optax.GradientTransformation) -> Step:
+  """(a) The step written with the optimizer wrapper. State: (params, opt_state)."""
+
+  def step(state: State, batch: Batch) -> tuple[State, jax.Array]:
+    params, opt_state = state
+    loss_scale = jmp_lite.get_loss_scale(opt_state)
+    loss, grads = jmp_lite.scaled_value_and_grad(loss_fn, loss_scale)(
+        params, batch
+    )
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return step
+
+
+def make_hand_step(loss_fn, inner: optax.GradientTransformation) -> Step:
+  """(b) The same step by hand, jmp style. State: (params, opt_state, loss_scale)."""
+
+  def step(state: State, batch: Batch) -> tuple[State, jax.Array]:
+    params, opt_state, loss_scale = state
+
+    def scaled_loss(p):
+      loss = loss_fn(p, batch)
+      return loss_scale.scale(loss), loss
+
+    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
+    grads = loss_scale.unscale(grads)
+    finite = jmp_lite.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    updates, new_opt_state = inner.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params, opt_state = jmp_lite.select_tree(
+        finite, (new_params, new_opt_state), (params, opt_state)
+    )
+    return (params, opt_state, loss_scale), loss
+
+  return step
+
+
+def fresh_copy(tree: Any) -> Any:
+  """Copies every array leaf into a new buffer.
+
+  The steps donate their state, so no two states may share a buffer: both
+  variants start from the same ``params``, and the states must not alias the
+  arrays of the loss scale the optimizer was built with.
+  """
+  return jax.tree_util.tree_map(
+      lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree
+  )
+
+
+# --- compilation and HLO statistics -----------------------------------------
+
+_SKIP_OPCODES = {"parameter", "constant", "tuple", "get-tuple-element"}
+_OPCODE = re.compile(r"=\s.*?\b([a-z][a-z0-9-]*)\(")
+
+
+def entry_opcodes(hlo_text: str) -> dict[str, int]:
+  """Counts the instructions of the optimized HLO's ENTRY computation by opcode.
+
+  Parameters, constants and tuple plumbing are left out, so the total is about
+  the number of kernels (fusions, dots, convolutions...) run per step.
+  """
+  counts: dict[str, int] = {}
+  in_entry = False
+  for line in hlo_text.splitlines():
+    if line.startswith("ENTRY"):
+      in_entry = True
+      continue
+    if in_entry and line.startswith("}"):
+      break
+    if in_entry:
+      match = _OPCODE.search(line)
+      if match and match.group(1) not in _SKIP_OPCODES:
+        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+  return dict(sorted(counts.items()))
+
+
+def compile_step(step: Step, state: State, batch: Batch) -> tuple[Any, dict[str, Any]]:
+  """AOT-compiles ``step`` (state donated) and times lowering and compilation."""
+  jitted = jax.jit(step, donate_argnums=0)
+  start = time.perf_counter()
+  lowered = jitted.lower(state, batch)
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  compiled_at = time.perf_counter()
+  ops = entry_opcodes(compiled.as_text())
+  info = {
+      "lower_s": lowered_at - start,
+      "compile_s": compiled_at - lowered_at,
+      "total_s": compiled_at - start,
+      "stablehlo_ops": lowered.as_text().count(" = stablehlo."),
+      "entry_kernels": sum(ops.values()),
+      "entry_opcodes": ops,
+  }
+  return compiled, info
+
+
+# --- equivalence check and timing -------------------------------------------
+
+
+def run_steps(fn: Step, state: State, batch: Batch, steps: int) -> tuple[State, list[jax.Array]]:
+  losses = []
+  for _ in range(steps):
+    state, loss = fn(state, batch)
+    losses.append(loss)
+  return state, losses
+
+
+def check_same(
+    fns: dict[str, Step], states: dict[str, State], batch: Batch
+) -> tuple[dict[str, State], dict[str, Any]]:
+  """Runs both steps ``CHECK_STEPS`` times and compares params, scale and losses."""
+  losses = {}
+  for name in VARIANTS:
+    states[name], losses[name] = run_steps(fns[name], states[name], batch, CHECK_STEPS)
+  jax.block_until_ready(states)
+  params_a, opt_state_a = states["jmp_lite"]
+  params_b, _, scale_b = states["hand"]
+  diffs = [
+      float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+      for a, b in zip(jax.tree_util.tree_leaves(params_a), jax.tree_util.tree_leaves(params_b))
+  ]
+  close = all(
+      np.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL)
+      for a, b in zip(jax.tree_util.tree_leaves(params_a), jax.tree_util.tree_leaves(params_b))
+  )
+  scale_a = float(jmp_lite.get_loss_scale(opt_state_a).loss_scale)
+  loss_diff = float(
+      np.max(np.abs(np.asarray(losses["jmp_lite"]) - np.asarray(losses["hand"])))
+  )
+  result = {
+      "steps": CHECK_STEPS,
+      "max_abs_param_diff": max(diffs),
+      "max_abs_loss_diff": loss_diff,
+      "loss_scale": {"jmp_lite": scale_a, "hand": float(scale_b.loss_scale)},
+      "skipped_steps": int(opt_state_a.skipped_steps),
+      "rtol": CHECK_RTOL,
+      "atol": CHECK_ATOL,
+  }
+  result["same"] = bool(
+      close and scale_a == result["loss_scale"]["hand"]
+      and np.allclose(losses["jmp_lite"], losses["hand"], rtol=CHECK_RTOL, atol=CHECK_ATOL)
+  )
+  return states, result
+
+
+def time_block(fn: Step, state: State, batch: Batch, steps: int) -> tuple[State, float, float]:
+  """Runs ``steps`` steps and waits for them.
+
+  Returns:
+    The new state, the wall-clock seconds and the CPU seconds of this process
+    (all its threads); the latter is less sensitive to other processes
+    competing for the cores.
+  """
+  wall_start, cpu_start = time.perf_counter(), time.process_time()
+  state, losses = run_steps(fn, state, batch, steps)
+  jax.block_until_ready((state, losses))
+  return state, time.perf_counter() - wall_start, time.process_time() - cpu_start
+
+
+def time_interleaved(
+    fns: dict[str, Step], states: dict[str, State], batch: Batch,
+    steps: int, repeats: int,
+) -> dict[str, dict[str, list[float]]]:
+  """Per-step wall and CPU seconds per repeat, variants interleaved, order alternating."""
+  per_step = {clock: {name: [] for name in VARIANTS} for clock in ("wall", "cpu")}
+  for repeat in range(repeats):
+    order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]
+    for name in order:
+      states[name], wall, cpu = time_block(fns[name], states[name], batch, steps)
+      per_step["wall"][name].append(wall / steps)
+      per_step["cpu"][name].append(cpu / steps)
+  return per_step
+
+
+def summarize(values: list[float]) -> dict[str, Any]:
+  q25, median, q75 = np.percentile(values, [25, 50, 75])
+  return {
+      "median": float(median),
+      "q25": float(q25),
+      "q75": float(q75),
+      "iqr": float(q75 - q25),
+      "min": float(np.min(values)),
+      "values": [float(v) for v in values],
+  }
+
+
+def run_workload(workload: Workload, steps: int, repeats: int, seed: int) -> dict[str, Any]:
+  """Builds, checks and times both steps for one workload."""
+  init_fn, apply_fn = MODELS[workload.model]
+  key_params, key_batch = jax.random.split(jax.random.PRNGKey(seed))
+  params = init_fn(key_params, workload.sizes)
+  batch = make_batch(key_batch, workload)
+  loss_fn = make_loss_fn(apply_fn, workload.policy)
+
+  inner = optax.adam(LEARNING_RATE)
+  opt = jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(INITIAL_SCALE))
+  states = {
+      "jmp_lite": fresh_copy((params, opt.init(params))),
+      "hand": fresh_copy(
+          (params, inner.init(params), jmp_lite.DynamicLossScale(INITIAL_SCALE))
+      ),
+  }
+  steps_fns = {
+      "jmp_lite": make_jmp_lite_step(loss_fn, opt),
+      "hand": make_hand_step(loss_fn, inner),
+  }
+  fns, compile_info = {}, {}
+  for name in VARIANTS:
+    fns[name], compile_info[name] = compile_step(steps_fns[name], states[name], batch)
+
+  states, check = check_same(fns, states, batch)
+  print(
+      f"[{workload.name}] check after {check['steps']} steps: same={check['same']} "
+      f"max|dparams|={check['max_abs_param_diff']:.3g} "
+      f"max|dloss|={check['max_abs_loss_diff']:.3g} "
+      f"scale={check['loss_scale']} skipped={check['skipped_steps']}",
+      flush=True,
+  )
+  if not check["same"]:
+    raise SystemExit(
+        f"{workload.name}: the two steps do not compute the same thing "
+        f"({check}); timing them against each other would be meaningless."
+    )
+
+  per_step = time_interleaved(fns, states, batch, steps, repeats)
+  ratio, cpu_ratio = (
+      summarize([a / b for a, b in zip(times["jmp_lite"], times["hand"])])
+      for times in (per_step["wall"], per_step["cpu"])
+  )
+  result = {
+      "workload": workload.name,
+      "description": workload.describe(),
+      "model": workload.model,
+      "policy": str(workload.policy),
+      "batch": workload.batch,
+      "sizes": list(workload.sizes),
+      "param_count": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
+      "loss_scale": f"DynamicLossScale({INITIAL_SCALE:g})",
+      "optimizer": f"adam({LEARNING_RATE:g})",
+      "check": check,
+      "compile": compile_info,
+      "step_time_s": {name: summarize(per_step["wall"][name]) for name in VARIANTS},
+      "ratio_a_over_b": ratio,
+      "cpu_time_s": {name: summarize(per_step["cpu"][name]) for name in VARIANTS},
+      "cpu_ratio_a_over_b": cpu_ratio,
+      "within_target": bool(ratio["median"] <= TARGET_RATIO),
+  }
+  print(
+      f"[{workload.name}] (a) {result['step_time_s']['jmp_lite']['median'] * 1e3:.3f} ms"
+      f"  (b) {result['step_time_s']['hand']['median'] * 1e3:.3f} ms"
+      f"  ratio {ratio['median']:.4f} [IQR {ratio['q25']:.4f}-{ratio['q75']:.4f}]"
+      f"  CPU-time ratio {cpu_ratio['median']:.4f}",
+      flush=True,
+  )
+  return result
+
+
+# --- reporting ----------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+  device = jax.devices()[0]
+  return {
+      "platform": platform.platform(),
+      "machine": platform.machine(),
+      "processor": platform.processor(),
+      "cpu_count": os.cpu_count(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "jaxlib": jaxlib.__version__,
+      "optax": optax.__version__,
+      "numpy": np.__version__,
+      "jmp_lite": jmp_lite.__version__,
+      "backend": jax.default_backend(),
+      "device_kind": device.device_kind,
+      "device_count": jax.device_count(),
+      "xla_flags": os.environ.get("XLA_FLAGS", ""),
+  }
+
+
+def command_line(argv: list[str]) -> str:
+  return shlex.join(["python", "-m", "benchmarks.wrapper_overhead", *argv])
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+  """The results as a markdown page (what ``wrapper_overhead.md`` holds)."""
+  machine, config = report["machine"], report["config"]
+  load = report["load_average"]
+  lines = [
+      "# Wrapper overhead: `loss_scaling` vs a hand-written jmp-style step",
+      "",
+      f"Generated by `{report['command']}` on {report['date']} "
+      f"({report['wall_s']:.0f} s).",
+      "",
+      f"Machine: {machine['device_kind']} backend, {machine['cpu_count']} CPU "
+      f"cores, {machine['platform']}; Python {machine['python']}, jax "
+      f"{machine['jax']}, jaxlib {machine['jaxlib']}, optax {machine['optax']}."
+      " Load average (1 min) before/after the run: "
+      f"{load['before'][0]:.2f} / {load['after'][0]:.2f}.",
+      "",
+      f"(a) `loss_scaling(adam)` + `get_loss_scale` + `scaled_value_and_grad`;"
+      " (b) the same step by hand: scale, grad, unscale, `all_finite`, `adjust`,"
+      " `select_tree` over params and Adam state. Both: Adam"
+      f"({LEARNING_RATE:g}), `DynamicLossScale({INITIAL_SCALE:g})`, params f32,"
+      " `jax.jit` with the state donated, compiled ahead of time.",
+      "",
+      f"Per-step time: median over {config['repeats']} blocks of "
+      f"{config['steps']} steps, (a) and (b) interleaved in one process, "
+      "alternating which goes first. Ratio: median of the per-block ratios "
+      "(a)/(b) and its interquartile range; the CPU-time ratio is the same "
+      "from the process's CPU time, less sensitive to other processes. "
+      f"Target: wall-clock ratio <= {TARGET_RATIO}.",
+      "",
+      "| workload | policy | (a) ms/step | (b) ms/step | ratio (a)/(b) "
+      "| ratio IQR | <= 1.03 | CPU-time ratio | compile (a) / (b) s "
+      "| kernels (a) / (b) |",
+      "|---|---|---:|---:|---:|---:|:---:|---:|---:|---:|",
+  ]
+  for r in report["results"]:
+    a, b = r["step_time_s"]["jmp_lite"], r["step_time_s"]["hand"]
+    ratio, cpu_ratio = r["ratio_a_over_b"], r["cpu_ratio_a_over_b"]
+    compile_a, compile_b = r["compile"]["jmp_lite"], r["compile"]["hand"]
+    lines.append(
+        f"| {r['workload']}: {r['description']} | `{r['policy']}` "
+        f"| {a['median'] * 1e3:.2f} | {b['median'] * 1e3:.2f} "
+        f"| {ratio['median']:.3f} | {ratio['q25']:.3f}-{ratio['q75']:.3f} "
+        f"| {'yes' if r['within_target'] else 'no'} "
+        f"| {cpu_ratio['median']:.3f} "
+        f"| {compile_a['total_s']:.2f} / {compile_b['total_s']:.2f} "
+        f"| {compile_a['entry_kernels']} / {compile_b['entry_kernels']} |"
+    )
+  lines += [
+      "",
+      "Compile: `jax.jit(step).lower(...)` plus `.compile()`. Kernels: "
+      "instructions in the optimized HLO's ENTRY computation (fusions, dots, "
+      "convolutions, copies). Before timing, each pair was run "
+      f"{CHECK_STEPS} steps from the same params and checked to give the same "
+      "params, loss scale and losses. Full figures: `wrapper_overhead.json`.",
+      "",
+  ]
+  return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      prog="python -m benchmarks.wrapper_overhead",
+      description=(
+          "Step-time overhead of jmp_lite.loss_scaling against a hand-written "
+          "jmp-style loss-scaled train step."
+      ),
+  )
+  parser.add_argument("--steps", type=int, default=None,
+                      help="steps per timed block (default 4; 2 with --quick)")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="timed blocks per variant (default 41; 3 with --quick)")
+  parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                      help="directory for the JSON and markdown results "
+                      "(default benchmarks/results/)")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes and few steps: a smoke test, not a measurement")
+  parser.add_argument("--models", default="mlp,conv",
+                      help="comma-separated subset of: mlp, conv (default both)")
+  parser.add_argument("--computes", default="f16,bf16",
+                      help="comma-separated compute dtypes (default f16,bf16)")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="PRNG seed for params and the synthetic batch (default 0)")
+  args = parser.parse_args(argv)
+  if args.steps is None:
+    args.steps = 2 if args.quick else 4
+  if args.repeats is None:
+    args.repeats = 3 if args.quick else 41
+  if args.steps < 1 or args.repeats < 1:
+    parser.error("--steps and --repeats must be >= 1")
+  args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+  args.computes = [c.strip() for c in args.computes.split(",") if c.strip()]
+  for model in args.models:
+    if model not in MODELS:
+      parser.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+  for compute in args.computes:
+    if compute not in ("f16", "bf16"):
+      parser.error(f"unknown compute dtype {compute!r}; choose f16 or bf16")
+  return args
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse_args(argv)
+  load_before = os.getloadavg()
+  started = time.perf_counter()
+  workloads = make_workloads(args.models, args.computes, args.quick)
+  results = [
+      run_workload(w, args.steps, args.repeats, args.seed) for w in workloads
+  ]
+  report = {
+      "benchmark": "wrapper_overhead",
+      "command": command_line(argv),
+      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+      "machine": machine_info(),
+      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+      "config": {
+          "steps": args.steps,
+          "repeats": args.repeats,
+          "quick": args.quick,
+          "seed": args.seed,
+          "check_steps": CHECK_STEPS,
+          "target_ratio": TARGET_RATIO,
+          "initial_loss_scale": INITIAL_SCALE,
+          "learning_rate": LEARNING_RATE,
+          "variants": {
+              "jmp_lite": "loss_scaling(adam) + get_loss_scale + scaled_value_and_grad",
+              "hand": "scale/grad/unscale + all_finite + adjust + select_tree(params, opt_state)",
+          },
+      },
+      "results": results,
+      "wall_s": time.perf_counter() - started,
+  }
+  table = markdown_table(report)
+  args.out.mkdir(parents=True, exist_ok=True)
+  (args.out / "wrapper_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
+  (args.out / "wrapper_overhead.md").write_text(table)
+  print()
+  print(table)
+  print(f"Wrote {args.out / 'wrapper_overhead.json'} and "
+        f"{args.out / 'wrapper_overhead.md'} ({report['wall_s']:.0f} s).")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
