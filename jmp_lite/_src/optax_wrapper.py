@@ -33,7 +33,9 @@ class LossScaleState(NamedTuple):
     consecutive_skips: int32, updates skipped in a row (0 after a finite step);
       a value that keeps growing once the scale sits at ``min_loss_scale``
       means the model itself produces NaN/inf.
-    last_finite: bool, whether the last update's gradients were finite.
+    last_finite: (property) bool array, whether the last update's gradients
+      were finite: ``consecutive_skips == 0``. Derived rather than stored, since
+      returning the all-finite flag as its own output costs XLA a fusion.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -47,7 +49,11 @@ class LossScaleState(NamedTuple):
   loss_scale: Any
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
-  last_finite: jax.Array
+
+  @property
+  def last_finite(self) -> jax.Array:
+    """Whether the last update's gradients were finite (bool array)."""
+    return self.consecutive_skips == 0
 
 
 def _check_loss_scale(loss_scale: Any) -> None:
@@ -136,7 +142,6 @@ def loss_scaling(
         loss_scale=jax.tree_util.tree_map(jnp.array, loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         consecutive_skips=jnp.zeros([], jnp.int32),
-        last_finite=jnp.array(True),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -179,7 +184,6 @@ def loss_scaling(
         loss_scale=current.adjust(finite),
         skipped_steps=state.skipped_steps + skipped,
         consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1),
-        last_finite=finite,
     )
     return out_updates, new_state
 
