@@ -10,6 +10,8 @@ Example:
   >>> opt = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15))
 """
 
+from jmp_lite._src.autocast import autocast
+from jmp_lite._src.autocast import autocast_disabled
 from jmp_lite._src.dtypes import half_dtype
 from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
@@ -39,6 +41,8 @@ __all__ = (
     "Policy",
     "StaticLossScale",
     "all_finite",
+    "autocast",
+    "autocast_disabled",
     "cast_to_full",
     "cast_to_half",
     "get_loss_scale",

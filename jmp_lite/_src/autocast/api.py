@@ -1,0 +1,224 @@
+"""The public ``autocast`` transformation."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Mapping
+
+import jax
+from jax.extend.core import jaxprs_in_params
+import numpy as np
+
+from jmp_lite._src import dtypes
+from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import tree as tree_lib
+from jmp_lite._src.autocast import interpreter as interpreter_lib
+from jmp_lite._src.autocast import rules as rules_lib
+
+_TRACING_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+def _resolve_precision(policy_or_dtype: Any) -> tuple[np.dtype, np.dtype | None]:
+  """Returns ``(compute_dtype, output_dtype or None)``."""
+  if policy_or_dtype is None:
+    raise TypeError(
+        "autocast needs a compute dtype (e.g. jnp.float16, jnp.bfloat16, 'bf16')"
+        " or a Policy / policy spec (e.g. 'mixed_bfloat16'); got None."
+    )
+  if isinstance(policy_or_dtype, policy_lib.Policy):
+    return policy_or_dtype.compute_dtype, policy_or_dtype.output_dtype
+  if isinstance(policy_or_dtype, str):
+    text = policy_or_dtype.strip().lower()
+    if "=" in text or text in policy_lib.PRESETS:
+      policy = policy_lib.get_policy(policy_or_dtype)
+      return policy.compute_dtype, policy.output_dtype
+  try:
+    return dtypes.canonical_dtype(policy_or_dtype, "compute dtype"), None
+  except (TypeError, ValueError) as err:
+    raise type(err)(
+        "autocast needs a floating compute dtype (float16, bfloat16, float32 "
+        "or float64, or a name such as 'f16' / 'bf16'), a Policy, or a policy "
+        f"spec such as 'mixed_bfloat16'; got {policy_or_dtype!r}. {err}"
+    ) from None
+
+
+def _is_dynamic(leaf: Any) -> bool:
+  """Leaves autocast traces as arrays; everything else is static config."""
+  return tree_lib.is_array(leaf)
+
+
+def autocast(
+    fn: Callable[..., Any],
+    policy_or_dtype: Any,
+    *,
+    rules: Mapping[Any, Any] | None = None,
+    enabled: bool = True,
+) -> Callable[..., Any]:
+  """Operation-level mixed precision, like ``torch.autocast``, for any JAX function.
+
+  The returned function traces ``fn`` to a jaxpr on every call and evaluates it
+  with a precision rule per primitive: matmuls and convolutions run in the
+  compute dtype (accumulating in float32), numerically sensitive operations
+  (exp/log, powers, rsqrt, erf, sums and cumulative sums, ...) in float32,
+  mixed-dtype operations in the widest input dtype, and everything else in the
+  dtype its inputs arrive in. Softmax, log-softmax and layer/RMS norm
+  decompose into those pieces and so run in float32, without touching the
+  model. Bodies of nested ``jit``, ``jax.checkpoint``, ``scan``, ``cond``,
+  ``while_loop``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` are autocast
+  too. The default tables and their differences from ``torch.autocast`` are in
+  ``jmp_lite/_src/autocast/README.md``.
+
+  Inputs are not cast (cast params with a ``Policy`` if you store them in
+  half). Outputs keep the dtypes ``fn`` returns, so the autocast function can
+  replace ``fn`` in a train step; with a ``Policy`` (or policy spec), floating
+  outputs are cast to its ``output_dtype`` instead. Gradients with respect to
+  the inputs come back in the inputs' dtypes.
+
+  Array leaves of the arguments (JAX/numpy arrays, tracers) are traced; every
+  other leaf (Python scalars, strings, ``None``, callables such as Flax's
+  ``method=``) is static, as if marked static for ``jax.jit``. Wrap the train
+  step in ``jax.jit`` so the trace happens once.
+
+  Args:
+    fn: a function of pytrees of arrays that ``jax.jit`` could trace (a Flax
+      ``model.apply``, a loss function...).
+    policy_or_dtype: the compute dtype (``jnp.float16``, ``"bf16"``, ...); or a
+      ``Policy`` / policy spec (``"mixed_bfloat16"``, ``"p=f32,c=f16,o=f32"``)
+      whose ``compute_dtype`` is used and whose ``output_dtype`` the floating
+      outputs are cast to.
+    rules: optional ``{primitive: rule}`` overrides merged over
+      ``DEFAULT_RULES``; a rule is ``"lower"``, ``"f32"``, ``"promote"``,
+      ``"passthrough"``, ``"recurse"`` (higher-order primitives only) or a
+      callable ``rule(ctx, *args, **params)`` (see ``RuleContext``).
+    enabled: ``False`` returns a wrapper that calls ``fn`` unchanged (handy for
+      a config flag); regions inside ``fn`` are excluded with
+      ``autocast_disabled()``.
+
+  Returns:
+    A function with the same signature as ``fn``.
+
+  Raises:
+    TypeError: if ``fn`` is not callable, a ``rules`` key is not a primitive
+      object, or (when called) ``fn`` cannot be traced.
+    ValueError: if the compute dtype is not floating, or a rule name is
+      unknown.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_lite._src.autocast import autocast
+    >>> def layer(w, x):
+    ...   return jax.nn.softmax(x @ w)
+    >>> f = autocast(layer, jnp.float16)
+    >>> w, x = jnp.ones((3, 4)), jnp.ones((2, 3))
+    >>> f(w, x).dtype                       # same output dtype as layer
+    dtype('float32')
+    >>> [op for op in op_dtypes(f, w, x) if op[0] in ("dot_general", "exp")]
+    [('dot_general', ('float16', 'float16')), ('exp', ('float32',))]
+  """
+  if not callable(fn):
+    raise TypeError(
+        f"autocast expects a callable (e.g. model.apply or a loss function), "
+        f"got {type(fn).__name__}: {fn!r}."
+    )
+  compute_dtype, output_dtype = _resolve_precision(policy_or_dtype)
+  table = rules_lib.resolve_rules(rules)
+  if not isinstance(enabled, bool):
+    raise TypeError(f"autocast's enabled must be a bool, got {enabled!r}.")
+
+  if not enabled:
+
+    @functools.wraps(fn)
+    def passthrough(*args, **kwargs):
+      return fn(*args, **kwargs)
+
+    return passthrough
+
+  interp = interpreter_lib.Interpreter(compute_dtype, table)
+  name = getattr(fn, "__qualname__", None) or repr(fn)
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
+
+    def flat_fn(*dynamic):
+      full = list(leaves)
+      for i, value in zip(dynamic_idx, dynamic):
+        full[i] = value
+      call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+      return fn(*call_args, **call_kwargs)
+
+    dynamic = [leaves[i] for i in dynamic_idx]
+    try:
+      closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+    except _TRACING_ERRORS as err:
+      raise TypeError(
+          f"autocast could not trace {name}: it must be traceable by jax.jit "
+          "(no Python control flow on array values -- use jnp.where/lax.cond "
+          "-- and no conversion of traced arrays to NumPy or Python values). "
+          "Pass values that drive Python control flow as Python scalars (they "
+          f"are static), or move that code outside autocast.\n{err}"
+      ) from err
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    outs = interp.eval_closed(closed, dynamic)
+    targets = [
+        (output_dtype or np.dtype(s.dtype)) if rules_lib.is_float_value(s) else None
+        for s in out_leaves
+    ]
+    outs = interpreter_lib.cast_all(outs, targets)
+    return jax.tree_util.tree_unflatten(out_tree, outs)
+
+  return wrapped
+
+
+def _walk(jaxpr: Any):
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jaxprs_in_params(eqn.params):
+      yield from _walk(sub)
+
+
+def op_dtypes(
+    fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> list[tuple[str, tuple[str, ...]]]:
+  """Lists the floating input dtypes of every operation ``fn`` runs.
+
+  A debugging aid for autocast (the JAX analogue of printing ``.dtype``
+  inside a ``torch.autocast`` region): traces ``fn(*args, **kwargs)`` with
+  ``jax.make_jaxpr`` and walks every equation, sub-jaxprs of ``jit``,
+  ``scan``, ``cond``, ``custom_jvp``... included, in program order.
+
+  Args:
+    fn: any traceable function, e.g. one returned by :func:`autocast`.
+    *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A list of ``(primitive name, (dtype name, ...))`` pairs, one per equation,
+    listing the dtypes of its floating inputs only.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._src.autocast import autocast, op_dtypes
+    >>> f = autocast(lambda x: jnp.exp(x @ x), jnp.bfloat16)
+    >>> [op for op in op_dtypes(f, jnp.ones((2, 2))) if op[0] in ("dot_general", "exp")]
+    [('dot_general', ('bfloat16', 'bfloat16')), ('exp', ('float32',))]
+  """
+  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  return [
+      (
+          eqn.primitive.name,
+          tuple(
+              np.dtype(v.aval.dtype).name
+              for v in eqn.invars
+              if rules_lib.is_float_value(v.aval)
+          ),
+      )
+      for eqn in _walk(closed)
+  ]

@@ -1,0 +1,411 @@
+"""The autocast jaxpr interpreter: ``eval_jaxpr`` with a precision rule per op.
+
+The interpreter evaluates a jaxpr equation by equation, like
+``jax.core.eval_jaxpr``, but each value may carry another floating dtype than
+the one it was traced with; the rule of each primitive (see ``rules.py``)
+decides which dtypes the inputs are cast to before the primitive is bound.
+Because it only binds primitives, the result composes with ``jit``, ``grad``,
+``vmap`` and every other transformation applied around it.
+
+Higher-order primitives are entered ("recurse") and re-bound with autocast
+bodies; how each keeps its type invariants:
+
+* ``jit``/``closed_call``: the body is autocast and re-bound with the
+  original parameters (name, shardings, donation); outputs keep the dtypes
+  the autocast body gives them.
+* ``remat`` (``jax.checkpoint``): re-wrapped with ``jax.checkpoint`` with the
+  original ``policy`` and ``prevent_cse``.
+* ``scan``/``while``: loop carries stay in their traced dtypes (cast on entry
+  and at the end of every iteration); scanned inputs/outputs and loop
+  constants flow in whatever dtype they have.
+* ``cond``: every branch is autocast; an output on which branches disagree is
+  cast to the widest of their dtypes.
+* ``custom_jvp``: re-wrapped with ``jax.custom_jvp``: the primal function is
+  autocast, and the original JVP rule (as traced by JAX) is evaluated with the
+  autocast interpreter, its outputs cast to the primal output dtypes.
+* ``custom_vjp``: inputs and outputs keep their traced dtypes at the boundary
+  (the user's ``bwd`` was written for them); the primal function and the
+  ``fwd`` rule are autocast inside, ``bwd`` runs as written.
+* ``shard_map``: re-wrapped with ``jax.shard_map`` with the same mesh, specs
+  and ``check_vma``.
+
+Equations traced inside :func:`autocast_disabled` run with the
+``"passthrough"`` rule, and higher-order primitives there are not entered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax import lax
+import jax.extend.core as jex_core
+import jax.extend.linear_util as jex_lu
+from jax.extend import source_info_util
+from jax.extend.core import primitives as P
+import numpy as np
+
+from jmp_lite._src.autocast import rules as rules_lib
+
+#: The ``jax.named_scope`` name that marks a region autocast must not touch.
+DISABLED_SCOPE = "jmp_lite.autocast_disabled"
+
+
+def autocast_disabled():
+  """Marks a region that :func:`autocast` leaves exactly as traced.
+
+  Usable as a context manager or a decorator. It is a ``jax.named_scope``:
+  operations traced inside carry the scope in their name stack, and autocast
+  runs them with the ``"passthrough"`` rule (inputs cast back to the dtypes
+  they were traced with; higher-order primitives not entered). It costs
+  nothing outside autocast and survives ``jit``, ``grad`` and ``vmap``.
+
+  Returns:
+    A context manager that also works as a decorator.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite._src.autocast import autocast, autocast_disabled, op_dtypes
+    >>> def f(w, x):
+    ...   h = x @ w                    # autocast: float16 matmul
+    ...   with autocast_disabled():
+    ...     return h @ w               # left in float32
+    >>> w = jnp.ones((2, 2))
+    >>> [op for op in op_dtypes(autocast(f, "f16"), w, w) if op[0] == "dot_general"]
+    [('dot_general', ('float16', 'float16')), ('dot_general', ('float32', 'float32'))]
+  """
+  return jax.named_scope(DISABLED_SCOPE)
+
+
+def _is_disabled(eqn: jex_core.JaxprEqn) -> bool:
+  return DISABLED_SCOPE in str(eqn.source_info.name_stack)
+
+
+def _read(env: dict[Any, Any], atom: Any) -> Any:
+  if isinstance(atom, jex_core.Literal):
+    val = atom.val
+    if getattr(val, "dtype", None) is None and hasattr(atom.aval, "dtype"):
+      val = np.asarray(val, atom.aval.dtype)
+    return val
+  return env[atom]
+
+
+def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
+  """Casts floating values to the given dtypes (``None`` keeps the value)."""
+  return [
+      rules_lib.cast(v, d) if d is not None and rules_lib.is_float_value(v) else v
+      for v, d in zip(values, dtypes)
+  ]
+
+
+def _float_dtypes(avals: Sequence[Any]) -> list[np.dtype | None]:
+  """Per aval, its dtype if floating, else None (the value is left alone)."""
+  out = []
+  for aval in avals:
+    dtype = rules_lib.dtype_of(aval)
+    out.append(dtype if dtype is not None and rules_lib.is_float_value(aval) else None)
+  return out
+
+
+class Interpreter:
+  """Evaluates jaxprs with autocast rules.
+
+  Args:
+    compute_dtype: the low-precision dtype of ``"lower"`` ops.
+    rules: the resolved rule table ``{primitive: rule}``.
+    accumulate_f32: see ``RuleContext.accumulate_f32``.
+  """
+
+  def __init__(
+      self, compute_dtype: np.dtype, rules: dict[Any, Any], accumulate_f32: bool = True
+  ):
+    self.compute_dtype = np.dtype(compute_dtype)
+    self.rules = rules
+    self.accumulate_f32 = accumulate_f32
+
+  def for_tangents(self) -> "Interpreter":
+    """The interpreter for custom JVP rules (see ``RuleContext.accumulate_f32``)."""
+    return Interpreter(self.compute_dtype, self.rules, accumulate_f32=False)
+
+  # -- evaluation ------------------------------------------------------------
+
+  def eval_jaxpr(
+      self, jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
+  ) -> list[Any]:
+    """Evaluates an open jaxpr; returns its outputs in their autocast dtypes."""
+    env: dict[Any, Any] = {}
+    weak: set[Any] = set()
+    for var, val in zip(jaxpr.constvars, consts):
+      env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+      env[var] = val
+      if getattr(var.aval, "weak_type", False):
+        weak.add(var)
+    for eqn in jaxpr.eqns:
+      invals = [_read(env, v) for v in eqn.invars]
+      in_weak = tuple(
+          isinstance(v, jex_core.Literal) or v in weak for v in eqn.invars
+      )
+      outs = self._eval_eqn(eqn, invals, in_weak)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+      out_weak = bool(in_weak) and all(in_weak) and not self._recurses(eqn)
+      for var, val in zip(eqn.outvars, outs):
+        if isinstance(var, jex_core.DropVar):
+          continue
+        env[var] = val
+        if out_weak or getattr(var.aval, "weak_type", False):
+          weak.add(var)
+    return [_read(env, v) for v in jaxpr.outvars]
+
+  def eval_closed(self, closed: jex_core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    return self.eval_jaxpr(closed.jaxpr, closed.consts, args)
+
+  def trace_closed(
+      self,
+      closed: jex_core.ClosedJaxpr,
+      args: Sequence[Any],
+      out_dtypes: Sequence[Any] | None = None,
+  ) -> jex_core.ClosedJaxpr:
+    """The autocast version of ``closed`` for inputs like ``args``.
+
+    Args:
+      closed: the traced body.
+      args: values (or tracers) whose avals the new jaxpr takes.
+      out_dtypes: if given, outputs are cast to these dtypes (None: kept).
+    """
+
+    def body(*xs):
+      outs = self.eval_closed(closed, xs)
+      return outs if out_dtypes is None else cast_all(outs, out_dtypes)
+
+    return jax.make_jaxpr(body)(*args)
+
+  def _rule_for(self, eqn: jex_core.JaxprEqn) -> Any:
+    if _is_disabled(eqn):
+      return "passthrough"
+    return self.rules.get(eqn.primitive, "passthrough")
+
+  def _recurses(self, eqn: jex_core.JaxprEqn) -> bool:
+    return self._rule_for(eqn) == "recurse"
+
+  def _eval_eqn(
+      self, eqn: jex_core.JaxprEqn, invals: list[Any], in_weak: tuple[bool, ...]
+  ) -> Any:
+    rule = self._rule_for(eqn)
+    ctx = rules_lib.RuleContext(
+        primitive=eqn.primitive,
+        compute_dtype=self.compute_dtype,
+        in_avals=tuple(v.aval for v in eqn.invars),
+        out_avals=tuple(v.aval for v in eqn.outvars),
+        weak=in_weak,
+        accumulate_f32=self.accumulate_f32,
+        _recurse=self._recurse if eqn.primitive in _HANDLERS else None,
+    )
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
+      if isinstance(rule, str):
+        return ctx.apply(rule, *invals, **eqn.params)
+      return rule(ctx, *invals, **eqn.params)
+
+  def _recurse(self, ctx: rules_lib.RuleContext, *args: Any, **params: Any) -> Any:
+    return _HANDLERS[ctx.primitive](self, ctx, *args, **params)
+
+
+# -- higher-order primitives ---------------------------------------------------
+
+
+def _jit(interp: Interpreter, ctx: rules_lib.RuleContext, *args, jaxpr, **params):
+  new_jaxpr = interp.trace_closed(jaxpr, args)
+  return ctx.bind(*args, jaxpr=new_jaxpr, **params)
+
+
+def _closed_call(interp, ctx, *args, call_jaxpr, **params):
+  del ctx, params  # Inlining a closed_call is equivalent to binding it.
+  return interp.eval_closed(call_jaxpr, args)
+
+
+def _remat(interp, ctx, *args, jaxpr, prevent_cse, policy, **params):
+  # `differentiated` is set by JAX's AD only; jax.checkpoint recomputes it.
+  del ctx, params
+
+  def body(*xs):
+    return interp.eval_jaxpr(jaxpr, (), xs)
+
+  return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*args)
+
+
+def _scan(interp, ctx, *args, jaxpr, num_consts, num_carry, length, reverse,
+          unroll, **params):
+  consts = args[:num_consts]
+  carry_dtypes = _float_dtypes(ctx.in_avals[num_consts:num_consts + num_carry])
+  init = cast_all(args[num_consts:num_consts + num_carry], carry_dtypes)
+  xs = list(args[num_consts + num_carry:])
+
+  def body(carry, x):
+    outs = interp.eval_closed(jaxpr, [*consts, *carry, *x])
+    return cast_all(outs[:num_carry], carry_dtypes), outs[num_carry:]
+
+  extra = {}
+  if "_split_transpose" in params:
+    extra["_split_transpose"] = params["_split_transpose"]
+  carry, ys = lax.scan(body, init, xs, length=length, reverse=reverse,
+                       unroll=unroll, **extra)
+  return [*carry, *ys]
+
+
+def _while(interp, ctx, *args, cond_jaxpr, cond_nconsts, body_jaxpr, body_nconsts,
+           **params):
+  del params  # lax.while_loop rebuilds them.
+  cond_consts = args[:cond_nconsts]
+  body_consts = args[cond_nconsts:cond_nconsts + body_nconsts]
+  carry_dtypes = _float_dtypes(ctx.in_avals[cond_nconsts + body_nconsts:])
+  init = cast_all(args[cond_nconsts + body_nconsts:], carry_dtypes)
+
+  def cond_fun(carry):
+    return interp.eval_closed(cond_jaxpr, [*cond_consts, *carry])[0]
+
+  def body_fun(carry):
+    outs = interp.eval_closed(body_jaxpr, [*body_consts, *carry])
+    return tuple(cast_all(outs, carry_dtypes))
+
+  return list(lax.while_loop(cond_fun, body_fun, tuple(init)))
+
+
+def _cond(interp, ctx, index, *operands, branches, **params):
+  del ctx, params
+
+  def make_branch(closed):
+    return lambda *xs: interp.eval_closed(closed, xs)
+
+  fns = [make_branch(b) for b in branches]
+  shapes = [jax.eval_shape(fn, *operands) for fn in fns]
+  targets = []
+  for per_branch in zip(*shapes):
+    dtype = np.dtype(per_branch[0].dtype)
+    if rules_lib.is_float_value(per_branch[0]):
+      for other in per_branch[1:]:
+        dtype = rules_lib.wider(dtype, np.dtype(other.dtype))
+    targets.append(dtype)
+
+  def cast_branch(fn):
+    return lambda *xs: cast_all(fn(*xs), targets)
+
+  return list(lax.switch(index, [cast_branch(fn) for fn in fns], *operands))
+
+
+def _func_name(closed: jex_core.ClosedJaxpr, default: str) -> str:
+  debug_info = getattr(closed.jaxpr, "debug_info", None)
+  name = getattr(debug_info, "func_name", None)
+  return name if isinstance(name, str) and name.isidentifier() else default
+
+
+def _zeros_tangent(shape_dtype: Any) -> Any:
+  if rules_lib.is_float_value(shape_dtype) or jax.numpy.issubdtype(
+      shape_dtype.dtype, jax.numpy.complexfloating
+  ):
+    return jax.numpy.zeros(shape_dtype.shape, shape_dtype.dtype)
+  return np.zeros(shape_dtype.shape, jax.dtypes.float0)
+
+
+def _custom_jvp(interp, ctx, *args, call_jaxpr, jvp_jaxpr_fun, num_consts,
+                **params):
+  if not hasattr(jvp_jaxpr_fun, "call_wrapped"):  # A jax with another protocol.
+    return ctx.apply("passthrough", *args, call_jaxpr=call_jaxpr,
+                     jvp_jaxpr_fun=jvp_jaxpr_fun, num_consts=num_consts, **params)
+  in_avals = ctx.in_avals[num_consts:]
+  # Integer/bool inputs have float0 tangents: the rule was traced without them.
+  zeros = tuple(
+      not jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) for a in in_avals
+  )
+
+  def primal(*xs):
+    return tuple(interp.eval_closed(call_jaxpr, xs))
+
+  primal.__name__ = primal.__qualname__ = _func_name(call_jaxpr, "custom_jvp")
+  fn = jax.custom_jvp(primal)
+  tangent_interp = interp.for_tangents()
+
+  def jvp(primals, tangents):
+    out_types = jax.eval_shape(primal, *primals)
+    xs, ts = primals[num_consts:], tangents[num_consts:]
+    jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+    nonzero_ts = [t for t, z in zip(ts, zeros) if not z]
+    outs = tangent_interp.eval_jaxpr(jvp_jaxpr, jvp_consts, [*xs, *nonzero_ts])
+    n_out = len(out_zeros)
+    out_primals = cast_all(outs[:n_out], [t.dtype for t in out_types])
+    nonzero_out_ts = iter(outs[n_out:])
+    out_tangents = []
+    for zero, out_type in zip(out_zeros, out_types):
+      if zero:
+        out_tangents.append(_zeros_tangent(out_type))
+      else:
+        t = next(nonzero_out_ts)
+        out_tangents.append(
+            rules_lib.cast(t, out_type.dtype) if rules_lib.is_float_value(t) else t
+        )
+    return tuple(out_primals), tuple(out_tangents)
+
+  fn.defjvp(jvp)
+  return list(fn(*args))
+
+
+def _autocast_fwd_thunk(interp: Interpreter, thunk: Any) -> Any:
+  """Wraps a custom_vjp ``fwd`` jaxpr thunk so the fwd jaxpr is autocast.
+
+  The wrapped jaxpr takes and returns the traced dtypes (residuals included),
+  so the user's ``bwd`` sees exactly the types it was written for.
+  """
+  cache: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+  def autocast_thunk(*zeros):
+    if zeros not in cache:
+      fwd_jaxpr, fwd_consts = thunk.call_wrapped(*zeros)
+      closed = jex_core.ClosedJaxpr(fwd_jaxpr, list(fwd_consts))
+      out_dtypes = _float_dtypes([v.aval for v in fwd_jaxpr.outvars])
+      new = interp.trace_closed(closed, [v.aval for v in fwd_jaxpr.invars], out_dtypes)
+      cache[zeros] = (new.jaxpr, new.consts)
+    return cache[zeros]
+
+  return jex_lu.wrap_init(autocast_thunk, debug_info=thunk.debug_info)
+
+
+def _custom_vjp(interp, ctx, *args, call_jaxpr, fwd_jaxpr_thunk, **params):
+  in_dtypes = _float_dtypes(ctx.in_avals)
+  args = cast_all(args, in_dtypes)
+  out_dtypes = _float_dtypes(call_jaxpr.out_avals)
+  new_call = interp.trace_closed(call_jaxpr, args, out_dtypes)
+  new_thunk = fwd_jaxpr_thunk
+  if hasattr(fwd_jaxpr_thunk, "call_wrapped"):  # Else fwd runs as traced.
+    new_thunk = _autocast_fwd_thunk(interp, fwd_jaxpr_thunk)
+  return ctx.bind(*args, call_jaxpr=new_call, fwd_jaxpr_thunk=new_thunk, **params)
+
+
+def _shard_map(interp, ctx, *args, jaxpr, mesh, in_specs, out_specs, check_vma,
+               newly_manual_axes, **params):
+  del ctx, params
+
+  def body(*xs):
+    return tuple(interp.eval_jaxpr(jaxpr, (), xs))
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs),
+                     out_specs=tuple(out_specs), axis_names=newly_manual_axes,
+                     check_vma=check_vma)
+  return list(fn(*args))
+
+
+_HANDLERS: dict[Any, Callable[..., Any]] = {
+    P.jit_p: _jit,
+    P.closed_call_p: _closed_call,
+    P.remat_p: _remat,
+    P.scan_p: _scan,
+    P.while_p: _while,
+    P.cond_p: _cond,
+    P.custom_jvp_call_p: _custom_jvp,
+    P.custom_vjp_call_p: _custom_vjp,
+}
+if rules_lib.shard_map_p is not None:
+  _HANDLERS[rules_lib.shard_map_p] = _shard_map

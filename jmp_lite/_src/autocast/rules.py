@@ -1,0 +1,474 @@
+"""Precision rules for autocast: which dtype each JAX primitive runs in.
+
+A *rule* decides the dtypes an operation's inputs are cast to before the
+primitive is bound. Rules are keyed by primitive objects (``jax.lax.exp_p``,
+``jax.extend.core.primitives.dot_general_p``...), never by name, and are one of
+
+* ``"lower"``: floating inputs run in the compute dtype (float16/bfloat16).
+  Primitives with a ``preferred_element_type`` parameter (``dot_general``,
+  ``conv_general_dilated``) accumulate in float32 and the result is cast to the
+  compute dtype. Float64 operations are not eligible (as in ``torch.autocast``)
+  and run as ``"promote"``.
+* ``"f32"``: numerically sensitive operations: floating inputs narrower than
+  float32 are widened to float32 (float64 stays float64).
+* ``"promote"``: the operation runs in the dtype its floating inputs arrive in;
+  inputs that arrive in different dtypes are promoted to the widest of them.
+  Values derived only from Python scalars / literals (JAX's "weak" values,
+  e.g. the ``2.0`` in ``x * 2.0``) adopt the dtype of the other operands
+  instead of widening them.
+* ``"passthrough"``: autocast leaves the operation exactly as traced: floating
+  inputs are cast back to the dtypes they had when ``fn`` was traced. The rule
+  for dtype-sensitive primitives (``bitcast_convert_type``), for every
+  primitive autocast does not know, and for excluded regions.
+* ``"recurse"``: only for the higher-order primitives listed in
+  :data:`RECURSIVE_PRIMITIVES`: their bodies are autocast too.
+* a callable ``rule(ctx, *args, **params)`` returning what
+  ``primitive.bind(*args, **params)`` returns; ``ctx`` is a
+  :class:`RuleContext` giving the traced dtypes and ``ctx.apply("f32", ...)``
+  to delegate to a built-in rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+import jax.extend.core as jex_core
+from jax.extend.core import primitives as P
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import dtypes
+
+FLOAT32 = dtypes.FLOAT32
+
+#: The built-in rule names.
+RULE_NAMES: tuple[str, ...] = ("lower", "f32", "promote", "passthrough", "recurse")
+
+
+def _internal_primitive(module: str, name: str) -> Any:
+  """A primitive jax keeps outside its public modules, or None if it moved."""
+  try:
+    mod = __import__(module, fromlist=[name])
+    prim = getattr(mod, name)
+  except (ImportError, AttributeError):
+    return None
+  return prim if isinstance(prim, jex_core.Primitive) else None
+
+
+def _primitives(*candidates: Any) -> tuple[jex_core.Primitive, ...]:
+  """Keeps the candidates this jax version has (drops None)."""
+  return tuple(p for p in candidates if isinstance(p, jex_core.Primitive))
+
+
+def _get(module: Any, *names: str) -> tuple[Any, ...]:
+  return tuple(getattr(module, name, None) for name in names)
+
+
+shard_map_p = _internal_primitive("jax._src.shard_map", "shard_map_p")
+pvary_p = _internal_primitive("jax._src.core", "pvary_p")
+psum_invariant_p = _internal_primitive("jax._src.lax.parallel", "psum_invariant_p")
+reduce_scatter_p = _internal_primitive("jax._src.lax.parallel", "reduce_scatter_p")
+
+#: Matmuls and convolutions: run in the compute dtype, accumulate in float32.
+LOWER_PRIMITIVES = _primitives(P.dot_general_p, P.conv_general_dilated_p)
+
+#: Numerically sensitive primitives that run in float32.
+F32_PRIMITIVES = _primitives(
+    # exp/log family: overflow or lose all precision in half.
+    P.exp_p, P.exp2_p, P.log_p, P.log1p_p, P.expm1_p, P.logistic_p,
+    # powers: pow, and squares/integer powers that feed variances and norms
+    # (x**2 overflows float16 above 256).
+    P.pow_p, P.integer_pow_p, P.square_p, P.rsqrt_p,
+    # special functions.
+    P.erf_p, P.erfc_p, P.erf_inv_p, P.lgamma_p, P.digamma_p, P.igamma_p,
+    P.igammac_p, P.igamma_grad_a_p, P.polygamma_p, P.zeta_p, P.bessel_i0e_p,
+    P.bessel_i1e_p, P.regularized_incomplete_beta_p,
+    # trigonometric/hyperbolic functions torch also runs in float32.
+    P.tan_p, P.acos_p, P.asin_p, P.cosh_p, P.sinh_p, P.acosh_p, P.asinh_p,
+    P.atanh_p,
+    # float reductions: sums and products accumulate error and overflow.
+    P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p,
+    P.cumlogsumexp_p, P.reduce_window_sum_p,
+)
+
+# Primitives bilinear in their two operands (used by the float32-accumulating
+# matmul rule, whose tangent is built from the two partial products).
+_BILINEAR = frozenset(_primitives(P.dot_general_p, P.conv_general_dilated_p))
+
+#: Primitives that run in the dtype their inputs arrive in (widest on mismatch).
+PROMOTE_PRIMITIVES = _primitives(
+    # binary and ternary elementwise ops.
+    P.add_p, P.sub_p, P.mul_p, P.div_p, P.rem_p, P.max_p, P.min_p, P.atan2_p,
+    P.nextafter_p, P.select_n_p, P.clamp_p, P.complex_p, P.add_jaxvals_p,
+    P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p,
+    # unary elementwise ops that are accurate in half precision.
+    P.neg_p, P.abs_p, P.sign_p, P.floor_p, P.ceil_p, P.round_p, P.is_finite_p,
+    P.sqrt_p, P.cbrt_p, P.tanh_p, P.sin_p, P.cos_p, P.atan_p, P.real_p,
+    P.imag_p, P.conj_p, P.copy_p, P.stop_gradient_p, P.name_p,
+    # shape, indexing and data movement.
+    P.reshape_p, P.broadcast_in_dim_p, P.transpose_p, P.squeeze_p, P.rev_p,
+    P.slice_p, P.dynamic_slice_p, P.dynamic_update_slice_p, P.gather_p,
+    P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p,
+    P.scatter_max_p, P.concatenate_p, P.pad_p, P.iota_p, P.sort_p, P.top_k_p,
+    *_get(lax, "scatter_sub_p", "split_p", "tile_p", "optimization_barrier_p"),
+    P.sharding_constraint_p, P.device_put_p,
+    # order statistics and pooling (exact in any dtype).
+    P.reduce_max_p, P.reduce_min_p, P.argmax_p, P.argmin_p, P.cummax_p,
+    P.cummin_p, P.reduce_window_max_p, P.reduce_window_min_p,
+    P.select_and_gather_add_p, P.select_and_scatter_add_p,
+    # collectives move data in the dtype it has.
+    P.psum_p, P.pmax_p, P.pmin_p, P.all_gather_p, P.all_to_all_p, P.ppermute_p,
+    pvary_p, psum_invariant_p, reduce_scatter_p,
+)
+
+#: Primitives autocast keeps exactly as traced (the default for unknown ones).
+PASSTHROUGH_PRIMITIVES = _primitives(
+    P.bitcast_convert_type_p, P.reduce_precision_p,
+)
+
+#: Higher-order primitives whose bodies autocast enters.
+RECURSIVE_PRIMITIVES = _primitives(
+    P.jit_p, P.closed_call_p, P.remat_p, P.scan_p, P.while_p, P.cond_p,
+    P.custom_jvp_call_p, P.custom_vjp_call_p, shard_map_p,
+)
+
+
+def _is_float_dtype(dtype: Any) -> bool:
+  return dtype is not None and dtypes.is_floating(dtype)
+
+
+def dtype_of(x: Any) -> np.dtype | None:
+  """The dtype of an array, tracer or numpy value; None for tokens etc."""
+  dtype = getattr(x, "dtype", None)
+  return None if dtype is None else np.dtype(dtype)
+
+
+def is_float_value(x: Any) -> bool:
+  """Whether ``x`` is a real floating array (tracers and numpy included)."""
+  return _is_float_dtype(dtype_of(x))
+
+
+def cast(x: Any, dtype: Any) -> Any:
+  """Casts ``x`` to ``dtype``; numpy values stay numpy (they become literals)."""
+  dtype = np.dtype(dtype)
+  if dtype_of(x) == dtype:
+    return x
+  if isinstance(x, (np.ndarray, np.generic)):
+    with np.errstate(over="ignore", invalid="ignore"):  # As lax would: to inf.
+      return np.asarray(x).astype(dtype)
+  return lax.convert_element_type(x, dtype)
+
+
+def wider(a: np.dtype, b: np.dtype) -> np.dtype:
+  """The wider of two floating dtypes; float16 vs bfloat16 gives float32."""
+  if a == b:
+    return a
+  if a.itemsize != b.itemsize:
+    return a if a.itemsize > b.itemsize else b
+  return FLOAT32 if a.itemsize < 4 else a
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleContext:
+  """What a rule knows about the operation it runs.
+
+  Attributes:
+    primitive: the primitive being evaluated.
+    compute_dtype: autocast's compute dtype (e.g. float16).
+    in_avals: the abstract values (shape, dtype) the inputs had when the
+      original function was traced; the arguments the rule receives may have
+      other floating dtypes.
+    out_avals: the abstract values of the outputs in the original trace.
+    weak: per input, whether it derives only from Python scalars/literals
+      (such values adopt the dtype of the other operands).
+    accumulate_f32: whether ``"lower"`` matmuls/convolutions accumulate in
+      float32 explicitly. False while autocast evaluates a custom JVP rule,
+      whose matmuls compute tangents: they then run like the tangent matmuls
+      of autocast's own matmul rule (compute-dtype output), so that the
+      backward pass has no mixed-dtype matmuls.
+  """
+
+  primitive: jex_core.Primitive
+  compute_dtype: np.dtype
+  in_avals: tuple[Any, ...]
+  out_avals: tuple[Any, ...]
+  weak: tuple[bool, ...]
+  accumulate_f32: bool = True
+  _recurse: Callable[..., Any] | None = None
+
+  def bind(self, *args: Any, **params: Any) -> Any:
+    """Binds the primitive to ``args`` (like ``eval_jaxpr`` does)."""
+    return self.primitive.bind(*args, **self.primitive.get_bind_params(params))
+
+  def apply(self, rule: str, *args: Any, **params: Any) -> Any:
+    """Runs the built-in rule named ``rule`` (one of :data:`RULE_NAMES`)."""
+    if rule == "recurse":
+      if self._recurse is None:
+        raise ValueError(
+            f"The 'recurse' rule only applies to higher-order primitives "
+            f"({', '.join(p.name for p in RECURSIVE_PRIMITIVES)}), not "
+            f"{self.primitive.name}."
+        )
+      return self._recurse(self, *args, **params)
+    try:
+      builtin = BUILTIN_RULES[rule]
+    except (KeyError, TypeError):
+      raise ValueError(
+          f"Unknown autocast rule {rule!r}; valid rules: {', '.join(RULE_NAMES)}"
+          " or a callable."
+      ) from None
+    return builtin(self, *args, **params)
+
+  def cast_outputs(self, out: Any, dtype: Any) -> Any:
+    """Casts the floating outputs of a bind (one value or a list) to dtype."""
+    if self.primitive.multiple_results:
+      return [cast(o, dtype) if is_float_value(o) else o for o in out]
+    return cast(out, dtype) if is_float_value(out) else out
+
+
+def _harmonize(
+    ctx: RuleContext, args: Sequence[Any], target_of: Callable[[np.dtype], np.dtype]
+) -> list[Any]:
+  """Casts floating inputs that were traced with one dtype to a common dtype.
+
+  Inputs are grouped by their traced dtype (an op traced with mixed dtypes
+  keeps them apart). In each group the widest dtype among the non-weak inputs
+  (all inputs if every one is weak) is passed to ``target_of``, and every
+  member is cast to the result.
+  """
+  groups: dict[np.dtype, list[int]] = {}
+  for i, (x, aval) in enumerate(zip(args, ctx.in_avals)):
+    traced = dtype_of(aval)
+    if is_float_value(x) and _is_float_dtype(traced):
+      groups.setdefault(traced, []).append(i)
+  new_args = list(args)
+  for members in groups.values():
+    strong = [i for i in members if not ctx.weak[i]] or members
+    widest = dtype_of(args[strong[0]])
+    for i in strong[1:]:
+      widest = wider(widest, dtype_of(args[i]))
+    target = target_of(widest)
+    for i in members:
+      new_args[i] = cast(args[i], target)
+  return new_args
+
+
+def promote_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+  """Runs the op in the dtype its inputs arrive in, widest on a mismatch."""
+  return ctx.bind(*_harmonize(ctx, args, lambda d: d), **params)
+
+
+def f32_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+  """Runs the op in float32 (float64 stays float64)."""
+  return ctx.bind(*_harmonize(ctx, args, dtypes.at_least_f32), **params)
+
+
+def _accumulate_in_f32(
+    ctx: RuleContext, lhs: Any, rhs: Any, params: dict[str, Any], target: np.dtype
+) -> Any:
+  """A bilinear op (matmul/conv) on ``target`` inputs, accumulated in float32.
+
+  The forward pass binds the primitive with ``preferred_element_type=f32``
+  and casts the result to ``target``. Differentiating that directly would
+  give the backward matmuls a float32 cotangent against a ``target`` operand
+  (a mixed-dtype matmul XLA runs in float32), so a ``custom_jvp`` gives the
+  tangent its own matmuls with ``target`` inputs and outputs: the backward
+  pass then runs in half precision as in ``torch.autocast`` (accumulating in
+  float32 wherever the backend does so for half matmuls: GPU, TPU).
+  """
+  accumulate = dict(params, preferred_element_type=FLOAT32)
+  low = dict(params, preferred_element_type=target)
+
+  def primal(x, y):
+    return cast(ctx.bind(x, y, **accumulate), target)
+
+  primal.__name__ = primal.__qualname__ = f"{ctx.primitive.name}_f32_accumulate"
+
+  lowered = jax.custom_jvp(primal)
+
+  def jvp(primals, tangents):
+    x, y = primals
+    tx, ty = tangents
+    out = lowered(x, y)  # Not primal(): higher orders then use this rule too.
+    terms = []
+    if not isinstance(tx, SymbolicZero):
+      terms.append(ctx.bind(tx, y, **low))
+    if not isinstance(ty, SymbolicZero):
+      terms.append(ctx.bind(x, ty, **low))
+    if not terms:
+      return out, jnp.zeros_like(out)
+    return out, terms[0] if len(terms) == 1 else lax.add(*terms)
+
+  lowered.defjvp(jvp, symbolic_zeros=True)
+  return lowered(lhs, rhs)
+
+
+def lower_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+  """Runs the op in the compute dtype, accumulating in float32 if it can."""
+  floats = [i for i, x in enumerate(args) if is_float_value(x)]
+  if not floats or any(dtype_of(args[i]).itemsize > 4 for i in floats):
+    # Integer matmuls and float64 ops are not eligible (as in torch.autocast).
+    return promote_rule(ctx, *args, **params)
+  target = ctx.compute_dtype
+  new_args = [cast(x, target) if i in floats else x for i, x in enumerate(args)]
+  if "preferred_element_type" not in params or len(ctx.out_avals) != 1:
+    return ctx.bind(*new_args, **params)
+  traced_out = dtype_of(ctx.out_avals[0])
+  traced_in = {dtype_of(ctx.in_avals[i]) for i in floats}
+  if traced_out not in traced_in:
+    # An explicit wider output (bf16 x bf16 -> f32 in the trace) is kept.
+    return ctx.bind(*new_args, **params)
+  if target.itemsize >= 4 or not ctx.accumulate_f32:
+    return ctx.bind(*new_args, **dict(params, preferred_element_type=target))
+  if ctx.primitive in _BILINEAR and len(new_args) == 2 and len(floats) == 2:
+    return _accumulate_in_f32(ctx, *new_args, params, target)
+  out = ctx.bind(*new_args, **dict(params, preferred_element_type=FLOAT32))
+  return ctx.cast_outputs(out, target)
+
+
+def passthrough_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+  """Runs the op exactly as traced: inputs go back to their traced dtypes."""
+  new_args = [
+      cast(x, dtype_of(aval))
+      if is_float_value(x) and _is_float_dtype(dtype_of(aval))
+      else x
+      for x, aval in zip(args, ctx.in_avals)
+  ]
+  return ctx.bind(*new_args, **params)
+
+
+def convert_element_type_rule(
+    ctx: RuleContext, x: Any, *, new_dtype: Any, **params: Any
+) -> Any:
+  """Honours real casts; keeps the autocast dtype through traced no-op casts.
+
+  A ``convert_element_type`` whose traced input already had ``new_dtype``
+  only changed weak typing (``jnp.asarray(x, jnp.float32)`` on a float32
+  value); replaying it literally would undo autocast, so the value keeps its
+  current dtype. Casts that changed the dtype in the trace (``x.astype(f32)``
+  on a float16 input, float to int...) are replayed as written.
+  """
+  traced_in = dtype_of(ctx.in_avals[0])
+  current = dtype_of(x)
+  if (
+      _is_float_dtype(traced_in)
+      and traced_in == np.dtype(new_dtype)
+      and current is not None
+      and current != traced_in
+  ):
+    new_dtype = current
+  return ctx.bind(x, new_dtype=new_dtype, **params)
+
+
+#: Rule name -> implementation ("recurse" lives in the interpreter).
+BUILTIN_RULES: Mapping[str, Callable[..., Any]] = types.MappingProxyType({
+    "lower": lower_rule,
+    "f32": f32_rule,
+    "promote": promote_rule,
+    "passthrough": passthrough_rule,
+})
+
+
+def _default_rules() -> dict[jex_core.Primitive, Any]:
+  table: dict[jex_core.Primitive, Any] = {}
+  for prims, rule in (
+      (PROMOTE_PRIMITIVES, "promote"),
+      (F32_PRIMITIVES, "f32"),
+      (LOWER_PRIMITIVES, "lower"),
+      (PASSTHROUGH_PRIMITIVES, "passthrough"),
+      (RECURSIVE_PRIMITIVES, "recurse"),
+  ):
+    for prim in prims:
+      table[prim] = rule
+  table[P.convert_element_type_p] = convert_element_type_rule
+  return table
+
+
+#: The default rule table (read-only). Primitives not in it run "passthrough".
+DEFAULT_RULES: Mapping[jex_core.Primitive, Any] = types.MappingProxyType(
+    _default_rules()
+)
+
+_PRIMITIVES_BY_NAME = {
+    prim.name: name
+    for name in dir(P)
+    if isinstance(prim := getattr(P, name), jex_core.Primitive)
+}
+
+
+def _key_error(key: Any) -> TypeError:
+  hint = ""
+  if isinstance(key, str):
+    attr = _PRIMITIVES_BY_NAME.get(key) or (
+        key if isinstance(getattr(P, key, None), jex_core.Primitive) else None
+    )
+    if attr is None and isinstance(getattr(P, f"{key}_p", None), jex_core.Primitive):
+      attr = f"{key}_p"
+    hint = (
+        f" Did you mean jax.extend.core.primitives.{attr}?"
+        if attr
+        else f" No jax primitive is called {key!r}."
+    )
+  return TypeError(
+      "autocast rules are keyed by primitive objects (e.g. jax.lax.exp_p or "
+      "jax.extend.core.primitives.dot_general_p), not names; got key "
+      f"{key!r} of type {type(key).__name__}.{hint}"
+  )
+
+
+def resolve_rules(
+    rules: Mapping[Any, Any] | None,
+) -> dict[jex_core.Primitive, Any]:
+  """Validates user rules and merges them over :data:`DEFAULT_RULES`.
+
+  Args:
+    rules: ``None`` or a mapping from primitive objects to a rule name or a
+      callable.
+
+  Returns:
+    The merged table.
+
+  Raises:
+    TypeError: if ``rules`` is not a mapping, a key is not a primitive, or a
+      rule is neither a string nor callable.
+    ValueError: for an unknown rule name, or ``"recurse"`` on a primitive
+      autocast cannot enter.
+  """
+  table = dict(DEFAULT_RULES)
+  if rules is None:
+    return table
+  if not isinstance(rules, Mapping):
+    raise TypeError(
+        "autocast's rules must be a mapping {primitive: rule}, e.g. "
+        "{jax.lax.tanh_p: 'f32'}; got "
+        f"{type(rules).__name__}: {rules!r}."
+    )
+  for key, rule in rules.items():
+    if not isinstance(key, jex_core.Primitive):
+      raise _key_error(key)
+    if isinstance(rule, str):
+      if rule not in RULE_NAMES:
+        raise ValueError(
+            f"Unknown autocast rule {rule!r} for primitive {key.name!r}; valid"
+            f" rules are {', '.join(repr(r) for r in RULE_NAMES)} or a callable"
+            " rule(ctx, *args, **params)."
+        )
+      if rule == "recurse" and key not in RECURSIVE_PRIMITIVES:
+        raise ValueError(
+            f"The 'recurse' rule only applies to higher-order primitives "
+            f"({', '.join(p.name for p in RECURSIVE_PRIMITIVES)}); "
+            f"{key.name!r} is not one of them."
+        )
+    elif not callable(rule):
+      raise TypeError(
+          f"The autocast rule for primitive {key.name!r} must be one of "
+          f"{', '.join(repr(r) for r in RULE_NAMES)} or a callable "
+          f"rule(ctx, *args, **params); got {type(rule).__name__}: {rule!r}."
+      )
+    table[key] = rule
+  return table

@@ -1,0 +1,494 @@
+"""Precision policies for Flax linen modules.
+
+Mechanism (one call of ``PolicyModel.apply``):
+
+1. Which module owns which params. Class rules need the class of every module,
+   which linen only reveals while the model runs, so the model is first traced
+   abstractly (``jax.eval_shape``, no computation) with a method interceptor
+   that records ``module.path -> type(module)``. Without class rules this step
+   is skipped: path rules can be resolved from the param tree alone.
+2. The ``params`` collection is cast, leaf by leaf, to the compute dtype of its
+   owning module's effective policy (norm layers under the default rules keep
+   float32). The cast is inside the function you differentiate, so gradients
+   come back in the stored dtype.
+3. The model runs under ``flax.linen.intercept_methods`` with an interceptor
+   that, at every boundary (the model itself and every module a rule
+   matches), casts floating inputs to the compute dtype and outputs to the
+   output dtype; every other module's floating inputs are cast to its
+   effective compute dtype (its outputs are left as computed).
+4. Mutable collections come back in the dtypes they went in with, so
+   ``batch_stats`` stay float32 and a training step's state keeps its dtypes.
+
+``init`` runs the model as written to create its variables, then casts each
+module's params to its param dtype. Nothing is stored globally: each call owns
+its interceptor and its records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping
+import warnings
+
+import flax.linen as nn
+from flax.core import FrozenDict
+import jax
+import numpy as np
+
+from jmp_lite._src import flax_common as common
+from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import tree as tree_lib
+
+Path = common.Path
+FullPrecision = common.FullPrecision
+UnmatchedRuleWarning = common.UnmatchedRuleWarning
+
+
+class PolicyRules(common.PolicyRulesBase):
+  """Ordered per-module policy overrides for linen models; first match wins.
+
+  Each entry is a ``(match, policy)`` pair:
+
+  * ``match``: a ``flax.linen.Module`` subclass or a tuple of them (matched
+    with ``isinstance``, so subclasses match too); a path pattern string in
+    :mod:`fnmatch` syntax matched against ``"/".join(module.path)``, e.g.
+    ``"decoder/*"`` (``*`` also matches ``/``); or a compiled ``re.Pattern``
+    that must match the whole path.
+  * ``policy``: a ``jmp_lite.Policy``, a spec string such as
+    ``"p=f32,c=f32,o=f16"``, or :class:`FullPrecision` (float32 inside,
+    surrounding compute dtype out).
+
+  A matched module is a *boundary*: its floating inputs are cast to its
+  compute dtype and its outputs to its output dtype. Modules inside it inherit
+  its param and compute dtypes. Rules are immutable and hashable (usable as
+  static config), combine with ``+`` (earlier rules win) and validate their
+  entries when built.
+
+  Example:
+    >>> import re, flax.linen as nn, jmp_lite.linen as jlinen
+    >>> rules = jlinen.PolicyRules(
+    ...     ("head", "p=f32,c=f32,o=f32"),                 # by path
+    ...     (re.compile(r"block_\\d+/attn"), jlinen.FullPrecision()),
+    ... ) + jlinen.DEFAULT_RULES                          # norms in f32
+    >>> len(rules), hash(rules) == hash(rules + jlinen.PolicyRules())
+    (3, True)
+  """
+
+  framework = "flax.linen"
+  public_module = "jmp_lite.linen"
+  module_base = nn.Module
+  other_framework_module = "flax.nnx"
+  other_framework_hint = (
+      "For Flax NNX models use jmp_lite.nnx.PolicyRules and "
+      "jmp_lite.nnx.apply_policy."
+  )
+
+
+#: Normalisation layers keep float32 statistics, scale and bias, and hand their
+#: output back in the compute dtype.
+DEFAULT_RULES = PolicyRules(
+    (
+        (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm),
+        FullPrecision(),
+    ),
+)
+
+
+def _is_policy_method(name: str) -> bool:
+  """Methods whose calls are policy boundaries: ``__call__`` and public ones."""
+  if name == "__call__":
+    return True
+  return name.isidentifier() and not name.startswith("_") and name != "setup"
+
+
+def _recorder(classes: dict[Path, type]) -> Callable[..., Any]:
+  """An interceptor that records the class of every module that runs."""
+
+  def intercept(next_fun, args, kwargs, context):
+    # Lifted transforms (nn.scan, nn.remat...) also call a '<lambda>' method on
+    # a wrapper whose path is not its real one: skip those.
+    if context.method_name.isidentifier():
+      classes.setdefault(tuple(context.module.path), type(context.module))
+    return next_fun(*args, **kwargs)
+
+  return intercept
+
+
+def _boundary_interceptor(
+    resolver: common.Resolver, seen: set[Path]
+) -> Callable[..., Any]:
+  """An interceptor casting inputs and outputs at every policy boundary."""
+  active: list[Path] = []
+
+  def intercept(next_fun, args, kwargs, context):
+    name = context.method_name
+    if not name.isidentifier():
+      return next_fun(*args, **kwargs)
+    module = context.module
+    path = tuple(module.path)
+    resolver.note(path, type(module))
+    seen.add(path)
+    # A module's own methods calling each other (``__call__`` -> ``encode``)
+    # stay inside it: no cast to the output dtype in the middle.
+    if not _is_policy_method(name) or path in active:
+      return next_fun(*args, **kwargs)
+    policy = resolver.boundary(path)
+    active.append(path)
+    try:
+      if policy is None:
+        # Not a boundary: inputs still arrive in the compute dtype (a rule
+        # region upstream may hand back float32), outputs are left alone.
+        compute = resolver.effective(path).compute_dtype
+        args, kwargs = tree_lib.cast_floating((args, kwargs), compute)
+        return next_fun(*args, **kwargs)
+      args, kwargs = policy.cast_to_compute((args, kwargs))
+      return policy.cast_to_output(next_fun(*args, **kwargs))
+    finally:
+      active.pop()
+
+  return intercept
+
+
+def _map_tree(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
+  """Maps ``fn(owner_path, leaf)`` over the non-mapping nodes of nested dicts.
+
+  ``owner_path`` is the path of the module owning the leaf (the dict keys
+  above it). Boxed leaves such as ``nn.Partitioned`` are handed to ``fn``
+  whole. Dict types are kept (``FrozenDict`` stays frozen).
+  """
+  if not isinstance(tree, Mapping):
+    return fn(path[:-1], tree)
+  out = {k: _map_tree(v, fn, path + (k,)) for k, v in tree.items()}
+  return FrozenDict(out) if isinstance(tree, FrozenDict) else out
+
+
+def _leaf_paths(tree: Any, path: Path = ()) -> list[tuple[Path, Any]]:
+  if not isinstance(tree, Mapping):
+    return [(path, tree)]
+  out = []
+  for k, v in tree.items():
+    out.extend(_leaf_paths(v, path + (k,)))
+  return out
+
+
+def _float_dtypes(node: Any) -> list[np.dtype]:
+  return [
+      np.dtype(x.dtype)
+      for x in jax.tree_util.tree_leaves(node)
+      if tree_lib.is_float_array(x)
+  ]
+
+
+def _replace_collection(variables: Any, name: str, value: Any) -> Any:
+  out = dict(variables)
+  out[name] = value
+  return FrozenDict(out) if isinstance(variables, FrozenDict) else out
+
+
+def _cast_like(new: Any, old: Any) -> Any:
+  """Casts leaves of ``new`` to the dtype of the leaf at the same path in ``old``."""
+  if isinstance(new, Mapping):
+    if not isinstance(old, Mapping):
+      return new
+    out = {
+        k: (_cast_like(v, old[k]) if k in old else v) for k, v in new.items()
+    }
+    return FrozenDict(out) if isinstance(new, FrozenDict) else out
+  if tree_lib.is_float_array(new) and tree_lib.is_float_array(old):
+    if new.dtype != old.dtype:
+      return new.astype(old.dtype)
+  return new
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyModel:
+  """A linen model with a precision policy: ``init`` and ``apply`` like linen's.
+
+  Made by :func:`apply_policy`. Immutable and hashable when the module is, so
+  it can be closed over or passed as a static argument to ``jax.jit``.
+
+  Attributes:
+    module: the wrapped linen module (unchanged).
+    policy: the model's policy: its inputs are cast to ``compute_dtype``, its
+      outputs to ``output_dtype``, and modules no rule matches store params in
+      ``param_dtype`` and compute in ``compute_dtype``.
+    rules: the per-module overrides (:class:`PolicyRules`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen as jlinen
+    >>> model = jlinen.apply_policy(nn.Dense(3), "mixed_float16")
+    >>> variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+    >>> variables["params"]["kernel"].dtype, model.apply(variables, jnp.ones((2, 4))).dtype
+    (dtype('float32'), dtype('float32'))
+  """
+
+  module: nn.Module
+  policy: policy_lib.Policy
+  rules: PolicyRules
+
+  def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
+    """Creates the model's variables, params in their policy's param dtype.
+
+    The model runs as written (no casting) to create its variables; then each
+    module's params are cast to the param dtype of its effective policy.
+    Other collections (``batch_stats``...) are returned as created.
+
+    Args:
+      rngs: as for ``flax.linen.Module.init`` (a key or a dict of keys).
+      *args: the model's positional inputs.
+      method: as for ``Module.init``.
+      **kwargs: the model's keyword inputs and ``Module.init`` options
+        (``mutable=``, ``capture_intermediates=``).
+
+    Returns:
+      The variables dict, as ``Module.init`` returns it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen as jlinen
+      >>> model = jlinen.apply_policy(nn.LayerNorm(), "p=bf16,c=bf16,o=bf16")
+      >>> model.init(jax.random.key(0), jnp.ones((2, 4)))["params"]["scale"].dtype
+      dtype('float32')
+    """
+    classes: dict[Path, type] = {}
+    with nn.intercept_methods(_recorder(classes)):
+      variables = self.module.init(rngs, *args, method=method, **kwargs)
+    resolver = common.Resolver(self.policy, self.rules, classes)
+    params = variables.get("params") if isinstance(variables, Mapping) else None
+    if params is not None:
+      self._warn_unmatched(set(classes) | _owner_paths(params))
+      params = _map_tree(
+          params,
+          lambda owner, leaf: tree_lib.cast_floating(
+              leaf, resolver.effective(owner).param_dtype
+          ),
+      )
+      variables = _replace_collection(variables, "params", params)
+    return variables
+
+  def apply(
+      self,
+      variables: Any,
+      *args: Any,
+      rngs: Any = None,
+      method: Any = None,
+      mutable: Any = False,
+      **kwargs: Any,
+  ) -> Any:
+    """Runs the model under its policy; the signature of ``Module.apply``.
+
+    Params are cast per module to the compute dtype of its effective policy,
+    floating inputs and outputs are cast at every boundary, and mutable
+    collections come back in the dtypes they came in with.
+
+    Args:
+      variables: the variables (from :meth:`init`, or your own with params
+        stored in the policy's param dtype or wider).
+      *args: the model's positional inputs.
+      rngs: as for ``Module.apply`` (e.g. ``{"dropout": key}``).
+      method: as for ``Module.apply``.
+      mutable: as for ``Module.apply`` (e.g. ``["batch_stats"]``).
+      **kwargs: the model's keyword inputs and other ``Module.apply`` options.
+
+    Returns:
+      The output, or ``(output, mutated_variables)`` when ``mutable`` is set.
+
+    Raises:
+      ValueError: if a param is stored narrower than its policy's param dtype
+        (e.g. float16 params under a float32-param policy).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen as jlinen
+      >>> model = jlinen.apply_policy(nn.BatchNorm(use_running_average=False), "mixed_bfloat16")
+      >>> variables = model.init(jax.random.key(0), jnp.ones((4, 3)))
+      >>> y, updates = model.apply(variables, jnp.ones((4, 3)), mutable=["batch_stats"])
+      >>> y.dtype, updates["batch_stats"]["mean"].dtype
+      (dtype('float32'), dtype('float32'))
+    """
+    call_kwargs = dict(rngs=rngs, method=method, mutable=mutable, **kwargs)
+    classes = (
+        self._discover(variables, args, call_kwargs)
+        if self.rules.has_class_rules
+        else {}
+    )
+    resolver = common.Resolver(self.policy, self.rules, classes)
+    run_variables = variables
+    params = variables.get("params") if isinstance(variables, Mapping) else None
+    if params is not None:
+      self._check_params(params, resolver)
+      params = _map_tree(
+          params,
+          lambda owner, leaf: tree_lib.cast_floating(
+              leaf, resolver.effective(owner).compute_dtype
+          ),
+      )
+      run_variables = _replace_collection(variables, "params", params)
+    seen: set[Path] = set()
+    with nn.intercept_methods(_boundary_interceptor(resolver, seen)):
+      out = self.module.apply(run_variables, *args, **call_kwargs)
+    known = seen | set(classes)
+    if params is not None:
+      known |= _owner_paths(params)
+    self._warn_unmatched(known)
+    # The model's outputs leave in the policy's output dtype even where a rule
+    # matches the model itself (e.g. a bare BatchNorm under DEFAULT_RULES).
+    if mutable is False:
+      return self.policy.cast_to_output(out)
+    y, updated = out
+    return self.policy.cast_to_output(y), _cast_like(updated, variables)
+
+  def module_policies(
+      self, variables: Any, *args: Any, **kwargs: Any
+  ) -> dict[str, policy_lib.Policy]:
+    """The policy of every module one call would run, by path.
+
+    Traces the model abstractly (no computation). Useful to check that rules
+    do what you meant. Boundaries (the model, matched modules) report their
+    own policy; other modules the param and compute dtypes they inherit, with
+    output dtype = compute dtype (their outputs are not cast).
+
+    Args:
+      variables: as for :meth:`apply`.
+      *args: the model's positional inputs.
+      **kwargs: keyword inputs and ``Module.apply`` options (``rngs=``,
+        ``mutable=``, ``method=``...).
+
+    Returns:
+      ``{"/".join(path): Policy}``; ``""`` is the model itself (whose final
+      outputs are then cast to the model's policy's output dtype).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen as jlinen
+      >>> model = jlinen.apply_policy(nn.Sequential([nn.Dense(3), nn.LayerNorm()]), "mixed_float16")
+      >>> variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
+      >>> {k: str(v) for k, v in model.module_policies(variables, jnp.ones((2, 4))).items()}
+      {'': 'p=full,c=f16,o=full', 'layers_0': 'p=full,c=f16,o=f16',
+       'layers_1': 'p=full,c=full,o=f16'}
+    """
+    kwargs.setdefault("mutable", False)
+    classes = self._discover(variables, args, kwargs)
+    resolver = common.Resolver(self.policy, self.rules, classes)
+    return {
+        common.path_str(p): resolver.describe(p)
+        for p in sorted(classes, key=lambda p: (len(p), common.path_str(p)))
+    }
+
+  # -- helpers ----------------------------------------------------------------
+
+  def _discover(self, variables: Any, args: tuple, call_kwargs: dict) -> dict[Path, type]:
+    """Traces the model abstractly to learn the class at every module path."""
+    classes: dict[Path, type] = {}
+
+    def run():
+      # Only module classes matter here, not dtypes: standard promotion lets
+      # the unmodified model run whatever dtypes its params are stored in.
+      with jax.numpy_dtype_promotion("standard"):
+        with nn.intercept_methods(_recorder(classes)):
+          return self.module.apply(variables, *args, **call_kwargs)
+
+    jax.eval_shape(run)
+    return classes
+
+  def _check_params(self, params: Any, resolver: common.Resolver) -> None:
+    bad = []
+    for leaf_path, leaf in _leaf_paths(params):
+      owner = resolver.effective(leaf_path[:-1])
+      for dtype in _float_dtypes(leaf):
+        if not common.storable(dtype, owner.param_dtype):
+          bad.append((leaf_path, dtype, owner))
+    if bad:
+      leaf_path, dtype, owner = bad[0]
+      raise common.narrow_params_error(
+          leaf_path,
+          dtype,
+          owner,
+          len(bad),
+          fix=(
+              "create the variables with policy_model.init(...) (it stores "
+              "params in the policy's param dtype), or cast yours first, e.g. "
+              "variables = {**variables, 'params': "
+              "jmp_lite.cast_to_full(variables['params'])}."
+          ),
+      )
+
+  def _warn_unmatched(self, paths: set[Path]) -> None:
+    message = common.unmatched_message(
+        self.rules, sorted(common.all_prefixes(paths), key=common.path_str),
+        type(self.module).__name__,
+    )
+    if message:
+      warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
+
+
+def _owner_paths(params: Any) -> set[Path]:
+  return {p[:-1] for p, _ in _leaf_paths(params)}
+
+
+def apply_policy(
+    module: nn.Module,
+    policy: str | policy_lib.Policy,
+    rules: PolicyRules | Any = DEFAULT_RULES,
+) -> PolicyModel:
+  """Puts a linen model under a precision policy, with per-module overrides.
+
+  The model is not modified: the returned :class:`PolicyModel` has ``init``
+  and ``apply`` with linen's signatures (``rngs=``, ``mutable=``,
+  ``method=``...) and runs the model so that:
+
+  * params are stored in the param dtype (``init`` creates them so; norm
+    layers keep float32 under the default rules) and cast to the compute
+    dtype where they are used, inside the differentiated function, so
+    gradients come back in the stored dtype;
+  * the model's floating inputs are cast to the compute dtype and its outputs
+    to the output dtype; every module a rule matches does the same with its
+    own policy; every other module gets its floating inputs in the compute
+    dtype it runs under (so a float32 output of a rule region does not pull
+    the next layer into float32);
+  * ``batch_stats`` and other mutable collections keep their dtypes (float32).
+
+  Layers with an explicit ``dtype=`` keep computing in it. Works with
+  ``nn.remat``, ``nn.scan``, dropout rngs, ``mutable=[...]``, ``jax.jit`` and
+  ``jax.grad``.
+
+  Args:
+    module: the linen model (any ``flax.linen.Module``).
+    policy: a ``jmp_lite.Policy`` or a spec such as ``"mixed_bfloat16"`` or
+      ``"params=float32,compute=float16,output=float32"``.
+    rules: per-module overrides, first match wins. The default keeps
+      ``BatchNorm``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and
+      ``InstanceNorm`` in float32; to add your own *and* keep those, pass
+      ``PolicyRules(...) + DEFAULT_RULES``; ``None`` means no overrides.
+
+  Returns:
+    A :class:`PolicyModel`.
+
+  Raises:
+    TypeError: if ``module`` is not a linen module or ``rules`` are not linen
+      rules.
+    ValueError: if ``policy`` does not parse.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen as jlinen
+    >>> class MLP(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return nn.Dense(2)(nn.LayerNorm()(nn.relu(nn.Dense(8)(x))))
+    >>> model = jlinen.apply_policy(MLP(), "params=float32,compute=float16,output=float32")
+    >>> variables = model.init(jax.random.key(0), jnp.ones((4, 3)))
+    >>> grads = jax.grad(lambda p: model.apply({"params": p}, jnp.ones((4, 3))).sum())(
+    ...     variables["params"])
+    >>> grads["Dense_0"]["kernel"].dtype
+    dtype('float32')
+  """
+  if not isinstance(module, nn.Module):
+    hint = ""
+    if type(module).__module__.startswith("flax.nnx"):
+      hint = " For Flax NNX modules use jmp_lite.nnx.apply_policy."
+    elif isinstance(module, type) and issubclass(module, nn.Module):
+      hint = f" Pass an instance, e.g. {module.__name__}(...), not the class."
+    raise TypeError(
+        "jmp_lite.linen.apply_policy expects a flax.linen.Module instance, got "
+        f"{type(module).__name__}: {module!r}.{hint}"
+    )
+  policy = policy_lib.get_policy(policy)
+  rules = PolicyRules.coerce(rules, "jmp_lite.linen.apply_policy")
+  return PolicyModel(module, policy, rules)

@@ -1,0 +1,487 @@
+"""Precision policies for Flax NNX modules.
+
+Mechanism (one call of a ``PolicyModule``):
+
+1. NNX modules are built eagerly, so the class and path of every submodule are
+   known up front (``nnx.iter_modules``); no tracing is needed to resolve the
+   rules.
+2. The wrapped module is split into its params and the rest; each param is
+   cast to the compute dtype of its owning module's effective policy, and a
+   private copy is merged from the cast params and the rest. The user's
+   module and its variables are never written to during the forward pass.
+3. In that copy, every module a rule matches is swapped, in the attribute or
+   container slot that holds it, for a small callable boundary that casts
+   floating inputs to its compute dtype and outputs to its output dtype. The
+   model's own inputs and outputs are cast with the model's policy.
+4. After the call the slots are restored and the non-param state the forward
+   pass changed (``BatchStat``, RNG counters, sown intermediates) is written
+   back to the wrapped module, in the dtypes it had.
+
+Under ``nnx.jit``/``nnx.grad`` all of this happens at trace time; the cast of
+the params is inside the differentiated function, so gradients come back in
+the stored dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+import warnings
+
+from flax import nnx
+import jax
+import numpy as np
+
+from jmp_lite._src import flax_common as common
+from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import tree as tree_lib
+
+Path = common.Path
+FullPrecision = common.FullPrecision
+UnmatchedRuleWarning = common.UnmatchedRuleWarning
+
+
+class PolicyRules(common.PolicyRulesBase):
+  """Ordered per-module policy overrides for NNX models; first match wins.
+
+  Each entry is a ``(match, policy)`` pair:
+
+  * ``match``: a ``flax.nnx.Module`` subclass or a tuple of them (matched with
+    ``isinstance``); a path pattern string in :mod:`fnmatch` syntax matched
+    against the module's ``/``-joined path, e.g. ``"blocks/*/attn"`` (list
+    indices are path keys too; ``*`` also matches ``/``); or a compiled
+    ``re.Pattern`` that must match the whole path.
+  * ``policy``: a ``jmp_lite.Policy``, a spec string such as
+    ``"p=f32,c=f32,o=f16"``, or :class:`FullPrecision`.
+
+  A matched module is a *boundary*: its floating inputs are cast to its
+  compute dtype and its outputs to its output dtype; modules inside it inherit
+  its param and compute dtypes. Immutable, hashable, combined with ``+``
+  (earlier rules win).
+
+  Example:
+    >>> from flax import nnx
+    >>> import jmp_lite.nnx as jnnx
+    >>> rules = jnnx.PolicyRules(("head", "p=f32,c=f32,o=f32")) + jnnx.DEFAULT_RULES
+    >>> len(rules)
+    2
+  """
+
+  framework = "flax.nnx"
+  public_module = "jmp_lite.nnx"
+  module_base = nnx.Module
+  other_framework_module = "flax.linen"
+  other_framework_hint = (
+      "For Flax linen models use jmp_lite.linen.PolicyRules and "
+      "jmp_lite.linen.apply_policy."
+  )
+
+
+#: Normalisation layers keep float32 statistics, scale and bias, and hand their
+#: output back in the compute dtype.
+DEFAULT_RULES = PolicyRules(
+    (
+        (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm),
+        FullPrecision(),
+    ),
+)
+
+
+def _is_nnx_object(x: Any) -> bool:
+  return isinstance(x, (nnx.Module, nnx.Variable, nnx.Rngs))
+
+
+def _cast(tree: Any, dtype: np.dtype) -> Any:
+  """Casts floating array leaves; NNX modules, variables and Rngs pass whole.
+
+  (Mapping ``tree_map`` over an ``nnx.Rngs`` argument would hand the model a
+  copy, whose advanced RNG counters would then be lost.)
+  """
+
+  def cast(x):
+    if tree_lib.is_float_array(x) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree_util.tree_map(cast, tree, is_leaf=_is_nnx_object)
+
+
+def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs):
+  args, kwargs = _cast((args, kwargs), policy.compute_dtype)
+  return _cast(fn(*args, **kwargs), policy.output_dtype)
+
+
+def _is_policy_method(name: str) -> bool:
+  return name == "__call__" or (name.isidentifier() and not name.startswith("_"))
+
+
+class _Boundary(nnx.Module):
+  """Stands in for a rule-matched module during one call (never stored).
+
+  Calling it, or one of the module's public methods through it, casts the
+  inputs to the boundary's compute dtype and the outputs to its output dtype;
+  other attributes are read through to the module. It is an NNX module itself,
+  so NNX transforms inside the model (``nnx.remat``, ``nnx.scan``,
+  ``nnx.vmap``) split and merge it like any other submodule.
+  """
+
+  def __init__(self, module: nnx.Module, policy: policy_lib.Policy):
+    self.module = module
+    self.policy = policy
+
+  def __call__(self, *args, **kwargs):
+    return _call_under(self.policy, self.module, args, kwargs)
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for names the boundary itself lacks. Private names are
+    # NNX's own bookkeeping (looked up while the object is being built).
+    module = vars(self).get("module")
+    if module is None or name.startswith("_"):
+      raise AttributeError(name)
+    attr = getattr(module, name)
+    if callable(attr) and _is_policy_method(name) and hasattr(attr, "__self__"):
+      policy = self.policy
+
+      def method(*args, **kwargs):
+        return _call_under(policy, attr, args, kwargs)
+
+      return method
+    return attr
+
+
+def _install_boundaries(
+    root: nnx.Module, targets: dict[int, _Boundary]
+) -> list[tuple[Any, Any, Any]]:
+  """Swaps every reference to a target module inside ``root`` for its boundary.
+
+  Walks module attributes (``nnx.List``/``nnx.Dict`` included) and plain
+  list/dict/tuple containers, so shared modules are swapped everywhere.
+
+  Returns:
+    ``(container, key, original)`` undo records, in the order applied.
+  """
+  undo: list[tuple[Any, Any, Any]] = []
+  visited: set[int] = set()
+
+  def visit_module(node: nnx.Module) -> None:
+    if id(node) in visited:
+      return
+    visited.add(id(node))
+    for name, value in list(vars(node).items()):
+      if name.startswith("_pytree__"):
+        continue
+      new = replace(value)
+      if new is not value:
+        undo.append((node, name, value))
+        object.__setattr__(node, name, new)
+
+  def replace(value: Any) -> Any:
+    if isinstance(value, nnx.Module):
+      visit_module(value)
+      return targets.get(id(value), value)
+    if isinstance(value, list):
+      for i, v in enumerate(value):
+        new = replace(v)
+        if new is not v:
+          undo.append((value, i, v))
+          value[i] = new
+      return value
+    if isinstance(value, dict):
+      for k, v in list(value.items()):
+        new = replace(v)
+        if new is not v:
+          undo.append((value, k, v))
+          value[k] = new
+      return value
+    if isinstance(value, tuple):
+      items = [replace(v) for v in value]
+      if any(a is not b for a, b in zip(items, value)):
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+      return value
+    return value
+
+  visit_module(root)
+  return undo
+
+
+def _undo(records: list[tuple[Any, Any, Any]]) -> None:
+  for container, key, original in reversed(records):
+    if isinstance(container, nnx.Module):
+      object.__setattr__(container, key, original)
+    else:
+      container[key] = original
+
+
+def _restore_dtypes(new_state: Any, old_state: Any) -> Any:
+  """Casts each float variable of ``new_state`` to its dtype in ``old_state``."""
+  old = {path: var for path, var in nnx.to_flat_state(old_state)}
+  out = []
+  for path, var in nnx.to_flat_state(new_state):
+    before = old.get(path)
+    value = var.get_value()
+    if (
+        before is not None
+        and tree_lib.is_float_array(value)
+        and tree_lib.is_float_array(before.get_value())
+        and value.dtype != before.get_value().dtype
+    ):
+      var = var.replace(value.astype(before.get_value().dtype))
+    out.append((path, var))
+  return nnx.from_flat_state(out)
+
+
+class PolicyModule(nnx.Module):
+  """An NNX module running another under a precision policy.
+
+  Made by :func:`apply_policy`. It holds the wrapped module as ``.module``
+  and shares its variables: training the ``PolicyModule`` (``nnx.grad``,
+  ``nnx.Optimizer``) trains that module, and batch statistics and RNG
+  counters advance on it, but its structure, attributes and dtypes are never
+  changed. Its state paths are those of the wrapped module under
+  ``"module"``; save ``nnx.state(policy_module.module)`` to get checkpoints
+  that load into the plain module.
+
+  Attributes:
+    module: the wrapped module.
+    policy: the model's policy (its inputs are cast to ``compute_dtype``, its
+      outputs to ``output_dtype``).
+    rules: the per-module overrides (:class:`PolicyRules`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jmp_lite.nnx as jnnx
+    >>> model = jnnx.apply_policy(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "mixed_float16")
+    >>> model(jnp.ones((1, 3))).dtype, model.module.kernel.dtype
+    (dtype('float32'), dtype('float32'))
+  """
+
+  def __init__(
+      self,
+      module: nnx.Module,
+      policy: policy_lib.Policy,
+      rules: PolicyRules,
+  ):
+    self.module = module
+    self.policy = policy
+    self.rules = rules
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    """Calls the wrapped module under the policy.
+
+    Args:
+      *args: the module's positional inputs (floating arrays are cast to the
+        compute dtype; ints, bools, ``nnx.Rngs`` and other objects pass).
+      **kwargs: its keyword inputs.
+
+    Returns:
+      The module's outputs, floating leaves in the output dtype.
+    """
+    return self.call_method("__call__", *args, **kwargs)
+
+  def call_method(
+      self, method: str | Callable[..., Any], *args: Any, **kwargs: Any
+  ) -> Any:
+    """Calls another method of the wrapped module under the policy.
+
+    Args:
+      method: a method name such as ``"encode"``, or a function taking the
+        module first (e.g. ``MyModel.encode``).
+      *args: the method's positional inputs.
+      **kwargs: its keyword inputs.
+
+    Returns:
+      The method's outputs, floating leaves in the output dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jmp_lite.nnx as jnnx
+      >>> embed = jnnx.apply_policy(nnx.Embed(5, 3, rngs=nnx.Rngs(0)), "mixed_bfloat16")
+      >>> embed.call_method("attend", jnp.ones((2, 3))).dtype
+      dtype('float32')
+    """
+    resolver = self._resolver()
+    graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
+    _check_params(params, resolver)
+    copy = nnx.merge(graphdef, _cast_params(params, resolver), rest)
+    if isinstance(method, str):
+      fn = getattr(copy, method)
+    else:
+      fn = lambda *a, **k: method(copy, *a, **k)
+    undo = _install_boundaries(copy, _boundaries(copy, resolver))
+    try:
+      out = _call_under(resolver.boundary(()), fn, args, kwargs)
+      # The outputs leave in the policy's output dtype even where a rule
+      # matches the module itself (e.g. a bare BatchNorm).
+      out = _cast(out, self.policy.output_dtype)
+    finally:
+      _undo(undo)
+    changed = nnx.state(copy, nnx.Not(nnx.Param))
+    nnx.update(self.module, _restore_dtypes(changed, rest))
+    return out
+
+  def module_policies(self) -> dict[str, policy_lib.Policy]:
+    """The policy of every submodule, by ``/``-joined path.
+
+    Boundaries (the wrapped module, matched modules) report their own policy;
+    other modules the param and compute dtypes they inherit, with output
+    dtype = compute dtype (their outputs are not cast).
+
+    Returns:
+      ``{path: Policy}``; ``""`` is the wrapped module itself (whose final
+      outputs are then cast to the model's policy's output dtype).
+
+    Example:
+      >>> from flax import nnx
+      >>> import jmp_lite.nnx as jnnx
+      >>> model = jnnx.apply_policy(nnx.LayerNorm(3, rngs=nnx.Rngs(0)), "mixed_float16")
+      >>> str(model.module_policies()[""])
+      'p=full,c=full,o=f16'
+    """
+    resolver = self._resolver()
+    return {
+        common.path_str(path): resolver.describe(path)
+        for path, _ in nnx.iter_modules(self.module)
+    }
+
+  def _resolver(self) -> common.Resolver:
+    return _resolver(self.module, self.policy, self.rules)
+
+
+def _resolver(
+    module: nnx.Module, policy: policy_lib.Policy, rules: PolicyRules
+) -> common.Resolver:
+  classes = {path: type(m) for path, m in nnx.iter_modules(module)}
+  return common.Resolver(policy, rules, classes)
+
+
+def _cast_params(params: Any, resolver: common.Resolver) -> Any:
+  """Casts each param to the compute dtype its owning module runs under."""
+  return nnx.from_flat_state([
+      (path, var.replace(_cast(var.get_value(), _compute_dtype(resolver, path))))
+      for path, var in nnx.to_flat_state(params)
+  ])
+
+
+def _compute_dtype(resolver: common.Resolver, variable_path: Path) -> np.dtype:
+  return resolver.effective(variable_path[:-1]).compute_dtype
+
+
+def _boundaries(root: nnx.Module, resolver: common.Resolver) -> dict[int, _Boundary]:
+  """``id(module) -> _Boundary`` for every rule-matched submodule of ``root``."""
+  return {
+      id(node): _Boundary(node, resolver.boundary(path))
+      for path, node in nnx.iter_modules(root)
+      if path and resolver.boundary(path) is not None
+  }
+
+
+def _check_params(params: Any, resolver: common.Resolver) -> None:
+  bad = []
+  for path, var in nnx.to_flat_state(params):
+    value = var.get_value()
+    owner = resolver.effective(path[:-1])
+    if tree_lib.is_float_array(value) and not common.storable(
+        value.dtype, owner.param_dtype
+    ):
+      bad.append((path, value.dtype, owner))
+  if bad:
+    path, dtype, owner = bad[0]
+    raise common.narrow_params_error(
+        path,
+        dtype,
+        owner,
+        len(bad),
+        fix=(
+            "build the module with param_dtype=jnp.float32 (Flax's default) "
+            "for its layers, or cast its params first, e.g. "
+            "nnx.update(model, jmp_lite.cast_to_full(nnx.state(model, nnx.Param)))."
+        ),
+    )
+
+
+def apply_policy(
+    module: nnx.Module,
+    policy: str | policy_lib.Policy,
+    rules: PolicyRules | Any = DEFAULT_RULES,
+) -> PolicyModule:
+  """Puts an NNX module under a precision policy, with per-module overrides.
+
+  Returns a :class:`PolicyModule` that shares ``module``'s variables and, when
+  called:
+
+  * casts each param to the compute dtype of its module's effective policy
+    where it is used (norm layers keep float32 under the default rules), so
+    gradients with respect to the stored params come back in their dtype;
+  * casts the floating inputs to the compute dtype and the outputs to the
+    output dtype; every module a rule matches does the same with its own
+    policy;
+  * keeps ``BatchStat`` and other non-param state in its dtypes (float32).
+
+  Unlike ``jmp_lite.linen`` (which also casts the inputs of every other
+  module), modules no rule matches are called as they are: NNX has no call
+  hook, and replacing every submodule would break code that inspects them.
+  So give a rule in the middle of a model an output dtype equal to the
+  surrounding compute dtype, as :class:`FullPrecision` does.
+
+  ``module`` itself is not modified: NNX params are created by your
+  constructors, so they stay stored as they were built (float32 by default);
+  ``apply_policy`` checks that they are at least as wide as the policy's
+  param dtype. Works with ``nnx.jit``, ``nnx.grad``, ``nnx.value_and_grad`` and
+  ``nnx.Optimizer(model, jmp_lite.loss_scaling(...), wrt=nnx.Param)``.
+
+  Args:
+    module: the NNX model (any ``flax.nnx.Module``).
+    policy: a ``jmp_lite.Policy`` or a spec such as ``"mixed_bfloat16"``.
+    rules: per-module overrides, first match wins. The default keeps
+      ``BatchNorm``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and
+      ``InstanceNorm`` in float32; to add your own *and* keep those, pass
+      ``PolicyRules(...) + DEFAULT_RULES``; ``None`` means no overrides.
+
+  Returns:
+    A :class:`PolicyModule`.
+
+  Raises:
+    TypeError: if ``module`` is not an NNX module or ``rules`` are not NNX
+      rules.
+    ValueError: if ``policy`` does not parse, or a param is stored narrower
+      than its policy's param dtype (half params under a float32 policy).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> from flax import nnx
+    >>> import jmp_lite.nnx as jnnx
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=rngs), nnx.LayerNorm(8, rngs=rngs))
+    >>> model = jnnx.apply_policy(model, "params=float32,compute=float16,output=float32")
+    >>> grads = nnx.grad(lambda m: m(jnp.ones((2, 3))).sum())(model)
+    >>> grads["module"]["layers"][0]["kernel"][...].dtype
+    dtype('float32')
+  """
+  if isinstance(module, PolicyModule):
+    raise TypeError(
+        "jmp_lite.nnx.apply_policy got a module that already has a policy "
+        f"({module.policy}). Apply it to the plain module instead: "
+        "apply_policy(policy_module.module, new_policy)."
+    )
+  if not isinstance(module, nnx.Module):
+    hint = ""
+    if type(module).__module__.startswith("flax.linen"):
+      hint = " For Flax linen modules use jmp_lite.linen.apply_policy."
+    elif isinstance(module, type) and issubclass(module, nnx.Module):
+      hint = f" Pass an instance, e.g. {module.__name__}(..., rngs=nnx.Rngs(0))."
+    raise TypeError(
+        "jmp_lite.nnx.apply_policy expects a flax.nnx.Module instance, got "
+        f"{type(module).__name__}: {module!r}.{hint}"
+    )
+  policy = policy_lib.get_policy(policy)
+  rules = PolicyRules.coerce(rules, "jmp_lite.nnx.apply_policy")
+  wrapped = PolicyModule(module, policy, rules)
+  paths = [path for path, _ in nnx.iter_modules(module)]
+  message = common.unmatched_message(
+      rules, sorted(paths, key=common.path_str), type(module).__name__
+  )
+  if message:
+    warnings.warn(message, UnmatchedRuleWarning, stacklevel=2)
+  _check_params(nnx.state(module, nnx.Param), _resolver(module, policy, rules))
+  return wrapped
