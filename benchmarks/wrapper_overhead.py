@@ -37,20 +37,33 @@ import datetime
 import json
 import os
 import pathlib
-import platform
-import re
-import shlex
 import sys
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 
 import jmp_lite
+from benchmarks import common
+from benchmarks.common import Batch
+from benchmarks.common import compile_step
+from benchmarks.common import fresh_copy
+from benchmarks.common import machine_info
+from benchmarks.common import make_hand_step
+from benchmarks.common import make_jmp_lite_step
+from benchmarks.common import Params
+from benchmarks.common import run_steps
+from benchmarks.common import State
+from benchmarks.common import Step
+from benchmarks.common import summarize
+from benchmarks.common import time_interleaved
+from benchmarks.models import apply_conv
+from benchmarks.models import apply_mlp
+from benchmarks.models import init_conv
+from benchmarks.models import init_mlp
 
 TARGET_RATIO = 1.03
 INITIAL_SCALE = 2.0**15
@@ -60,11 +73,6 @@ CHECK_ATOL = 1e-5
 CHECK_RTOL = 1e-4
 DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ("jmp_lite", "hand")
-
-Params = Any
-Batch = dict[str, jax.Array]
-State = tuple[Any, ...]
-Step = Callable[[State, Batch], tuple[State, jax.Array]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,60 +123,6 @@ def make_workloads(models: list[str], computes: list[str], quick: bool) -> list[
   ]
 
 
-# --- models ------------------------------------------------------------------
-
-
-def _dense_init(key: jax.Array, fan_in: int, shape: tuple[int, ...]) -> dict[str, jax.Array]:
-  w = jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in).astype(np.float32)
-  return {"w": w, "b": jnp.zeros(shape[-1:], jnp.float32)}
-
-
-def init_mlp(key: jax.Array, sizes: tuple[int, ...]) -> Params:
-  """Float32 MLP params: a list of ``{"w", "b"}`` per layer."""
-  keys = jax.random.split(key, len(sizes) - 1)
-  return [
-      _dense_init(k, din, (din, dout))
-      for k, din, dout in zip(keys, sizes[:-1], sizes[1:])
-  ]
-
-
-def apply_mlp(params: Params, x: jax.Array) -> jax.Array:
-  """ReLU MLP; returns logits in the dtype of ``params`` and ``x``."""
-  for i, layer in enumerate(params):
-    x = x @ layer["w"] + layer["b"]
-    if i < len(params) - 1:
-      x = jax.nn.relu(x)
-  return x
-
-
-def init_conv(key: jax.Array, sizes: tuple[int, ...]) -> Params:
-  """Float32 params of a two-conv-layer net on ``side x side x 1`` images."""
-  side, c1, c2, classes = sizes
-  k1, k2, k3 = jax.random.split(key, 3)
-  flat = ((side + 1) // 2) ** 2 * c2
-  return {
-      "conv1": _dense_init(k1, 9, (3, 3, 1, c1)),
-      "conv2": _dense_init(k2, 9 * c1, (3, 3, c1, c2)),
-      "dense": _dense_init(k3, flat, (flat, classes)),
-  }
-
-
-def _conv(x: jax.Array, layer: dict[str, jax.Array], stride: int) -> jax.Array:
-  y = jax.lax.conv_general_dilated(
-      x, layer["w"], (stride, stride), "SAME",
-      dimension_numbers=("NHWC", "HWIO", "NHWC"),
-  )
-  return jax.nn.relu(y + layer["b"])
-
-
-def apply_conv(params: Params, x: jax.Array) -> jax.Array:
-  """conv 3x3 -> conv 3x3 stride 2 -> dense; returns logits."""
-  x = _conv(x, params["conv1"], 1)
-  x = _conv(x, params["conv2"], 2)
-  x = x.reshape(x.shape[0], -1)
-  return x @ params["dense"]["w"] + params["dense"]["b"]
-
-
 MODELS = {"mlp": (init_mlp, apply_mlp), "conv": (init_conv, apply_conv)}
 
 
@@ -200,116 +154,8 @@ def make_loss_fn(apply_fn: Callable[..., jax.Array], policy: jmp_lite.Policy):
   return loss_fn
 
 
-# --- the two train steps -----------------------------------------------------
-
-
-def make_jmp_lite_step(loss_fn, opt: optax.GradientTransformation) -> Step:
-  """(a) The step written with the optimizer wrapper. State: (params, opt_state)."""
-
-  def step(state: State, batch: Batch) -> tuple[State, jax.Array]:
-    params, opt_state = state
-    loss_scale = jmp_lite.get_loss_scale(opt_state)
-    loss, grads = jmp_lite.scaled_value_and_grad(loss_fn, loss_scale)(
-        params, batch
-    )
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-  return step
-
-
-def make_hand_step(loss_fn, inner: optax.GradientTransformation) -> Step:
-  """(b) The same step by hand, jmp style. State: (params, opt_state, loss_scale)."""
-
-  def step(state: State, batch: Batch) -> tuple[State, jax.Array]:
-    params, opt_state, loss_scale = state
-
-    def scaled_loss(p):
-      loss = loss_fn(p, batch)
-      return loss_scale.scale(loss), loss
-
-    grads, loss = jax.grad(scaled_loss, has_aux=True)(params)
-    grads = loss_scale.unscale(grads)
-    finite = jmp_lite.all_finite(grads)
-    loss_scale = loss_scale.adjust(finite)
-    updates, new_opt_state = inner.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    params, opt_state = jmp_lite.select_tree(
-        finite, (new_params, new_opt_state), (params, opt_state)
-    )
-    return (params, opt_state, loss_scale), loss
-
-  return step
-
-
-def fresh_copy(tree: Any) -> Any:
-  """Copies every array leaf into a new buffer.
-
-  The steps donate their state, so no two states may share a buffer: both
-  variants start from the same ``params``, and the states must not alias the
-  arrays of the loss scale the optimizer was built with.
-  """
-  return jax.tree_util.tree_map(
-      lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree
-  )
-
-
-# --- compilation and HLO statistics -----------------------------------------
-
-_SKIP_OPCODES = {"parameter", "constant", "tuple", "get-tuple-element"}
-_OPCODE = re.compile(r"=\s.*?\b([a-z][a-z0-9-]*)\(")
-
-
-def entry_opcodes(hlo_text: str) -> dict[str, int]:
-  """Counts the instructions of the optimized HLO's ENTRY computation by opcode.
-
-  Parameters, constants and tuple plumbing are left out, so the total is about
-  the number of kernels (fusions, dots, convolutions...) run per step.
-  """
-  counts: dict[str, int] = {}
-  in_entry = False
-  for line in hlo_text.splitlines():
-    if line.startswith("ENTRY"):
-      in_entry = True
-      continue
-    if in_entry and line.startswith("}"):
-      break
-    if in_entry:
-      match = _OPCODE.search(line)
-      if match and match.group(1) not in _SKIP_OPCODES:
-        counts[match.group(1)] = counts.get(match.group(1), 0) + 1
-  return dict(sorted(counts.items()))
-
-
-def compile_step(step: Step, state: State, batch: Batch) -> tuple[Any, dict[str, Any]]:
-  """AOT-compiles ``step`` (state donated) and times lowering and compilation."""
-  jitted = jax.jit(step, donate_argnums=0)
-  start = time.perf_counter()
-  lowered = jitted.lower(state, batch)
-  lowered_at = time.perf_counter()
-  compiled = lowered.compile()
-  compiled_at = time.perf_counter()
-  ops = entry_opcodes(compiled.as_text())
-  info = {
-      "lower_s": lowered_at - start,
-      "compile_s": compiled_at - lowered_at,
-      "total_s": compiled_at - start,
-      "stablehlo_ops": lowered.as_text().count(" = stablehlo."),
-      "entry_kernels": sum(ops.values()),
-      "entry_opcodes": ops,
-  }
-  return compiled, info
-
 
 # --- equivalence check and timing -------------------------------------------
-
-
-def run_steps(fn: Step, state: State, batch: Batch, steps: int) -> tuple[State, list[jax.Array]]:
-  losses = []
-  for _ in range(steps):
-    state, loss = fn(state, batch)
-    losses.append(loss)
-  return state, losses
 
 
 def check_same(
@@ -350,47 +196,6 @@ def check_same(
   return states, result
 
 
-def time_block(fn: Step, state: State, batch: Batch, steps: int) -> tuple[State, float, float]:
-  """Runs ``steps`` steps and waits for them.
-
-  Returns:
-    The new state, the wall-clock seconds and the CPU seconds of this process
-    (all its threads); the latter is less sensitive to other processes
-    competing for the cores.
-  """
-  wall_start, cpu_start = time.perf_counter(), time.process_time()
-  state, losses = run_steps(fn, state, batch, steps)
-  jax.block_until_ready((state, losses))
-  return state, time.perf_counter() - wall_start, time.process_time() - cpu_start
-
-
-def time_interleaved(
-    fns: dict[str, Step], states: dict[str, State], batch: Batch,
-    steps: int, repeats: int,
-) -> dict[str, dict[str, list[float]]]:
-  """Per-step wall and CPU seconds per repeat, variants interleaved, order alternating."""
-  per_step = {clock: {name: [] for name in VARIANTS} for clock in ("wall", "cpu")}
-  for repeat in range(repeats):
-    order = VARIANTS if repeat % 2 == 0 else VARIANTS[::-1]
-    for name in order:
-      states[name], wall, cpu = time_block(fns[name], states[name], batch, steps)
-      per_step["wall"][name].append(wall / steps)
-      per_step["cpu"][name].append(cpu / steps)
-  return per_step
-
-
-def summarize(values: list[float]) -> dict[str, Any]:
-  q25, median, q75 = np.percentile(values, [25, 50, 75])
-  return {
-      "median": float(median),
-      "q25": float(q25),
-      "q75": float(q75),
-      "iqr": float(q75 - q25),
-      "min": float(np.min(values)),
-      "values": [float(v) for v in values],
-  }
-
-
 def run_workload(workload: Workload, steps: int, repeats: int, seed: int) -> dict[str, Any]:
   """Builds, checks and times both steps for one workload."""
   init_fn, apply_fn = MODELS[workload.model]
@@ -429,7 +234,7 @@ def run_workload(workload: Workload, steps: int, repeats: int, seed: int) -> dic
         f"({check}); timing them against each other would be meaningless."
     )
 
-  per_step = time_interleaved(fns, states, batch, steps, repeats)
+  per_step = time_interleaved(fns, states, batch, steps, repeats, VARIANTS)
   ratio, cpu_ratio = (
       summarize([a / b for a, b in zip(times["jmp_lite"], times["hand"])])
       for times in (per_step["wall"], per_step["cpu"])
@@ -465,28 +270,8 @@ def run_workload(workload: Workload, steps: int, repeats: int, seed: int) -> dic
 # --- reporting ----------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
-  device = jax.devices()[0]
-  return {
-      "platform": platform.platform(),
-      "machine": platform.machine(),
-      "processor": platform.processor(),
-      "cpu_count": os.cpu_count(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "optax": optax.__version__,
-      "numpy": np.__version__,
-      "jmp_lite": jmp_lite.__version__,
-      "backend": jax.default_backend(),
-      "device_kind": device.device_kind,
-      "device_count": jax.device_count(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-  }
-
-
 def command_line(argv: list[str]) -> str:
-  return shlex.join(["python", "-m", "benchmarks.wrapper_overhead", *argv])
+  return common.command_line("benchmarks.wrapper_overhead", argv)
 
 
 def markdown_table(report: dict[str, Any]) -> str:
