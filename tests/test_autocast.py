@@ -807,3 +807,18 @@ def test_train_step_with_optax_loss_scaling():
   assert step._cache_size() == 1  # pylint: disable=protected-access
   assert jax.tree.map(lambda p: p.dtype, params) == jax.tree.map(lambda _: F32, params)
   assert losses[-1] < losses[0]
+
+
+def test_op_dtypes_treats_non_array_arguments_as_static():
+  """op_dtypes splits arguments like autocast does (strings, mutable=[...])."""
+
+  def layer(w, x, act="tanh"):
+    return jnp.tanh(x @ w) if act == "tanh" else x @ w
+
+  f = autocast(layer, jnp.float16)
+  w = jnp.ones((2, 2))
+  ops = [name for name, _ in op_dtypes(f, w, w, act="none")]
+  assert "dot_general" in ops
+  assert "tanh" not in ops
+  ops = [name for name, _ in op_dtypes(f, w, w, act="tanh")]
+  assert "tanh" in ops

@@ -143,17 +143,7 @@ def autocast(
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dynamic_idx = [i for i, leaf in enumerate(leaves) if _is_dynamic(leaf)]
-
-    def flat_fn(*dynamic):
-      full = list(leaves)
-      for i, value in zip(dynamic_idx, dynamic):
-        full[i] = value
-      call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
-      return fn(*call_args, **call_kwargs)
-
-    dynamic = [leaves[i] for i in dynamic_idx]
+    flat_fn, dynamic = _split_static(fn, args, kwargs)
     try:
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
     except _TRACING_ERRORS as err:
@@ -176,6 +166,30 @@ def autocast(
   return wrapped
 
 
+def _split_static(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    is_dynamic: Callable[[Any], bool] = _is_dynamic,
+) -> tuple[Callable[..., Any], list[Any]]:
+  """Splits a call into a function of its array leaves and those leaves.
+
+  Every other leaf (strings, Python scalars, Flax's ``mutable=[...]``) is
+  closed over, as if static for ``jax.jit``.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  dynamic_idx = [i for i, leaf in enumerate(leaves) if is_dynamic(leaf)]
+
+  def flat_fn(*dynamic):
+    full = list(leaves)
+    for i, value in zip(dynamic_idx, dynamic):
+      full[i] = value
+    call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+    return fn(*call_args, **call_kwargs)
+
+  return flat_fn, [leaves[i] for i in dynamic_idx]
+
+
 def _walk(jaxpr: Any):
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   for eqn in jaxpr.eqns:
@@ -196,8 +210,9 @@ def op_dtypes(
 
   Args:
     fn: any traceable function, e.g. one returned by :func:`autocast`.
-    *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-    **kwargs: its keyword arguments.
+    *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``);
+      other leaves (strings, Python scalars, ``mutable=[...]``) are static.
+    **kwargs: its keyword arguments, split the same way.
 
   Returns:
     A list of ``(primitive name, (dtype name, ...))`` pairs, one per equation,
@@ -210,7 +225,13 @@ def op_dtypes(
     >>> [op for op in op_dtypes(f, jnp.ones((2, 2))) if op[0] in ("dot_general", "exp")]
     [('dot_general', ('bfloat16', 'bfloat16')), ('exp', ('float32',))]
   """
-  closed = jax.make_jaxpr(fn)(*args, **kwargs)
+  flat_fn, dynamic = _split_static(
+      fn,
+      args,
+      kwargs,
+      lambda x: _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct),
+  )
+  closed = jax.make_jaxpr(flat_fn)(*dynamic)
   return [
       (
           eqn.primitive.name,

@@ -1,0 +1,126 @@
+"""End-to-end test of ``examples/autocast_digits.py``.
+
+The example runs as a user would run it (a subprocess, with the repository
+root on ``PYTHONPATH`` so an uninstalled checkout works) for a few steps: this
+checks that it runs, writes well-formed results and that its op-dtype evidence
+shows autocast at work, not the accuracies of a full run.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "autocast_digits.py"
+RUNS = ("f32", "f16_autocast", "bf16_autocast")
+NUMBERS = (
+    "test_accuracy",
+    "final_train_loss",
+    "median_step_ms",
+    "skipped_steps",
+    "final_loss_scale",
+)
+STEPS = 12
+
+
+def _is_finite_number(x):
+  is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
+  return is_number and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+  """Runs the example once for all tests in this module."""
+  out = tmp_path_factory.mktemp("autocast_digits")
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (str(ROOT), env.get("PYTHONPATH")) if p
+  )
+  # One device is enough; conftest asks for 8 simulated ones.
+  env["XLA_FLAGS"] = " ".join(
+      flag for flag in env.get("XLA_FLAGS", "").split()
+      if not flag.startswith("--xla_force_host_platform_device_count")
+  )
+  proc = subprocess.run(
+      [sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--out", str(out)],
+      capture_output=True, text=True, env=env, timeout=300, check=False,
+  )
+  return proc, out
+
+
+@pytest.mark.slow
+def test_example_exits_cleanly_and_prints_the_tables(example_run):
+  proc, _ = example_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for text in ("| run | test acc. (%)", "f16 autocast + dynamic loss scaling",
+               "bf16 autocast", "`dot_general` with half inputs", "Verdict:"):
+    assert text in proc.stdout
+
+
+@pytest.mark.slow
+def test_example_writes_png_and_markdown(example_run):
+  proc, out = example_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  png = (out / "autocast_digits.png").read_bytes()
+  assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+  markdown = (out / "autocast_digits.md").read_text()
+  assert "| bf16 autocast |" in markdown
+  assert "`reduce_sum` inputs" in markdown
+  assert f"--steps {STEPS}" in markdown
+
+
+@pytest.mark.slow
+def test_example_json_has_the_three_runs_with_finite_figures(example_run):
+  proc, out = example_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  data = json.loads((out / "autocast_digits.json").read_text())
+  assert data["config"]["steps"] == STEPS
+  assert tuple(data["runs"]) == RUNS
+  for name, run in data["runs"].items():
+    for key in NUMBERS:
+      assert _is_finite_number(run[key]), (name, key, run[key])
+    assert 0 <= run["test_accuracy"] <= 100
+    assert len(run["loss_history"]) == STEPS
+    assert len(run["loss_scale_history"]) == STEPS
+    assert all(_is_finite_number(x) for x in run["loss_history"]), name
+  runs = data["runs"]
+  assert runs["f32"]["compute_dtype"] is None
+  assert runs["f16_autocast"]["compute_dtype"] == "float16"
+  assert runs["bf16_autocast"]["compute_dtype"] == "bfloat16"
+  assert runs["f16_autocast"]["loss_scale_type"] == "DynamicLossScale"
+  assert runs["f16_autocast"]["loss_scale_history"][0] == 2.0**15
+  assert runs["f32"]["final_loss_scale"] == 1
+  assert runs["bf16_autocast"]["final_loss_scale"] == 1
+  # Same init and batches: the first losses agree up to half rounding.
+  first = [run["loss_history"][0] for run in runs.values()]
+  assert max(first) - min(first) < 0.05
+
+
+@pytest.mark.slow
+def test_example_evidence_shows_half_matmuls_and_f32_reductions(example_run):
+  proc, out = example_run
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  runs = json.loads((out / "autocast_digits.json").read_text())["runs"]
+  f32_step = runs["f32"]["evidence"]["train_step"]
+  assert f32_step["dot_general_total"] > 0
+  assert f32_step["dot_general_half"] == 0
+  for name, half in (("f16_autocast", "float16"),
+                     ("bf16_autocast", "bfloat16")):
+    for part in ("forward", "train_step"):
+      evidence = runs[name]["evidence"][part]
+      assert evidence["dot_general_total"] > 0, (name, part)
+      assert evidence["dot_general_half"] == evidence["dot_general_total"]
+      assert evidence["ops"]["dot_general"] == {
+          f"{half}, {half}": evidence["dot_general_total"]}
+      assert set(evidence["ops"]["exp"]) == {"float32"}, (name, part)
+      # Every reduce_sum whose result is used sums in float32.
+      dead = evidence["dead"].get("reduce_sum", {})
+      for key, count in evidence["ops"]["reduce_sum"].items():
+        assert key == "float32" or dead.get(key) == count, (name, part, key)
+    assert (runs[name]["evidence"]["train_step"]["dot_general_total"]
+            == f32_step["dot_general_total"])
