@@ -85,3 +85,123 @@ def test_markdown_names_the_command_and_every_workload(quick_run):
   assert "python -m benchmarks.wrapper_overhead --quick" in text
   for name in ("mlp-f16", "mlp-bf16", "conv-f16", "conv-bf16"):
     assert f"| {name}:" in text
+
+
+# --- the suite: python -m benchmarks run -------------------------------------
+
+
+def _run_suite(out, *args):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run(
+      [sys.executable, "-m", "benchmarks", "run", *args, "--out", str(out)],
+      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+  )
+
+
+@pytest.fixture(scope="module")
+def cpu_quick(tmp_path_factory):
+  out = tmp_path_factory.mktemp("cpu_suite")
+  return _run_suite(out, "--suite", "cpu", "--quick"), out
+
+
+@pytest.fixture(scope="module")
+def gpu_dry_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("gpu_suite")
+  return _run_suite(out, "--suite", "gpu", "--dry-run", "--gpu-steps", "1"), out
+
+
+def test_cpu_suite_quick_writes_json_and_markdown(cpu_quick):
+  proc, out = cpu_quick
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads((out / "cpu.json").read_text())
+  assert report["suite"] == "cpu"
+  assert "--quick" in report["command"]
+  assert report["config"]["quick"] is True
+  for key in ("jax", "jaxlib", "device_kind", "cpu_count", "platform"):
+    assert report["machine"][key] not in (None, ""), key
+  assert len(report["load_average"]["before"]) == 3
+  text = (out / "cpu.md").read_text()
+  assert "python -m benchmarks run --suite cpu --quick" in text
+  for heading in ("## 1. Step time", "## 2. Residuals", "## 3. Share of matmul",
+                  "## 4. Compile time", "## 5. `autocast`"):
+    assert heading in text
+
+
+def test_cpu_suite_timing_figures(cpu_quick):
+  _, out = cpu_quick
+  report = json.loads((out / "cpu.json").read_text())
+  assert report["results"], "no workload ran"
+  for result in report["results"]:
+    for variant in ("bf16/jmp_lite", "bf16/hand", "bf16/apply_if_finite",
+                    "bf16/autocast", "f16/jmp_lite", "f16/hand"):
+      stats = result["step_time_s"][variant]
+      assert len(stats["values"]) == report["config"]["repeats"]
+      assert all(_positive_finite(v) for v in stats["values"])
+      assert _positive_finite(result["compile"][variant]["total_s"])
+    for name in ("jmp_lite/hand bf16", "jmp_lite/hand f16",
+                 "jmp_lite/apply_if_finite bf16", "autocast/policy bf16"):
+      assert _positive_finite(result["ratios"][name]["wall"]["median"])
+      assert _positive_finite(result["compile_ratios"][name])
+
+
+def test_cpu_suite_static_figures(cpu_quick):
+  _, out = cpu_quick
+  report = json.loads((out / "cpu.json").read_text())
+  for result in report["results"]:
+    static = result["static"]
+    assert static["f32"]["flops"]["half_share"] == 0.0
+    for key in ("policy bf16", "policy f16", "autocast bf16", "autocast f16"):
+      flops, res = static[key]["flops"], static[key]["residuals"]
+      assert flops["total"] == static["f32"]["flops"]["total"] > 0
+      assert 0.0 <= flops["half_share"] <= 1.0
+      assert res["bytes"] == res["activation_bytes"] + res["param_copy_bytes"]
+      assert _positive_finite(res["ratio_vs_f32"])
+  for name in ("DigitsCNN", "CharLM"):
+    figures = report["example_models"][name]["figures"]
+    assert figures["f32"]["residuals"]["ratio_vs_f32"] == 1.0
+    for dt in ("bf16", "f16"):
+      assert figures[dt]["flops"]["total"] > 0
+      assert _positive_finite(figures[dt]["residuals"]["ratio_vs_f32"])
+
+
+def test_gpu_suite_dry_run_covers_every_mode(gpu_dry_run):
+  proc, out = gpu_dry_run
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads((out / "gpu.json").read_text())
+  assert report["suite"] == "gpu" and report["dry_run"] is True
+  assert {r["workload"] for r in report["results"]} == {"mlp", "resnet", "transformer"}
+  for result in report["results"]:
+    cases = result["jax"]
+    assert set(cases) == {"f32", "tf32", "bf16", "f16"}
+    for mode, case in cases.items():
+      assert _positive_finite(case["step_time_s"]), (mode, case)
+      assert _positive_finite(case["tflops"])
+      assert case["flops_per_step"] > 0
+      assert math.isfinite(case["final_loss"])
+    assert cases["f32"]["half_flop_share"] == 0.0
+    assert cases["bf16"]["half_flop_share"] == 1.0
+    assert cases["f32"]["speedup_vs_f32"] == pytest.approx(1.0)
+  assert "Dry run" in (out / "gpu.md").read_text()
+
+
+def test_gpu_suite_without_a_gpu_fails_clearly(tmp_path):
+  import jax
+  try:
+    if jax.devices("gpu"):
+      pytest.skip("a GPU is present")
+  except RuntimeError:
+    pass
+  proc = _run_suite(tmp_path, "--suite", "gpu")
+  assert proc.returncode == 2
+  assert "needs a CUDA GPU" in proc.stderr
+  assert not (tmp_path / "gpu.json").exists()
+
+
+def test_peak_table_matches_device_names():
+  from benchmarks import gpu_suite
+  assert gpu_suite.peak_tflops("NVIDIA H100 80GB HBM3")["half"] == 989.0
+  assert gpu_suite.peak_tflops("NVIDIA H200")["tf32"] == 494.0
+  assert gpu_suite.peak_tflops("NVIDIA A100-SXM4-80GB")["f32"] == 19.5
+  assert gpu_suite.peak_tflops("NVIDIA H100 PCIe") is None
+  assert gpu_suite.peak_tflops("cpu") is None
