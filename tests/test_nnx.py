@@ -513,3 +513,18 @@ def test_public_names_documented_with_examples(name):
     for attr, value in vars(obj).items():
       if not attr.startswith("_") and inspect.isfunction(value):
         assert inspect.getdoc(value), f"{name}.{attr}"
+
+
+def test_get_loss_scale_unwraps_nnx_optimizer_state():
+  """get_loss_scale(optimizer.opt_state) gives plain arrays, not NNX variables."""
+  module = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+      module,
+      jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0)),
+      wrt=nnx.Param,
+  )
+  loss_scale = jmp_lite.get_loss_scale(optimizer.opt_state)
+  assert isinstance(loss_scale, jmp_lite.DynamicLossScale)
+  assert isinstance(loss_scale.loss_scale, jax.Array)
+  assert float(loss_scale.loss_scale) == 8.0
+  assert loss_scale.loss_scale.dtype == jnp.float32

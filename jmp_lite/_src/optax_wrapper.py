@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -202,7 +203,8 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
 
   The :class:`LossScaleState` may sit anywhere inside ``opt_state``: at the top,
   inside ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
-  dicts or named tuples.
+  dicts or named tuples, or an ``nnx.Optimizer``'s ``opt_state`` (whose NNX
+  variables are unwrapped into arrays).
 
   Args:
     opt_state: the state of an optimizer built with :func:`loss_scaling`.
@@ -238,7 +240,18 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
         " state, so which scale to use is ambiguous. Pass the sub-state of the"
         " optimizer whose loss you are scaling."
     )
-  return found[0].loss_scale
+  return _unwrap_nnx_variables(found[0].loss_scale)
+
+
+def _unwrap_nnx_variables(loss_scale: Any) -> Any:
+  """Turns NNX variables (``nnx.Optimizer`` keeps its state in them) into arrays.
+
+  Flax is only consulted when the user has already imported ``flax.nnx``.
+  """
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None or not hasattr(nnx, "as_pure"):
+    return loss_scale
+  return nnx.as_pure(loss_scale)
 
 
 def scaled_value_and_grad(
