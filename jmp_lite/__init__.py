@@ -27,6 +27,7 @@ from jmp_lite._src.policy import get_policy
 from jmp_lite._src.policy import Policy
 from jmp_lite._src.policy import PRESETS
 from jmp_lite._src.policy import with_policy
+from jmp_lite._src.residuals import save_half_residuals
 from jmp_lite._src.tree import all_finite
 from jmp_lite._src.tree import select_tree
 
@@ -49,6 +50,7 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "loss_scaling",
+    "save_half_residuals",
     "scaled_value_and_grad",
     "select_tree",
     "with_policy",

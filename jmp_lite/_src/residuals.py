@@ -1,0 +1,78 @@
+"""A rematerialisation policy that keeps backward-pass residuals in half precision.
+
+Mixed precision computes matmuls in half precision but keeps numerically
+sensitive pieces (norm statistics, softmax, losses) in float32. Left alone,
+``jax.grad`` saves those float32 intermediates for the backward pass, so the
+memory of the saved activations falls well short of half of float32's. With
+:func:`save_half_residuals` as the ``jax.checkpoint`` policy, only values that
+are not float32/float64 are saved; the float32 pieces are recomputed in the
+backward pass from the saved half-precision values — the trade fused
+mixed-precision norm kernels make.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from jmp_lite._src import dtypes
+
+
+def _out_avals(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]):
+  out = prim.abstract_eval(*avals, **params)
+  # Recent JAX returns (avals, effects); older returns the avals alone.
+  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)):
+    out = out[0]
+  return out if isinstance(out, (list, tuple)) else [out]
+
+
+def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
+  """``jax.checkpoint`` policy: save half-precision and integer values only.
+
+  Outputs of an operation are saved for the backward pass when none of them is
+  a float32 (or wider) array; float32 intermediates are recomputed from the
+  saved values instead. Use it around a loss computed in half precision::
+
+    loss_fn = jax.checkpoint(loss_fn, policy=jmp_lite.save_half_residuals)
+
+  The recomputation is elementwise work and reductions (casts, norm
+  statistics, softmax); matmuls and convolutions run in the compute dtype and
+  are saved, not redone. Under a float32 policy it recomputes everything — use
+  it with half-precision compute only. Operations whose output types cannot be
+  inferred are not saved (recomputed), which is always correct.
+
+  Args:
+    prim: the primitive (given by ``jax.checkpoint``).
+    *avals: its input abstract values.
+    **params: its parameters.
+
+  Returns:
+    Whether the primitive's outputs may be saved.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> def loss(w, x):
+    ...   h = (x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32)
+    ...   return jnp.sum(jax.nn.softmax(h))
+    >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    >>> def saved_dtypes(fn):  # dtypes of what jax.vjp keeps, beyond w and x
+    ...   _, f_vjp = jax.vjp(fn, w, x)
+    ...   leaves = jax.tree_util.tree_leaves(f_vjp)
+    ...   return sorted({str(r.dtype) for r in leaves if r.ndim and r is not w and r is not x})
+    >>> saved_dtypes(loss)
+    ['float16', 'float32']
+    >>> saved_dtypes(jax.checkpoint(loss, policy=jmp_lite.save_half_residuals))
+    ['float16']
+  """
+  try:
+    outs = _out_avals(prim, avals, params)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  for out in outs:
+    dtype = getattr(out, "dtype", None)
+    if dtype is None:
+      return False
+    if dtypes.is_floating(dtype) and np.dtype(dtype).itemsize >= 4:
+      return False
+  return True
