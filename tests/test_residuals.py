@@ -48,7 +48,14 @@ def _block_args():
         (lax.exp_p, (jax.core.ShapedArray((3,), jnp.float32),), {}, False),
         (lax.exp_p, (jax.core.ShapedArray((3,), jnp.float16),), {}, True),
         (lax.exp_p, (jax.core.ShapedArray((3,), jnp.bfloat16),), {}, True),
-        (lax.gt_p, (jax.core.ShapedArray((3,), jnp.float32),) * 2, {}, True),
+        (lax.gt_p, (jax.core.ShapedArray((3,), jnp.float16),) * 2, {}, False),
+        (lax.add_p, (jax.core.ShapedArray((3,), jnp.int32),) * 2, {}, False),
+        (
+            lax.broadcast_in_dim_p,
+            (jax.core.ShapedArray((), jnp.float16),),
+            dict(shape=(3,), broadcast_dimensions=(), sharding=None),
+            False,
+        ),
         (
             lax.convert_element_type_p,
             (jax.core.ShapedArray((3,), jnp.float16),),

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
-
-from jmp_lite._src import dtypes
 
 
 def _out_avals(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]):
@@ -28,19 +27,22 @@ def _out_avals(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]):
 
 
 def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
-  """``jax.checkpoint`` policy: save half-precision and integer values only.
+  """``jax.checkpoint`` policy: save half-precision values only.
 
-  Outputs of an operation are saved for the backward pass when none of them is
-  a float32 (or wider) array; float32 intermediates are recomputed from the
-  saved values instead. Use it around a loss computed in half precision::
+  An operation's outputs are saved for the backward pass when all of them are
+  float16/bfloat16 arrays; everything else — float32 intermediates, boolean
+  masks (``x > 0`` of a ReLU), integers, broadcasts of constants — is
+  recomputed from the saved values and the function's inputs instead. Use it
+  around a loss computed in half precision::
 
     loss_fn = jax.checkpoint(loss_fn, policy=jmp_lite.save_half_residuals)
 
   The recomputation is elementwise work and reductions (casts, norm
-  statistics, softmax); matmuls and convolutions run in the compute dtype and
-  are saved, not redone. Under a float32 policy it recomputes everything — use
-  it with half-precision compute only. Operations whose output types cannot be
-  inferred are not saved (recomputed), which is always correct.
+  statistics kept in float32, softmax, masks); matmuls and convolutions run in
+  the compute dtype and their outputs are saved, not redone. Under a float32
+  policy it recomputes everything — use it with half-precision compute only.
+  An operation whose output types cannot be inferred is recomputed, which is
+  always correct.
 
   Args:
     prim: the primitive (given by ``jax.checkpoint``).
@@ -65,14 +67,18 @@ def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
     >>> saved_dtypes(jax.checkpoint(loss, policy=jmp_lite.save_half_residuals))
     ['float16']
   """
+  if getattr(prim, "name", None) in _FREE:
+    return False
   try:
     outs = _out_avals(prim, avals, params)
   except Exception:  # pylint: disable=broad-except
     return False
-  for out in outs:
-    dtype = getattr(out, "dtype", None)
-    if dtype is None:
-      return False
-    if dtypes.is_floating(dtype) and np.dtype(dtype).itemsize >= 4:
-      return False
-  return True
+  return bool(outs) and all(
+      np.dtype(getattr(out, "dtype", np.float32)) in _HALF for out in outs
+  )
+
+
+# Half-precision floating dtypes whose values are worth saving.
+_HALF = frozenset({np.dtype(jnp.float16), np.dtype(jnp.bfloat16)})
+# Operations that cost nothing to redo (a broadcast of a scalar, an iota).
+_FREE = frozenset({"broadcast_in_dim", "iota"})
