@@ -38,10 +38,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any, Callable
@@ -50,34 +48,19 @@ import jax
 from jax.extend.core import jaxprs_in_params
 from jax.extend.core import Var
 import jax.numpy as jnp
-import matplotlib
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
-matplotlib.use("Agg")  # Write image files only; never open a window.
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
+import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
 import jmp_lite  # noqa: E402
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
-SPLIT_SEED = 0  # The train/test split is fixed; --seed changes init and order.
-TEST_SIZE = 360  # 1797 digits: 1437 to train on, 360 to test on.
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
-SMOOTHING = 25  # Window of the moving average in the loss plot.
-ACCURACY_TOLERANCE = 1.0  # Points of test accuracy that count as "matching".
 EVIDENCE_OPS = ("dot_general", "exp", "log", "reduce_sum", "square", "rsqrt",
                 "integer_pow", "tanh", "reduce_max")
 ROWS = PIXELS = 8  # A digit is a sequence of 8 rows of 8 pixels.
-LINE_STYLES = (
-    dict(color="tab:blue", linewidth=3, alpha=0.6),
-    dict(color="tab:orange", linestyle="--"),
-    dict(color="tab:green", linestyle=":", linewidth=2),
-)
 
 
 # -- the model: plain JAX, float32, unmodified -------------------------------
@@ -213,24 +196,7 @@ def load_data() -> dict[str, np.ndarray]:
     ``x_train``, ``y_train``, ``x_test``, ``y_test``: float32 pixels in
     [0, 1], shape ``(n, 64)``, and int32 labels; a fixed stratified split.
   """
-  digits = load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
-  x_train, x_test, y_train, y_test = train_test_split(
-      x, y, test_size=TEST_SIZE, random_state=SPLIT_SEED, stratify=y
-  )
-  return dict(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
-
-
-def batch_indices(num_examples: int, batch_size: int, steps: int, seed: int):
-  """Yields each step's batch indices from reshuffled epochs (seeded)."""
-  rng = np.random.default_rng(seed)
-  order = np.array([], dtype=np.int64)
-  for _ in range(steps):
-    if len(order) < batch_size:
-      order = np.concatenate([order, rng.permutation(num_examples)])
-    yield order[:batch_size]
-    order = order[batch_size:]
+  return common.flat_digits(*flax_models.load_digits_data(common.SPLIT_SEED))
 
 
 def make_train_step(loss_fn, optimizer):
@@ -331,24 +297,19 @@ def train(spec: RunSpec, data, init, cfg: ModelConfig, args) -> dict:
   evidence = dict(forward=op_evidence(step_loss, params, x0, y0),
                   train_step=op_evidence(train_step, params, opt_state, x0, y0))
 
-  losses, scales, skipped_at, step_ms = [], [], [], []
-  batches = batch_indices(len(data["x_train"]), args.batch_size, args.steps,
-                          args.seed)
+  log = common.StepLog()
+  batches = common.batch_indices(len(data["x_train"]), args.batch_size,
+                                 args.steps, args.seed)
   bar = tqdm(batches, total=args.steps, desc=f"{spec.label:>36}",
              disable=None, dynamic_ncols=True)
   for step, idx in enumerate(bar):
     start = time.perf_counter()
     params, opt_state, metrics = train_step(
         params, opt_state, data["x_train"][idx], data["y_train"][idx])
-    metrics = jax.device_get(jax.block_until_ready(metrics))
-    step_ms.append(1e3 * (time.perf_counter() - start))
-    losses.append(float(metrics["loss"]))
-    scales.append(float(metrics["loss_scale"]))
-    if not metrics["finite"]:
-      skipped_at.append(step)
+    log.record(step, start, jax.device_get(jax.block_until_ready(metrics)))
     if step % 20 == 0 or step == args.steps - 1:
-      bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{scales[-1]:g}",
-                      skipped=len(skipped_at), refresh=False)
+      bar.set_postfix(loss=f"{log.losses[-1]:.3f}", scale=f"{log.scales[-1]:g}",
+                      skipped=len(log.skipped_at), refresh=False)
   bar.close()
 
   # Evaluation uses the float32 model: it measures the trained parameters.
@@ -362,25 +323,15 @@ def train(spec: RunSpec, data, init, cfg: ModelConfig, args) -> dict:
       loss_scale_type=type(spec.loss_scale).__name__,
       test_accuracy=100.0 * float(test_acc),
       final_train_loss=float(train_loss),
-      median_step_ms=float(np.median(step_ms[WARMUP_STEPS:] or step_ms)),
+      median_step_ms=log.median_step_ms(WARMUP_STEPS),
       skipped_steps=int(opt_state.skipped_steps),
       final_loss_scale=float(jmp_lite.get_loss_scale(opt_state).loss_scale),
       evidence=evidence,
-      loss_history=losses,
-      loss_scale_history=scales,
-      skipped_at=skipped_at,
+      **log.histories(),
   )
 
 
 # -- reporting ---------------------------------------------------------------
-
-
-def format_scale(value: float) -> str:
-  """``2^15`` for powers of two above 1, else ``%g``."""
-  exponent = math.log2(value) if value > 0 else 0.5
-  if exponent >= 1 and exponent == int(exponent):
-    return f"2^{int(exponent)}"
-  return f"{value:g}"
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -394,7 +345,8 @@ def format_table(results: dict[str, dict]) -> str:
     lines.append(
         f"| {r['label']} | {r['test_accuracy']:.1f} "
         f"| {r['final_train_loss']:.4f} | {r['median_step_ms']:.2f} "
-        f"| {r['skipped_steps']} | {format_scale(r['final_loss_scale'])} |"
+        f"| {r['skipped_steps']} "
+        f"| {common.format_scale(r['final_loss_scale'])} |"
     )
   return "\n".join(lines)
 
@@ -449,63 +401,27 @@ def verdict(results: dict[str, dict]) -> str:
   for name in ("f16_autocast", "bf16_autocast"):
     r = results[name]
     gap = r["test_accuracy"] - ref
-    ok = "within" if abs(gap) <= ACCURACY_TOLERANCE else "NOT within"
+    ok = "within" if abs(gap) <= common.ACCURACY_TOLERANCE else "NOT within"
     parts.append(f"{r['label']} {r['test_accuracy']:.1f}% ({ok} "
-                 f"{ACCURACY_TOLERANCE:g} point of f32)")
+                 f"{common.ACCURACY_TOLERANCE:g} point of f32)")
   return f"Verdict: f32 {ref:.1f}% test accuracy; " + "; ".join(parts) + "."
 
 
 def plot(results: dict[str, dict], path: str) -> None:
   """Loss curves of the three runs and the f16 run's loss scale."""
-  fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(12, 4.5))
-  for style, r in zip(LINE_STYLES, results.values()):
+  fig, (ax_loss, ax_scale) = common.loss_and_scale_axes(figsize=(12, 4.5))
+  for style, r in zip(common.LINE_STYLES, results.values()):
     losses = np.asarray(r["loss_history"], dtype=np.float64)
     steps = np.flatnonzero(np.isfinite(losses))
-    window = min(SMOOTHING, max(len(steps), 1))
+    window = min(common.SMOOTHING, max(len(steps), 1))
     smooth = np.convolve(losses[steps], np.ones(window) / window, "valid")
     ax_loss.plot(steps[window - 1:], smooth, label=r["label"], **style)
-  ax_loss.set_yscale("log")
-  ax_loss.set_xlabel("step")
-  ax_loss.set_ylabel(f"train loss ({SMOOTHING}-step moving average)")
-  ax_loss.set_title("Training loss: plain f32 vs autocast")
-  ax_loss.grid(True, which="both", alpha=0.3)
-  ax_loss.legend()
-
-  scaled = results["f16_autocast"]
-  log2_scale = np.log2(scaled["loss_scale_history"])
-  ax_scale.step(np.arange(len(log2_scale)), log2_scale, where="post",
-                color="tab:orange", label="loss scale used by the step")
-  skipped = scaled["skipped_at"]
-  ax_scale.plot(skipped, log2_scale[skipped], "x", color="tab:red",
-                markersize=8, label=f"skipped steps ({len(skipped)})")
-  ax_scale.set_xlabel("step")
-  ax_scale.set_ylabel("log2(loss scale)")
-  ax_scale.set_ylim(log2_scale.min() - 1, log2_scale.max() + 1)
-  ax_scale.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-  ax_scale.set_title(f"{scaled['label']}: loss scale")
-  ax_scale.grid(True, alpha=0.3)
-  ax_scale.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def to_json(data: Any) -> str:
-  """Strict JSON: 6 significant digits, non-finite floats as ``null``, and
-  each flat list of numbers on one line."""
-
-  def clean(x):
-    if isinstance(x, dict):
-      return {k: clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-      return [clean(v) for v in x]
-    if isinstance(x, float):
-      return float(f"{x:.6g}") if math.isfinite(x) else None
-    return x
-
-  text = json.dumps(clean(data), indent=1, allow_nan=False)
-  flat_list = r"\[[^\[\]{}\"]*\]"
-  return re.sub(flat_list, lambda m: " ".join(m.group().split()), text)
+  common.style_loss_axis(
+      ax_loss, f"train loss ({common.SMOOTHING}-step moving average)",
+      "Training loss: plain f32 vs autocast")
+  common.plot_loss_scale_steps(ax_scale, results["f16_autocast"],
+                               "tab:orange", fit_ylim=True)
+  common.save_figure(fig, path, dpi=110)
 
 
 def write_outputs(results, args, report: list[str], cfg: ModelConfig) -> str:
@@ -514,19 +430,13 @@ def write_outputs(results, args, report: list[str], cfg: ModelConfig) -> str:
   stem = os.path.join(args.out, "autocast_digits")
   plot(results, stem + ".png")
   config = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "seed")}
-  command = "python examples/autocast_digits.py " + " ".join(
-      f"--{k.replace('_', '-')} {v}" for k, v in config.items())
-  with open(stem + ".md", "w") as f:
-    f.write("# autocast on digits: results\n\n")
-    f.write("\n\n".join(report) + "\n\n")
-    f.write(f"Command: `{command}` (jax {jax.__version__}, "
-            f"{jax.default_backend()} backend).\n\n")
-    f.write("![loss curves and loss scale](autocast_digits.png)\n")
-  with open(stem + ".json", "w") as f:
-    f.write(to_json(dict(config=config, model=dataclasses.asdict(cfg),
-                         jax_version=jax.__version__,
-                         backend=jax.default_backend(), summary=report,
-                         runs=results)) + "\n")
+  common.write_markdown(stem + ".md", "autocast on digits: results", report,
+                        common.command_line("autocast_digits", config),
+                        "autocast_digits.png")
+  common.write_json(stem + ".json", dict(
+      config=config, model=dataclasses.asdict(cfg),
+      jax_version=jax.__version__, backend=jax.default_backend(),
+      summary=report, runs=results))
   return stem
 
 
@@ -545,13 +455,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="Adam learning rate")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the initial parameters and batch order")
-  parser.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+  parser.add_argument("--out", default=common.DEFAULT_OUT,
+                      help="output directory")
   args = parser.parse_args(argv)
-  for name in ("steps", "batch_size"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be at least 1")
-  if not (args.lr > 0 and math.isfinite(args.lr)):
-    parser.error("--lr must be positive and finite")
+  common.check_at_least_one(parser, args, ("steps", "batch_size"))
+  common.check_positive_finite(parser, args, ("lr",))
   return args
 
 

@@ -52,44 +52,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import re
 import sys
 import time
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import matplotlib
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
-matplotlib.use("Agg")  # Write image files only; never open a window.
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
+import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
 import jmp_lite  # noqa: E402
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
-SPLIT_SEED = 0  # The train/test split is fixed; --seed changes init and order.
-TEST_SIZE = 360  # 1797 digits: 1437 to train on, 360 to test on.
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
-SMOOTHING = 25  # Window of the moving average in the loss plot.
-ACCURACY_TOLERANCE = 1.0  # Points of test accuracy that count as "matching".
-# The three runs that train overlap in the loss plot: dashes tell them apart.
-LINE_STYLES = (
-    dict(color="tab:blue", linewidth=3, alpha=0.6),
-    dict(color="tab:orange", linestyle="--"),
-    dict(color="tab:green", linestyle=":", linewidth=2),
-    dict(color="tab:red"),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,27 +127,7 @@ def load_data() -> dict[str, np.ndarray]:
     [0, 1] (shape ``(n, 64)``) and int32 labels. The split is stratified and
     always the same.
   """
-  digits = load_digits()
-  x = (digits.data / 16.0).astype(np.float32)
-  y = digits.target.astype(np.int32)
-  x_train, x_test, y_train, y_test = train_test_split(
-      x, y, test_size=TEST_SIZE, random_state=SPLIT_SEED, stratify=y
-  )
-  return dict(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
-
-
-def batch_indices(num_examples: int, batch_size: int, steps: int, seed: int):
-  """Yields the indices of each step's batch, from reshuffled epochs.
-
-  The same seed gives every run exactly the same batches.
-  """
-  rng = np.random.default_rng(seed)
-  order = np.array([], dtype=np.int64)
-  for _ in range(steps):
-    if len(order) < batch_size:
-      order = np.concatenate([order, rng.permutation(num_examples)])
-    yield order[:batch_size]
-    order = order[batch_size:]
+  return common.flat_digits(*flax_models.load_digits_data(common.SPLIT_SEED))
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -227,14 +187,6 @@ def make_eval_fn(apply_fn):
   return evaluate
 
 
-def format_scale(value: float) -> str:
-  """Formats a loss scale: ``2^25`` for powers of two above 1, else ``%g``."""
-  exponent = math.log2(value) if value > 0 else 0.5
-  if exponent >= 1 and exponent == int(exponent):
-    return f"2^{int(exponent)}"
-  return f"{value:g}"
-
-
 def zero_fractions(zero_counts, params) -> dict[str, float]:
   """Turns per-leaf zero counts into fractions, per layer and ``"all"``."""
   counts = jax.tree_util.tree_leaves_with_path(zero_counts)
@@ -272,10 +224,10 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
 
   params = init_params
   opt_state = optimizer.init(params)
-  losses, scales, skipped_at, step_ms = [], [], [], []
+  log = common.StepLog()
   first_zeros = None
-  batches = batch_indices(len(data["x_train"]), args.batch_size, args.steps,
-                          args.seed)
+  batches = common.batch_indices(len(data["x_train"]), args.batch_size,
+                                 args.steps, args.seed)
   bar = tqdm(batches, total=args.steps, desc=f"{spec.label:>26}",
              disable=None,  # No bar when the output is not a terminal.
              dynamic_ncols=True)
@@ -284,19 +236,14 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
     start = time.perf_counter()
     params, opt_state, metrics = train_step(params, opt_state, x, y)
     metrics = jax.device_get(jax.block_until_ready(metrics))
-    step_ms.append(1e3 * (time.perf_counter() - start))
-
-    losses.append(float(metrics["ce"]))
-    scales.append(float(metrics["loss_scale"]))
-    if not metrics["finite"]:
-      skipped_at.append(step)
+    log.record(step, start, metrics, loss_key="ce")
     if first_zeros is None:
       first_zeros = zero_fractions(metrics["zero_grads"], params)
     if step % 10 == 0 or step == args.steps - 1:
-      postfix = dict(loss=f"{losses[-1]:.3f}")
+      postfix = dict(loss=f"{log.losses[-1]:.3f}")
       if dynamic:
-        postfix.update(scale=format_scale(scales[-1]),
-                       skipped=len(skipped_at))
+        postfix.update(scale=common.format_scale(log.scales[-1]),
+                       skipped=len(log.skipped_at))
       bar.set_postfix(postfix, refresh=False)
   bar.close()
 
@@ -309,14 +256,12 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
       loss_scale_type=type(spec.loss_scale).__name__,
       test_accuracy=100.0 * float(test_acc),
       final_train_loss=float(train_ce),
-      median_step_ms=float(np.median(step_ms[WARMUP_STEPS:] or step_ms)),
+      median_step_ms=log.median_step_ms(WARMUP_STEPS),
       skipped_steps=int(opt_state.skipped_steps),
       final_loss_scale=float(jmp_lite.get_loss_scale(opt_state).loss_scale),
       zero_grad_fraction=first_zeros["all"],
       zero_grad_fraction_per_layer=first_zeros,
-      loss_history=losses,
-      loss_scale_history=scales,
-      skipped_at=skipped_at,
+      **log.histories(),
   )
 
 
@@ -331,7 +276,8 @@ def format_table(results: dict[str, dict]) -> str:
     lines.append(
         f"| {r['label']} | `{r['policy']}` | {r['test_accuracy']:.1f} "
         f"| {r['final_train_loss']:.4f} | {r['median_step_ms']:.2f} "
-        f"| {r['skipped_steps']} | {format_scale(r['final_loss_scale'])} "
+        f"| {r['skipped_steps']} "
+        f"| {common.format_scale(r['final_loss_scale'])} "
         f"| {100 * r['zero_grad_fraction']:.1f} |"
     )
   return "\n".join(lines)
@@ -357,7 +303,7 @@ def verdict(results: dict[str, dict]) -> str:
   acc = {name: r["test_accuracy"] for name, r in results.items()}
 
   def matches(name):
-    return abs(acc[name] - acc["f32"]) <= ACCURACY_TOLERANCE
+    return abs(acc[name] - acc["f32"]) <= common.ACCURACY_TOLERANCE
 
   text = (
       f"Verdict: f16 + dynamic loss scaling {acc['f16_scaled']:.1f}% and bf16 "
@@ -365,10 +311,11 @@ def verdict(results: dict[str, dict]) -> str:
   )
   off = [results[n]["label"] for n in ("f16_scaled", "bf16") if not matches(n)]
   if off:
-    text += (f"{' and '.join(off)} NOT within {ACCURACY_TOLERANCE:g} point "
+    text += (f"{' and '.join(off)} NOT within "
+             f"{common.ACCURACY_TOLERANCE:g} point "
              "of f32; ")
   else:
-    text += f"both within {ACCURACY_TOLERANCE:g} point of f32; "
+    text += f"both within {common.ACCURACY_TOLERANCE:g} point of f32; "
   plain = acc["f16_unscaled"]
   if matches("f16_unscaled"):
     text += (f"f16 without loss scaling also matches ({plain:.1f}%), so its "
@@ -395,72 +342,18 @@ def describe_non_finite(results: dict[str, dict]) -> list[str]:
   return notes
 
 
-def moving_average(values, window: int) -> np.ndarray:
-  """Trailing moving average that ignores non-finite values (NaN if none)."""
-  values = np.asarray(values, dtype=np.float64)
-  finite = np.isfinite(values)
-
-  def window_sums(v):
-    cumsum = np.concatenate([[0.0], np.cumsum(v)])
-    ends = np.arange(1, len(v) + 1)
-    return cumsum[ends] - cumsum[np.maximum(ends - window, 0)]
-
-  sums = window_sums(np.where(finite, values, 0.0))
-  counts = window_sums(finite.astype(np.float64))
-  with np.errstate(invalid="ignore", divide="ignore"):
-    return np.where(counts > 0, sums / counts, np.nan)
-
-
 def plot(results: dict[str, dict], path: str, loss_weight: float) -> None:
   """Writes the figure: loss curves, and the f16 run's loss-scale history."""
-  fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(12, 4.5))
-  for r, style in zip(results.values(), LINE_STYLES):
-    ax_loss.plot(moving_average(r["loss_history"], SMOOTHING), label=r["label"],
+  fig, (ax_loss, ax_scale) = common.loss_and_scale_axes(figsize=(12, 4.5))
+  for r, style in zip(results.values(), common.LINE_STYLES):
+    ax_loss.plot(common.moving_average(r["loss_history"], common.SMOOTHING),
+                 label=r["label"],
                  **style)
-  ax_loss.set_yscale("log")
-  ax_loss.set_xlabel("step")
-  ax_loss.set_ylabel(f"train cross-entropy ({SMOOTHING}-step moving average)")
-  ax_loss.set_title(f"Training loss (loss weight {loss_weight:g})")
-  ax_loss.grid(True, which="both", alpha=0.3)
-  ax_loss.legend()
-
-  scaled = results["f16_scaled"]
-  log2_scale = np.log2(scaled["loss_scale_history"])
-  ax_scale.step(np.arange(len(log2_scale)), log2_scale, where="post",
-                color="tab:green", label="loss scale used by the step")
-  skipped = scaled["skipped_at"]
-  ax_scale.plot(skipped, log2_scale[skipped], "x", color="tab:red",
-                markersize=8, label=f"skipped steps ({len(skipped)})")
-  ax_scale.set_xlabel("step")
-  ax_scale.set_ylabel("log2(loss scale)")
-  ax_scale.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-  ax_scale.set_title(f"{scaled['label']}: loss scale")
-  ax_scale.grid(True, alpha=0.3)
-  ax_scale.legend()
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
-def to_json(data: Any) -> str:
-  """Serialises ``data`` as readable, strictly valid JSON.
-
-  Floats keep 6 significant digits, non-finite floats become ``null``, and each
-  list of numbers (the per-step histories) is written on one line.
-  """
-
-  def clean(x):
-    if isinstance(x, dict):
-      return {k: clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-      return [clean(v) for v in x]
-    if isinstance(x, float):
-      return float(f"{x:.6g}") if math.isfinite(x) else None
-    return x
-
-  text = json.dumps(clean(data), indent=1, allow_nan=False)
-  flat_list = r"\[[^\[\]{}\"]*\]"  # A list holding no list, dict or string.
-  return re.sub(flat_list, lambda m: " ".join(m.group().split()), text)
+  common.style_loss_axis(
+      ax_loss, f"train cross-entropy ({common.SMOOTHING}-step moving average)",
+      f"Training loss (loss weight {loss_weight:g})")
+  common.plot_loss_scale_steps(ax_scale, results["f16_scaled"], "tab:green")
+  common.save_figure(fig, path, dpi=110)
 
 
 def write_outputs(results, args, report: list[str]) -> str:
@@ -470,18 +363,12 @@ def write_outputs(results, args, report: list[str]) -> str:
   plot(results, stem + ".png", args.loss_weight)
   keys = ("steps", "batch_size", "lr", "seed", "loss_weight", "period")
   config = {k: getattr(args, k) for k in keys}
-  command = "python examples/digits_demo.py " + " ".join(
-      f"--{k.replace('_', '-')} {v}" for k, v in config.items())
-  with open(stem + ".md", "w") as f:
-    f.write("# digits demo: results\n\n")
-    f.write("\n\n".join(report) + "\n\n")
-    f.write(f"Command: `{command}` (jax {jax.__version__}, "
-            f"{jax.default_backend()} backend).\n\n")
-    f.write("![loss curves and loss scale](digits_demo.png)\n")
-  with open(stem + ".json", "w") as f:
-    f.write(to_json(dict(config=config, jax_version=jax.__version__,
-                         backend=jax.default_backend(), summary=report,
-                         runs=results)) + "\n")
+  common.write_markdown(stem + ".md", "digits demo: results", report,
+                        common.command_line("digits_demo", config),
+                        "digits_demo.png")
+  common.write_json(stem + ".json", dict(
+      config=config, jax_version=jax.__version__,
+      backend=jax.default_backend(), summary=report, runs=results))
   return stem
 
 
@@ -506,15 +393,11 @@ def parse_args(argv=None) -> argparse.Namespace:
       "make f16 gradients underflow, 1 turns the underflow setting off")
   parser.add_argument("--period", type=int, default=200,
                       help="growth period of the dynamic loss scale, in steps")
-  parser.add_argument("--out", default=DEFAULT_OUT, help="output directory")
+  parser.add_argument("--out", default=common.DEFAULT_OUT,
+                      help="output directory")
   args = parser.parse_args(argv)
-  for name in ("steps", "batch_size", "period"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be at least 1")
-  for name in ("lr", "loss_weight"):
-    value = getattr(args, name)
-    if not (value > 0 and math.isfinite(value)):
-      parser.error(f"--{name.replace('_', '-')} must be positive and finite")
+  common.check_at_least_one(parser, args, ("steps", "batch_size", "period"))
+  common.check_positive_finite(parser, args, ("lr", "loss_weight"))
   return args
 
 

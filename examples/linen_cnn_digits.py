@@ -45,50 +45,19 @@ import time
 
 import jax
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")  # Write image files only; never open a window.
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import optax
+from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
 import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
 import jmp_lite  # noqa: E402
 import jmp_lite.linen as jlinen  # noqa: E402
 
 NAME = "linen_cnn_digits"
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
+DEFAULT_OUT = common.DEFAULT_OUT
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
-SMOOTHING = 25  # Window of the moving average in the loss plot.
-
-
-def run_specs(period: int):
-  """``(name, label, policy spec, initial loss scale)``, f32 (reference) first.
-
-  Args:
-    period: growth period of the dynamic loss scale, in steps.
-  """
-  return (
-      ("f32", "f32", "p=f32,c=f32,o=f32", jmp_lite.NoOpLossScale()),
-      ("bf16", "bf16", "p=f32,c=bf16,o=f32", jmp_lite.NoOpLossScale()),
-      ("f16_scaled", "f16 + dynamic loss scaling", "p=f32,c=f16,o=f32",
-       jmp_lite.DynamicLossScale(2.0**15, period=period)),
-  )
-
-
-def batch_indices(num_examples: int, batch_size: int, steps: int, seed: int):
-  """Yields each step's batch indices from reshuffled epochs (seeded)."""
-  rng = np.random.default_rng(seed)
-  order = np.array([], dtype=np.int64)
-  for _ in range(steps):
-    if len(order) < batch_size:
-      order = np.concatenate([order, rng.permutation(num_examples)])
-    yield order[:batch_size]
-    order = order[batch_size:]
+SMOOTHING = common.SMOOTHING  # Window of the moving average in the loss plot.
 
 
 def make_train_step(model, optimizer):
@@ -150,23 +119,19 @@ def train(spec, data, args) -> dict:
   opt_state = optimizer.init(params)
   step = make_train_step(model, optimizer)
 
-  losses, scales, skipped_at, step_ms = [], [], [], []
-  batches = batch_indices(len(x_train), args.batch_size, args.steps, args.seed)
+  log = common.StepLog()
+  batches = common.batch_indices(len(x_train), args.batch_size, args.steps,
+                                 args.seed)
   bar = tqdm(batches, total=args.steps, desc=f"{label:>26}", disable=None,
              dynamic_ncols=True)
   for i, idx in enumerate(bar):
     start = time.perf_counter()
     params, batch_stats, opt_state, metrics = step(
         params, batch_stats, opt_state, x_train[idx], y_train[idx])
-    metrics = jax.device_get(metrics)
-    step_ms.append(1e3 * (time.perf_counter() - start))
-    losses.append(float(metrics["loss"]))
-    scales.append(float(metrics["loss_scale"]))
-    if not metrics["finite"]:
-      skipped_at.append(i)
+    log.record(i, start, jax.device_get(metrics))
     if i % 20 == 0 or i == args.steps - 1:
-      bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{scales[-1]:g}",
-                      skipped=len(skipped_at), refresh=False)
+      bar.set_postfix(loss=f"{log.losses[-1]:.3f}", scale=f"{log.scales[-1]:g}",
+                      skipped=len(log.skipped_at), refresh=False)
   bar.close()
 
   evaluate = make_eval_fn(model)
@@ -180,12 +145,10 @@ def train(spec, data, args) -> dict:
       test_accuracy=100.0 * float(test_acc),
       test_loss=float(test_loss),
       final_train_loss=float(train_loss),
-      median_step_ms=float(np.median(step_ms[WARMUP_STEPS:] or step_ms)),
+      median_step_ms=log.median_step_ms(WARMUP_STEPS),
       skipped_steps=int(opt_state.skipped_steps),
       final_loss_scale=float(jmp_lite.get_loss_scale(opt_state).loss_scale),
-      loss_history=losses,
-      loss_scale_history=scales,
-      skipped_at=skipped_at,
+      **log.histories(),
   )
 
 
@@ -204,42 +167,12 @@ def format_table(runs: dict) -> str:
   return "\n".join(lines)
 
 
-def moving_average(values, window: int) -> np.ndarray:
-  """Trailing moving average over the finite values (NaN where none)."""
-  values = np.asarray(values, dtype=np.float64)
-  out = np.full_like(values, np.nan)
-  for i in range(len(values)):
-    chunk = values[max(0, i - window + 1):i + 1]
-    chunk = chunk[np.isfinite(chunk)]
-    if chunk.size:
-      out[i] = chunk.mean()
-  return out
-
-
 def plot(runs: dict, path: str) -> None:
   """Loss curves of every run and the f16 run's loss scale, as a PNG."""
-  fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
-  styles = ({"linewidth": 3, "alpha": 0.6}, {"linestyle": "--"},
-            {"linestyle": ":", "linewidth": 2})
-  for (r, style) in zip(runs.values(), styles):
-    ax_loss.plot(moving_average(r["loss_history"], SMOOTHING),
-                 label=r["label"], **style)
-  ax_loss.set(xlabel="step", ylabel=f"train loss ({SMOOTHING}-step average)",
-              yscale="log", title="DigitsCNN (linen) training loss")
-  ax_loss.legend()
-  scaled = runs["f16_scaled"]
-  ax_scale.plot(np.log2(scaled["loss_scale_history"]), color="tab:green")
-  if scaled["skipped_at"]:
-    ax_scale.plot(scaled["skipped_at"],
-                  np.log2(np.asarray(scaled["loss_scale_history"]))[
-                      scaled["skipped_at"]], "rx", label="skipped step")
-    ax_scale.legend()
-  ax_scale.set(xlabel="step", ylabel="log2(loss scale)",
-               title="f16 dynamic loss scale")
-  ax_scale.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  common.plot_loss_and_scale(
+      runs, path, SMOOTHING,
+      loss_ylabel=f"train loss ({SMOOTHING}-step average)",
+      loss_title="DigitsCNN (linen) training loss", log_loss=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -263,7 +196,8 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   data = flax_models.load_digits_data()
   start = time.perf_counter()
-  runs = {spec[0]: train(spec, data, args) for spec in run_specs(args.period)}
+  runs = {spec[0]: train(spec, data, args)
+          for spec in common.flax_run_specs(args.period)}
   wall_s = time.perf_counter() - start
   table = format_table(runs)
   print(table)

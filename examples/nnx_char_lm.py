@@ -48,42 +48,23 @@ import time
 from flax import nnx
 import jax
 import jax.numpy as jnp
-import matplotlib
-
-matplotlib.use("Agg")  # Write image files only; never open a window.
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib import ticker  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import numpy as np
+import optax
+from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  pylint: disable=g-import-not-at-top
 import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
 import jmp_lite  # noqa: E402
 import jmp_lite.nnx as jnnx  # noqa: E402
 
 NAME = "nnx_char_lm"
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
+DEFAULT_OUT = common.DEFAULT_OUT
 WARMUP_STEPS = 5  # First steps (compilation) left out of the median step time.
-SMOOTHING = 25  # Window of the moving average in the loss plot.
+SMOOTHING = common.SMOOTHING  # Window of the moving average in the loss plot.
 VAL_FRACTION = 0.1
 EVAL_BATCH = 64
 PROMPT = "    def __init__(self"
-
-
-def run_specs(period: int):
-  """``(name, label, policy spec, initial loss scale)``, f32 (reference) first.
-
-  Args:
-    period: growth period of the dynamic loss scale, in steps.
-  """
-  return (
-      ("f32", "f32", "p=f32,c=f32,o=f32", jmp_lite.NoOpLossScale()),
-      ("bf16", "bf16", "p=f32,c=bf16,o=f32", jmp_lite.NoOpLossScale()),
-      ("f16_scaled", "f16 + dynamic loss scaling", "p=f32,c=f16,o=f32",
-       jmp_lite.DynamicLossScale(2.0**15, period=period)),
-  )
 
 
 def load_splits(max_chars: int):
@@ -187,7 +168,7 @@ def train(spec, data, args) -> dict:
       model, jmp_lite.loss_scaling(optax.adam(learning_rate), loss_scale),
       wrt=nnx.Param)
 
-  losses, scales, skipped_at, step_ms = [], [], [], []
+  log = common.StepLog()
   starts = batch_starts(len(train_tokens), args.seq_len, args.batch_size,
                         args.steps, args.seed)
   bar = tqdm(starts, total=args.steps, desc=f"{label:>26}", disable=None,
@@ -195,19 +176,15 @@ def train(spec, data, args) -> dict:
   for i, batch in enumerate(bar):
     x, y = windows(train_tokens, batch, args.seq_len)
     start = time.perf_counter()
-    metrics = jax.device_get(train_step(model, optimizer, x, y))
-    step_ms.append(1e3 * (time.perf_counter() - start))
-    losses.append(float(metrics["loss"]))
-    scales.append(float(metrics["loss_scale"]))
-    if not metrics["finite"]:
-      skipped_at.append(i)
+    log.record(i, start,
+               jax.device_get(train_step(model, optimizer, x, y)))
     if i % 10 == 0 or i == args.steps - 1:
-      bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{scales[-1]:g}",
-                      skipped=len(skipped_at), refresh=False)
+      bar.set_postfix(loss=f"{log.losses[-1]:.3f}", scale=f"{log.scales[-1]:g}",
+                      skipped=len(log.skipped_at), refresh=False)
   bar.close()
 
   state = nnx.as_pure(optimizer.opt_state)
-  tail = losses[-min(50, len(losses)):]
+  tail = log.losses[-min(50, len(log.losses)):]
   return dict(
       label=label,
       policy=str(jmp_lite.get_policy(policy)),
@@ -216,14 +193,12 @@ def train(spec, data, args) -> dict:
                                      or [math.nan])),
       validation_loss=validation_loss(model, val_tokens, args.seq_len,
                                       args.val_windows),
-      median_step_ms=float(np.median(step_ms[WARMUP_STEPS:] or step_ms)),
+      median_step_ms=log.median_step_ms(WARMUP_STEPS),
       skipped_steps=int(state.skipped_steps),
       final_loss_scale=float(jmp_lite.get_loss_scale(state).loss_scale),
       sample=sample(model, PROMPT, args.seq_len, args.sample_length, args.seed,
                     args.temperature),
-      loss_history=losses,
-      loss_scale_history=scales,
-      skipped_at=skipped_at,
+      **log.histories(),
   )
 
 
@@ -250,42 +225,12 @@ def format_samples(runs: dict) -> str:
   return "\n".join(parts)
 
 
-def moving_average(values, window: int) -> np.ndarray:
-  """Trailing moving average over the finite values (NaN where none)."""
-  values = np.asarray(values, dtype=np.float64)
-  out = np.full_like(values, np.nan)
-  for i in range(len(values)):
-    chunk = values[max(0, i - window + 1):i + 1]
-    chunk = chunk[np.isfinite(chunk)]
-    if chunk.size:
-      out[i] = chunk.mean()
-  return out
-
-
 def plot(runs: dict, path: str) -> None:
   """Loss curves of every run and the f16 run's loss scale, as a PNG."""
-  fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(11, 4))
-  styles = ({"linewidth": 3, "alpha": 0.6}, {"linestyle": "--"},
-            {"linestyle": ":", "linewidth": 2})
-  for (r, style) in zip(runs.values(), styles):
-    ax_loss.plot(moving_average(r["loss_history"], SMOOTHING),
-                 label=r["label"], **style)
-  ax_loss.set(xlabel="step", ylabel=f"train loss, nats ({SMOOTHING}-step avg.)",
-              title="CharLM (nnx) training loss")
-  ax_loss.legend()
-  scaled = runs["f16_scaled"]
-  ax_scale.plot(np.log2(scaled["loss_scale_history"]), color="tab:green")
-  if scaled["skipped_at"]:
-    ax_scale.plot(scaled["skipped_at"],
-                  np.log2(np.asarray(scaled["loss_scale_history"]))[
-                      scaled["skipped_at"]], "rx", label="skipped step")
-    ax_scale.legend()
-  ax_scale.set(xlabel="step", ylabel="log2(loss scale)",
-               title="f16 dynamic loss scale")
-  ax_scale.yaxis.set_major_locator(ticker.MaxNLocator(integer=True))
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  common.plot_loss_and_scale(
+      runs, path, SMOOTHING,
+      loss_ylabel=f"train loss, nats ({SMOOTHING}-step avg.)",
+      loss_title="CharLM (nnx) training loss")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -321,7 +266,8 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   data = load_splits(args.max_chars)
   start = time.perf_counter()
-  runs = {spec[0]: train(spec, data, args) for spec in run_specs(args.period)}
+  runs = {spec[0]: train(spec, data, args)
+          for spec in common.flax_run_specs(args.period)}
   wall_s = time.perf_counter() - start
   table = format_table(runs)
   print(table)

@@ -9,7 +9,6 @@ from flax import nnx
 import flax.linen as nn
 import jax
 from jax import lax
-from jax.extend.core import jaxprs_in_params
 from jax.extend.core import primitives as P
 import jax.numpy as jnp
 from jax.sharding import AxisType
@@ -28,6 +27,8 @@ from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import op_dtypes
 from jmp_lite._src.autocast import rules as rules_lib
 
+from helpers import all_eqns
+
 F32 = np.dtype(jnp.float32)
 HALF_DTYPES = [np.dtype(jnp.float16), np.dtype(jnp.bfloat16)]
 # Relative gradient error allowed per compute dtype (10 and 7 mantissa bits).
@@ -35,15 +36,6 @@ GRAD_TOL = {np.dtype(jnp.float16): 1e-2, np.dtype(jnp.bfloat16): 6e-2}
 SENSITIVE = ("exp", "log", "log1p", "rsqrt", "reduce_sum", "integer_pow", "logistic")
 
 # -- helpers -------------------------------------------------------------------
-
-
-def all_eqns(jaxpr):
-  """Every equation of a jaxpr and of all its sub-jaxprs, depth first."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jaxprs_in_params(eqn.params):
-      yield from all_eqns(sub)
 
 
 def input_dtypes(jaxpr, name):

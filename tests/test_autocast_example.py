@@ -7,15 +7,16 @@ shows autocast at work, not the accuracies of a full run.
 """
 
 import json
-import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import assert_exited_cleanly
+from helpers import assert_finite_figures
+from helpers import assert_is_png
+from helpers import is_finite_number
+from helpers import ROOT
+from helpers import run_example
+
 EXAMPLE = ROOT / "examples" / "autocast_digits.py"
 RUNS = ("f32", "f16_autocast", "bf16_autocast")
 NUMBERS = (
@@ -28,35 +29,18 @@ NUMBERS = (
 STEPS = 12
 
 
-def _is_finite_number(x):
-  is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
-  return is_number and math.isfinite(x)
-
-
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory):
   """Runs the example once for all tests in this module."""
   out = tmp_path_factory.mktemp("autocast_digits")
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (str(ROOT), env.get("PYTHONPATH")) if p
-  )
-  # One device is enough; conftest asks for 8 simulated ones.
-  env["XLA_FLAGS"] = " ".join(
-      flag for flag in env.get("XLA_FLAGS", "").split()
-      if not flag.startswith("--xla_force_host_platform_device_count")
-  )
-  proc = subprocess.run(
-      [sys.executable, str(EXAMPLE), "--steps", str(STEPS), "--out", str(out)],
-      capture_output=True, text=True, env=env, timeout=300, check=False,
-  )
+  proc = run_example(EXAMPLE, "--steps", STEPS, "--out", out)
   return proc, out
 
 
 @pytest.mark.slow
 def test_example_exits_cleanly_and_prints_the_tables(example_run):
   proc, _ = example_run
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert_exited_cleanly(proc)
   for text in ("| run | test acc. (%)", "f16 autocast + dynamic loss scaling",
                "bf16 autocast", "`dot_general` with half inputs", "Verdict:"):
     assert text in proc.stdout
@@ -65,9 +49,8 @@ def test_example_exits_cleanly_and_prints_the_tables(example_run):
 @pytest.mark.slow
 def test_example_writes_png_and_markdown(example_run):
   proc, out = example_run
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  png = (out / "autocast_digits.png").read_bytes()
-  assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+  assert_exited_cleanly(proc)
+  assert_is_png(out / "autocast_digits.png")
   markdown = (out / "autocast_digits.md").read_text()
   assert "| bf16 autocast |" in markdown
   assert "`reduce_sum` inputs" in markdown
@@ -77,17 +60,14 @@ def test_example_writes_png_and_markdown(example_run):
 @pytest.mark.slow
 def test_example_json_has_the_three_runs_with_finite_figures(example_run):
   proc, out = example_run
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert_exited_cleanly(proc)
   data = json.loads((out / "autocast_digits.json").read_text())
   assert data["config"]["steps"] == STEPS
   assert tuple(data["runs"]) == RUNS
+  assert_finite_figures(data["runs"], NUMBERS, STEPS)
   for name, run in data["runs"].items():
-    for key in NUMBERS:
-      assert _is_finite_number(run[key]), (name, key, run[key])
     assert 0 <= run["test_accuracy"] <= 100
-    assert len(run["loss_history"]) == STEPS
-    assert len(run["loss_scale_history"]) == STEPS
-    assert all(_is_finite_number(x) for x in run["loss_history"]), name
+    assert all(is_finite_number(x) for x in run["loss_history"]), name
   runs = data["runs"]
   assert runs["f32"]["compute_dtype"] is None
   assert runs["f16_autocast"]["compute_dtype"] == "float16"
@@ -104,7 +84,7 @@ def test_example_json_has_the_three_runs_with_finite_figures(example_run):
 @pytest.mark.slow
 def test_example_evidence_shows_half_matmuls_and_f32_reductions(example_run):
   proc, out = example_run
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert_exited_cleanly(proc)
   runs = json.loads((out / "autocast_digits.json").read_text())["runs"]
   f32_step = runs["f32"]["evidence"]["train_step"]
   assert f32_step["dot_general_total"] > 0

@@ -9,14 +9,14 @@ write well-formed results, not the accuracies the full runs reach.
 
 import json
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from helpers import assert_exited_cleanly
+from helpers import assert_finite_figures
+from helpers import ROOT
+from helpers import run_example
+
 EXAMPLES = ROOT / "examples"
 RUNS = ("f32", "bf16", "f16_scaled")
 COMMON = ("final_train_loss", "median_step_ms", "skipped_steps",
@@ -25,26 +25,8 @@ CNN_NUMBERS = COMMON + ("test_accuracy", "test_loss")
 LM_NUMBERS = COMMON + ("validation_loss",)
 
 
-def _env():
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-  # The examples need one device, not the 8 simulated ones conftest asks for.
-  env["XLA_FLAGS"] = " ".join(
-      flag for flag in env.get("XLA_FLAGS", "").split()
-      if not flag.startswith("--xla_force_host_platform_device_count"))
-  return env
-
-
 def _run(script, *args):
-  return subprocess.run(
-      [sys.executable, str(EXAMPLES / script), *map(str, args)],
-      capture_output=True, text=True, env=_env(), timeout=300, check=False)
-
-
-def _is_finite_number(x):
-  is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
-  return is_number and math.isfinite(x)
+  return run_example(EXAMPLES / script, *args)
 
 
 @pytest.fixture(scope="module")
@@ -60,17 +42,13 @@ def out_dir(tmp_path_factory):
 
 
 def _check_outputs(out, proc, name, numbers):
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert_exited_cleanly(proc)
   for ext in ("md", "json", "png"):
     path = out / f"{name}.{ext}"
     assert path.is_file() and path.stat().st_size > 0, path
   result = json.loads((out / f"{name}.json").read_text())
   assert tuple(result["runs"]) == RUNS
-  for run, figures in result["runs"].items():
-    for key in numbers:
-      assert _is_finite_number(figures[key]), (run, key, figures[key])
-    assert len(figures["loss_history"]) == result["config"]["steps"]
-    assert len(figures["loss_scale_history"]) == result["config"]["steps"]
+  assert_finite_figures(result["runs"], numbers, result["config"]["steps"])
   table = (out / f"{name}.md").read_text()
   for figures in result["runs"].values():
     assert figures["label"] in table and figures["policy"] in table

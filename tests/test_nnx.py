@@ -5,14 +5,12 @@ Precision is asserted on the jaxpr of the split/merged model (every
 inferred from outputs.
 """
 
-import inspect
 import re
 import warnings
 
 from flax import nnx
 import flax.linen as nn
 import jax
-from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -21,6 +19,12 @@ import pytest
 import jmp_lite
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
+
+import helpers
+from helpers import all_eqns
+from helpers import assert_all_f32
+from helpers import assert_documented_with_examples
+from helpers import full_precision_windows
 
 F16, BF16, F32 = np.dtype(jnp.float16), np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 HALF = pytest.mark.parametrize("half", [F16, BF16], ids=["f16", "bf16"])
@@ -32,33 +36,8 @@ MATMULS = ("dot_general", "conv_general_dilated")
 # ---------------------------------------------------------------------------
 
 
-def _sub_jaxprs(value):
-  if isinstance(value, jex_core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, jex_core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
-def all_eqns(jaxpr):
-  """Every equation of a jaxpr, recursing into jit, remat, scan, cond..."""
-  if isinstance(jaxpr, jex_core.ClosedJaxpr):
-    jaxpr = jaxpr.jaxpr
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        yield from all_eqns(sub)
-
-
 def operand_dtypes(jaxpr, primitives):
-  return [
-      tuple(np.dtype(v.aval.dtype) for v in e.invars)
-      for e in all_eqns(jaxpr)
-      if e.primitive.name in primitives
-  ]
+  return [dtypes for _, dtypes in helpers.operand_dtypes(jaxpr, primitives)]
 
 
 def matmul_dtypes(jaxpr):
@@ -67,41 +46,6 @@ def matmul_dtypes(jaxpr):
 
 def reduce_dtypes(jaxpr):
   return [d[0] for d in operand_dtypes(jaxpr, ("reduce_sum",))]
-
-
-def full_precision_windows(jaxpr, half):
-  """The runs of top-level equations between a cast half -> f32 and the next
-  cast f32 -> half: where a norm layer runs under ``FullPrecision``."""
-  windows, current = [], None
-  for eqn in jaxpr.jaxpr.eqns:
-    if eqn.primitive.name == "convert_element_type":
-      src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
-      if (src, dst) == (half, F32):
-        current = []
-        continue
-      if (src, dst) == (F32, half) and current is not None:
-        windows.append(current)
-        current = None
-        continue
-    if current is not None:
-      current.append(eqn)
-  return windows
-
-
-def assert_all_f32(window):
-  """Every floating operand of every equation in ``window`` is float32."""
-  dtypes = {
-      np.dtype(v.aval.dtype)
-      for eqn in window
-      for v in eqn.invars
-      if jnp.issubdtype(v.aval.dtype, jnp.floating)
-  }
-  assert dtypes == {F32}, [
-      (e.primitive.name, [str(v.aval) for v in e.invars]) for e in window
-  ]
-  names = [e.primitive.name for e in window]
-  assert "reduce_sum" in names and "mul" in names and "rsqrt" in names, names
-
 
 
 def forward_jaxpr(module, *args):
@@ -502,17 +446,7 @@ def test_pattern_matching_nothing_warns_and_can_be_silenced():
 
 @pytest.mark.parametrize("name", jnnx.__all__)
 def test_public_names_documented_with_examples(name):
-  obj = getattr(jnnx, name)
-  if name == "DEFAULT_RULES":
-    source = inspect.getsource(inspect.getmodule(jnnx.PolicyRules))
-    assert re.search(r"^#:.*\n(#:.*\n)*DEFAULT_RULES = ", source, re.MULTILINE)
-    return
-  doc = inspect.getdoc(obj) or ""
-  assert "Example" in doc and ">>>" in doc, name
-  if inspect.isclass(obj):
-    for attr, value in vars(obj).items():
-      if not attr.startswith("_") and inspect.isfunction(value):
-        assert inspect.getdoc(value), f"{name}.{attr}"
+  assert_documented_with_examples(jnnx, name)
 
 
 def test_get_loss_scale_unwraps_nnx_optimizer_state():

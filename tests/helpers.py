@@ -1,0 +1,169 @@
+"""Helpers shared by the tests (a plain module: ``from helpers import ...``).
+
+* Jaxpr inspection: :func:`all_eqns`, :func:`operand_dtypes`,
+  :func:`full_precision_windows`, :func:`assert_all_f32`.
+* Documentation: :func:`assert_documented_with_examples`.
+* Running the examples end to end: :data:`ROOT`, :func:`example_env`,
+  :func:`run_example`, :func:`is_finite_number`, :func:`assert_exited_cleanly`,
+  :func:`assert_is_png`, :func:`assert_finite_figures`.
+"""
+
+import inspect
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from jax.extend import core as jex_core
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+F32 = np.dtype(jnp.float32)
+
+# ---------------------------------------------------------------------------
+# Jaxpr inspection.
+# ---------------------------------------------------------------------------
+
+
+def _sub_jaxprs(value):
+  if isinstance(value, jex_core.ClosedJaxpr):
+    yield value.jaxpr
+  elif isinstance(value, jex_core.Jaxpr):
+    yield value
+  elif isinstance(value, (tuple, list)):
+    for v in value:
+      yield from _sub_jaxprs(v)
+
+
+def all_eqns(jaxpr):
+  """Every equation of a jaxpr, recursing into jit, remat, scan, cond..."""
+  if isinstance(jaxpr, jex_core.ClosedJaxpr):
+    jaxpr = jaxpr.jaxpr
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        yield from all_eqns(sub)
+
+
+def operand_dtypes(jaxpr, primitives):
+  """``[(primitive, (dtype of each array operand))]`` for the given primitives."""
+  return [
+      (e.primitive.name, tuple(np.dtype(v.aval.dtype) for v in e.invars))
+      for e in all_eqns(jaxpr)
+      if e.primitive.name in primitives
+  ]
+
+
+def full_precision_windows(jaxpr, half):
+  """The runs of top-level equations between a cast half -> f32 and the next
+  cast f32 -> half: where a norm layer runs under ``FullPrecision``."""
+  windows, current = [], None
+  for eqn in jaxpr.jaxpr.eqns:
+    if eqn.primitive.name == "convert_element_type":
+      src, dst = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+      if (src, dst) == (half, F32):
+        current = []
+        continue
+      if (src, dst) == (F32, half) and current is not None:
+        windows.append(current)
+        current = None
+        continue
+    if current is not None:
+      current.append(eqn)
+  return windows
+
+
+def assert_all_f32(window):
+  """Every floating operand of every equation in ``window`` is float32."""
+  dtypes = {
+      np.dtype(v.aval.dtype)
+      for eqn in window
+      for v in eqn.invars
+      if jnp.issubdtype(v.aval.dtype, jnp.floating)
+  }
+  assert dtypes == {F32}, [
+      (e.primitive.name, [str(v.aval) for v in e.invars]) for e in window
+  ]
+  names = [e.primitive.name for e in window]
+  assert "reduce_sum" in names and "mul" in names and "rsqrt" in names, names
+
+
+# ---------------------------------------------------------------------------
+# Documentation.
+# ---------------------------------------------------------------------------
+
+
+def assert_documented_with_examples(module, name):
+  """``module.name`` has a docstring with an example (``>>>``), and so does
+  each public method of a class; ``DEFAULT_RULES`` has a ``#:`` comment."""
+  obj = getattr(module, name)
+  if name == "DEFAULT_RULES":
+    source = inspect.getsource(inspect.getmodule(module.PolicyRules))
+    assert re.search(r"^#:.*\n(#:.*\n)*DEFAULT_RULES = ", source, re.MULTILINE)
+    return
+  doc = inspect.getdoc(obj) or ""
+  assert "Example" in doc and ">>>" in doc, name
+  if inspect.isclass(obj):
+    for attr, value in vars(obj).items():
+      if not attr.startswith("_") and inspect.isfunction(value):
+        assert inspect.getdoc(value), f"{name}.{attr}"
+
+
+# ---------------------------------------------------------------------------
+# Running the examples.
+# ---------------------------------------------------------------------------
+
+
+def example_env():
+  """The environment an example runs in as a subprocess.
+
+  The repository root goes on ``PYTHONPATH`` (so an uninstalled checkout
+  works), and the examples get one device, not the 8 simulated ones conftest
+  asks for.
+  """
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+  env["XLA_FLAGS"] = " ".join(
+      flag for flag in env.get("XLA_FLAGS", "").split()
+      if not flag.startswith("--xla_force_host_platform_device_count"))
+  return env
+
+
+def run_example(script, *args):
+  """Runs ``script`` (a path) with ``args`` as a user would; never raises."""
+  return subprocess.run(
+      [sys.executable, str(script), *map(str, args)],
+      capture_output=True, text=True, env=example_env(), timeout=300,
+      check=False)
+
+
+def is_finite_number(x):
+  """Whether ``x`` is an int or float (not a bool) and finite."""
+  is_number = isinstance(x, (int, float)) and not isinstance(x, bool)
+  return is_number and math.isfinite(x)
+
+
+def assert_exited_cleanly(proc):
+  """The example's process exited with 0 (else: the end of its stderr)."""
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def assert_is_png(path):
+  """``path`` holds a PNG image of some size."""
+  png = path.read_bytes()
+  assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def assert_finite_figures(runs, numbers, steps):
+  """Each run's ``numbers`` are finite and its per-step histories (loss, loss
+  scale) have ``steps`` entries."""
+  for name, run in runs.items():
+    for key in numbers:
+      assert is_finite_number(run[key]), (name, key, run[key])
+    assert len(run["loss_history"]) == steps, name
+    assert len(run["loss_scale_history"]) == steps, name
