@@ -123,24 +123,24 @@ def _register(cls):
     return tuple(getattr(obj, n) for n in data), tuple(getattr(obj, n) for n in meta)
 
   def unflatten(aux, children):
-    obj = object.__new__(cls)
-    for name, value in zip(meta, aux):
-      object.__setattr__(obj, name, value)
-    for name, value in zip(data, children):
-      object.__setattr__(obj, name, value)
-    return obj
+    return _new(cls, {**dict(zip(meta, aux)), **dict(zip(data, children))})
 
   jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
   return cls
 
 
+def _new(cls, values: dict[str, Any]):
+  """Builds a frozen dataclass from its field values without ``__init__``."""
+  obj = object.__new__(cls)
+  for name, value in values.items():
+    object.__setattr__(obj, name, value)
+  return obj
+
+
 def _replace(obj, **changes):
   """Like ``dataclasses.replace`` without re-running ``__init__`` (jit-safe)."""
-  new = object.__new__(type(obj))
-  for field in dataclasses.fields(obj):
-    value = changes.get(field.name, getattr(obj, field.name))
-    object.__setattr__(new, field.name, value)
-  return new
+  fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+  return _new(type(obj), {**fields, **changes})
 
 
 @runtime_checkable

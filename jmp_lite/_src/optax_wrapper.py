@@ -13,13 +13,6 @@ from jmp_lite._src import dtypes
 from jmp_lite._src import loss_scale as loss_scale_lib
 from jmp_lite._src import tree as tree_lib
 
-_LOSS_SCALE_TYPES = (
-    loss_scale_lib.NoOpLossScale,
-    loss_scale_lib.StaticLossScale,
-    loss_scale_lib.DynamicLossScale,
-)
-
-
 class LossScaleState(NamedTuple):
   """State of :func:`loss_scaling`.
 
@@ -58,8 +51,6 @@ class LossScaleState(NamedTuple):
 
 
 def _check_loss_scale(loss_scale: Any) -> None:
-  if isinstance(loss_scale, _LOSS_SCALE_TYPES):
-    return
   if isinstance(loss_scale, (int, float)) or tree_lib.is_array(loss_scale):
     raise TypeError(
         f"loss_scaling expects a loss-scale object, got the number {loss_scale!r}."
