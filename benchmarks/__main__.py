@@ -51,29 +51,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   return args
 
 
-def run_cpu(args, argv: list[str]) -> None:
-  from benchmarks import cpu_report
-  from benchmarks import cpu_suite
+def run_suite(name: str, args, argv: list[str]) -> None:
+  """Runs the ``cpu`` or ``gpu`` suite and writes ``<name>.json`` and ``<name>.md``."""
+  if name == "cpu":
+    from benchmarks import cpu_report as report_module
+    from benchmarks import cpu_suite as suite
+  else:
+    from benchmarks import gpu_suite as suite
+    report_module = suite
 
-  report = cpu_suite.run(args)
+  report = suite.run(args)
   report["command"] = common.command_line("benchmarks", argv)
   report["date"] = common.utc_now()
-  text = cpu_report.markdown(report)
-  common.write_results(args.out, "cpu", report, text)
+  text = report_module.markdown(report)
+  common.write_results(args.out, name, report, text)
   print(text)
-  print(f"Wrote {args.out / 'cpu.json'} and {args.out / 'cpu.md'}.")
-
-
-def run_gpu(args, argv: list[str]) -> None:
-  from benchmarks import gpu_suite
-
-  report = gpu_suite.run(args)
-  report["command"] = common.command_line("benchmarks", argv)
-  report["date"] = common.utc_now()
-  text = gpu_suite.markdown(report)
-  common.write_results(args.out, "gpu", report, text)
-  print(text)
-  print(f"Wrote {args.out / 'gpu.json'} and {args.out / 'gpu.md'}.")
+  print(f"Wrote {args.out / (name + '.json')} and {args.out / (name + '.md')}.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,10 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
       print(f"error: {problem}", file=sys.stderr)
       return 2
-  if args.suite in ("cpu", "all"):
-    run_cpu(args, argv)
-  if args.suite in ("gpu", "all"):
-    run_gpu(args, argv)
+  for name in ("cpu", "gpu"):
+    if args.suite in (name, "all"):
+      run_suite(name, args, argv)
   return 0
 
 
