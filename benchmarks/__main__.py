@@ -1,13 +1,13 @@
 """Entry point: ``python -m benchmarks run [--suite cpu|gpu|all]``.
 
 Writes ``<out>/cpu.json`` + ``<out>/cpu.md`` and/or ``<out>/gpu.json`` +
-``<out>/gpu.md`` (default ``benchmarks/results/``). See ``benchmarks/README.md``.
+``<out>/gpu.md`` (a scratch folder by default; ``--update-results`` writes the
+committed ``benchmarks/results/``). See ``benchmarks/README.md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 
 from benchmarks import common
@@ -16,14 +16,13 @@ from benchmarks import common
 def parse_args(argv: list[str]) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog="python -m benchmarks",
-      description="jmp_lite benchmark suite (results in benchmarks/results/).")
+      description="jmp_lite benchmark suite.")
   sub = parser.add_subparsers(dest="command", required=True)
   run = sub.add_parser("run", help="run a suite and write its JSON and markdown")
   run.add_argument("--suite", choices=("cpu", "gpu", "all"), default="cpu",
                    help="cpu: ratios and static figures (any machine); gpu: throughput, "
                    "memory and MFU (needs a CUDA GPU); all: both (default cpu)")
-  run.add_argument("--out", type=pathlib.Path, default=common.RESULTS_DIR,
-                   help="directory for the results (default benchmarks/results/)")
+  common.add_output_args(run)
   run.add_argument("--quick", action="store_true",
                    help="CPU suite at tiny sizes with few repeats: a smoke test")
   run.add_argument("--repeats", type=int, default=None,
@@ -48,6 +47,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   if args.repeats < 1 or args.compile_repeats < 1 or args.gpu_steps < 1:
     parser.error("--repeats, --compile-repeats and --gpu-steps must be >= 1")
   args.gpu_workloads = [w.strip() for w in args.gpu_workloads.split(",") if w.strip()]
+  args.out = common.output_dir(args)
   return args
 
 

@@ -19,6 +19,7 @@ import pathlib
 import platform
 import re
 import shlex
+import tempfile
 import time
 from typing import Any, Callable, Sequence
 
@@ -35,7 +36,27 @@ Batch = dict[str, jax.Array]
 State = tuple[Any, ...]
 Step = Callable[[State, Batch], tuple[State, jax.Array]]
 
+#: The committed results, written only when a benchmark is given --update-results.
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+#: Where benchmarks write by default, so that running them leaves the clone
+#: unchanged.
+SCRATCH_DIR = pathlib.Path(tempfile.gettempdir()) / "jmp_lite" / "benchmarks"
+
+
+def add_output_args(parser) -> None:
+  """Adds ``--out DIR`` and ``--update-results`` (mutually exclusive)."""
+  group = parser.add_mutually_exclusive_group()
+  group.add_argument(
+      "--out", type=pathlib.Path, default=None,
+      help=f"directory for the results (default: {SCRATCH_DIR}, a scratch folder)")
+  group.add_argument(
+      "--update-results", action="store_true",
+      help="write into benchmarks/results/, replacing the committed results")
+
+
+def output_dir(args) -> pathlib.Path:
+  """The directory chosen by :func:`add_output_args`'s flags (not created)."""
+  return RESULTS_DIR if args.update_results else (args.out or SCRATCH_DIR)
 
 
 # --- train steps ---------------------------------------------------------------

@@ -23,10 +23,12 @@ CPU time (``time.process_time``) is reported as a cross-check.
 Run from the repository root::
 
   python -m benchmarks.wrapper_overhead              # full run, ~1-3 min on 2 CPU cores
+  python -m benchmarks.wrapper_overhead --update-results   # ... into benchmarks/results/
   python -m benchmarks.wrapper_overhead --quick --out /tmp/wo   # smoke test
 
 Writes ``wrapper_overhead.json`` (machine, config, figures) and
-``wrapper_overhead.md`` (the table, with the command line) to ``--out``.
+``wrapper_overhead.md`` (the table, with the command line) to ``--out`` (a
+scratch folder by default).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import dataclasses
 import datetime
 import json
 import os
-import pathlib
 import sys
 import time
 from typing import Any, Callable
@@ -71,7 +72,6 @@ LEARNING_RATE = 1e-3
 CHECK_STEPS = 8
 CHECK_ATOL = 1e-5
 CHECK_RTOL = 1e-4
-DEFAULT_OUT = pathlib.Path(__file__).resolve().parent / "results"
 VARIANTS = ("jmp_lite", "hand")
 
 
@@ -345,9 +345,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help="steps per timed block (default 4; 2 with --quick)")
   parser.add_argument("--repeats", type=int, default=None,
                       help="timed blocks per variant (default 41; 3 with --quick)")
-  parser.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
-                      help="directory for the JSON and markdown results "
-                      "(default benchmarks/results/)")
+  common.add_output_args(parser)
   parser.add_argument("--quick", action="store_true",
                       help="tiny sizes and few steps: a smoke test, not a measurement")
   parser.add_argument("--models", default="mlp,conv",
@@ -357,6 +355,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   parser.add_argument("--seed", type=int, default=0,
                       help="PRNG seed for params and the synthetic batch (default 0)")
   args = parser.parse_args(argv)
+  args.out = common.output_dir(args)
   if args.steps is None:
     args.steps = 2 if args.quick else 4
   if args.repeats is None:

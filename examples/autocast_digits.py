@@ -426,7 +426,6 @@ def plot(results: dict[str, dict], path: str) -> None:
 
 def write_outputs(results, args, report: list[str], cfg: ModelConfig) -> str:
   """Writes ``autocast_digits.{png,md,json}`` to ``args.out``; returns stem."""
-  os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "autocast_digits")
   plot(results, stem + ".png")
   config = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "seed")}
@@ -455,9 +454,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="Adam learning rate")
   parser.add_argument("--seed", type=int, default=0,
                       help="seed of the initial parameters and batch order")
-  parser.add_argument("--out", default=common.DEFAULT_OUT,
-                      help="output directory")
+  common.add_output_args(parser)
   args = parser.parse_args(argv)
+  args.out = common.output_dir(args)
   common.check_at_least_one(parser, args, ("steps", "batch_size"))
   common.check_positive_finite(parser, args, ("lr",))
   return args

@@ -5,7 +5,10 @@ lines (marked ``# [mixed precision]``) stay in each example. The scripts import
 this module as ``common`` after putting ``examples/`` on ``sys.path``, the same
 way they import :mod:`flax_models`.
 
-* :data:`DEFAULT_OUT`, :data:`SPLIT_SEED`, :data:`SMOOTHING`,
+* :data:`RESULTS_DIR`, :data:`SCRATCH_DIR`, :func:`add_output_args`,
+  :func:`output_dir`: where results go (a scratch folder unless
+  ``--update-results`` asks for the committed ``examples/results/``).
+* :data:`SPLIT_SEED`, :data:`SMOOTHING`,
   :data:`ACCURACY_TOLERANCE`, :data:`LINE_STYLES`: settings the examples share.
 * :func:`flax_run_specs`: the f32 / bf16 / f16 + loss scaling runs of the Flax
   examples.
@@ -28,6 +31,7 @@ import json
 import math
 import os
 import re
+import tempfile
 import time
 from typing import Any
 
@@ -41,8 +45,12 @@ import numpy as np  # noqa: E402
 
 import jmp_lite  # noqa: E402
 
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+#: The committed results, written only when a script is given --update-results.
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "results")
+#: Where the scripts write by default, so that running them leaves the clone
+#: unchanged.
+SCRATCH_DIR = os.path.join(tempfile.gettempdir(), "jmp_lite", "examples")
 SPLIT_SEED = 0  # The train/test split is fixed; --seed changes init and order.
 SMOOTHING = 25  # Window of the moving average in the loss plot.
 ACCURACY_TOLERANCE = 1.0  # Points of test accuracy that count as "matching".
@@ -53,6 +61,27 @@ LINE_STYLES = (
     dict(color="tab:green", linestyle=":", linewidth=2),
     dict(color="tab:red"),
 )
+
+
+# -- where results go ---------------------------------------------------------
+
+
+def add_output_args(parser) -> None:
+  """Adds ``--out DIR`` and ``--update-results`` (mutually exclusive)."""
+  group = parser.add_mutually_exclusive_group()
+  group.add_argument(
+      "--out", default=None,
+      help=f"output folder (default: {SCRATCH_DIR}, a scratch folder)")
+  group.add_argument(
+      "--update-results", action="store_true",
+      help="write into examples/results/, replacing the committed results")
+
+
+def output_dir(args) -> str:
+  """The folder chosen by :func:`add_output_args`'s flags, created."""
+  out = RESULTS_DIR if args.update_results else (args.out or SCRATCH_DIR)
+  os.makedirs(out, exist_ok=True)
+  return out
 
 
 # -- runs and data -------------------------------------------------------------

@@ -56,6 +56,7 @@ import math
 import os
 import sys
 import time
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -358,7 +359,6 @@ def plot(results: dict[str, dict], path: str, loss_weight: float) -> None:
 
 def write_outputs(results, args, report: list[str]) -> str:
   """Writes ``digits_demo.{png,md,json}`` to ``args.out``; returns the stem."""
-  os.makedirs(args.out, exist_ok=True)
   stem = os.path.join(args.out, "digits_demo")
   plot(results, stem + ".png", args.loss_weight)
   keys = ("steps", "batch_size", "lr", "seed", "loss_weight", "period")
@@ -393,9 +393,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       "make f16 gradients underflow, 1 turns the underflow setting off")
   parser.add_argument("--period", type=int, default=200,
                       help="growth period of the dynamic loss scale, in steps")
-  parser.add_argument("--out", default=common.DEFAULT_OUT,
-                      help="output directory")
+  common.add_output_args(parser)
   args = parser.parse_args(argv)
+  args.out = common.output_dir(args)
   common.check_at_least_one(parser, args, ("steps", "batch_size", "period"))
   common.check_positive_finite(parser, args, ("lr", "loss_weight"))
   return args

@@ -55,7 +55,6 @@ import jmp_lite  # noqa: E402
 import jmp_lite.linen as jlinen  # noqa: E402
 
 NAME = "linen_cnn_digits"
-DEFAULT_OUT = common.DEFAULT_OUT
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
 SMOOTHING = common.SMOOTHING  # Window of the moving average in the loss plot.
 
@@ -186,14 +185,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="growth period of the dynamic loss scale")
   parser.add_argument("--seed", type=int, default=0,
                       help="initial variables and batch order")
-  parser.add_argument("--out", default=DEFAULT_OUT,
-                      help="output folder (default: examples/results/)")
-  return parser.parse_args(argv)
+  common.add_output_args(parser)
+  args = parser.parse_args(argv)
+  args.out = common.output_dir(args)
+  return args
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  os.makedirs(args.out, exist_ok=True)
   data = flax_models.load_digits_data()
   start = time.perf_counter()
   runs = {spec[0]: train(spec, data, args)

@@ -59,7 +59,6 @@ import jmp_lite  # noqa: E402
 import jmp_lite.nnx as jnnx  # noqa: E402
 
 NAME = "nnx_char_lm"
-DEFAULT_OUT = common.DEFAULT_OUT
 WARMUP_STEPS = 5  # First steps (compilation) left out of the median step time.
 SMOOTHING = common.SMOOTHING  # Window of the moving average in the loss plot.
 VAL_FRACTION = 0.1
@@ -256,14 +255,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="sampling temperature of the text samples")
   parser.add_argument("--seed", type=int, default=0,
                       help="initial parameters and batch order")
-  parser.add_argument("--out", default=DEFAULT_OUT,
-                      help="output folder (default: examples/results/)")
-  return parser.parse_args(argv)
+  common.add_output_args(parser)
+  args = parser.parse_args(argv)
+  args.out = common.output_dir(args)
+  return args
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  os.makedirs(args.out, exist_ok=True)
   data = load_splits(args.max_chars)
   start = time.perf_counter()
   runs = {spec[0]: train(spec, data, args)

@@ -11,8 +11,9 @@ computed against a tolerance:
 
 Run it with::
 
-  python examples/parity.py              # reads and writes examples/results/
-  python examples/parity.py --results /tmp/out --out /tmp/out
+  python examples/parity.py                    # reads and writes the scratch folder
+  python examples/parity.py --update-results   # reads and writes examples/results/
+  python examples/parity.py --results /tmp/runs --out /tmp/out
 
 It prints the table and exits with status 1 if any row fails (or a result
 file is missing), 0 otherwise.
@@ -26,8 +27,7 @@ import math
 import os
 import sys
 
-DEFAULT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
+import common
 CNN_FILE = "linen_cnn_digits.json"
 LM_FILE = "nnx_char_lm.json"
 
@@ -89,20 +89,26 @@ def format_table(rows: list[dict]) -> str:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--results", default=DEFAULT_DIR,
-                      help="folder holding the two JSON files")
-  parser.add_argument("--out", default=None,
-                      help="folder for parity.md (default: --results)")
+  parser.add_argument("--results", default=None,
+                      help="folder holding the two JSON files (default: the "
+                      "output folder, where the two examples write; parity.md "
+                      "is then written there too unless --out is given)")
+  common.add_output_args(parser)
   parser.add_argument("--acc-tolerance", type=float, default=0.5,
                       help="test-accuracy tolerance, points")
   parser.add_argument("--loss-tolerance", type=float, default=2.0,
                       help="relative validation-loss tolerance, percent")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.results and not (args.out or args.update_results):
+    args.out = args.results  # parity.md goes next to the results it reads
+  args.out = common.output_dir(args)
+  args.results = args.results or args.out
+  return args
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  out = args.out or args.results
+  out = args.out
   cnn = load(os.path.join(args.results, CNN_FILE))
   lm = load(os.path.join(args.results, LM_FILE))
   rows = (accuracy_rows(cnn, args.acc_tolerance)
@@ -113,7 +119,6 @@ def main(argv=None) -> int:
              "runs within tolerance of float32.")
   print(table)
   print(summary)
-  os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "parity.md"), "w") as f:
     f.write(
         "# Accuracy parity: float32 vs mixed precision\n\n"
