@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The one way jmp_lite finds the sub-jaxprs of an equation (jit, scan, cond...).
+from jmp_lite._src.autocast import compat
+
 HALF_DTYPES = ("float16", "bfloat16")
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
@@ -93,16 +96,6 @@ def _conv_flops(eqn) -> int:
   return 2 * out * spatial * in_features
 
 
-def _sub_jaxprs(value: Any):
-  if isinstance(value, jax.extend.core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, jax.extend.core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
 def _walk(jaxpr, multiplier: int, totals: dict[str, int]) -> None:
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
@@ -124,9 +117,8 @@ def _walk(jaxpr, multiplier: int, totals: dict[str, int]) -> None:
       for k, v in best.items():
         totals[k] = totals.get(k, 0) + v
       continue
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        _walk(sub, inner, totals)
+    for sub in compat.sub_jaxprs(eqn.params):
+      _walk(compat.open_jaxpr(sub), inner, totals)
 
 
 def matmul_flops(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:

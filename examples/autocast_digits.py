@@ -45,8 +45,6 @@ import time
 from typing import Any, Callable
 
 import jax
-from jax.extend.core import jaxprs_in_params
-from jax.extend.core import Var
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -233,22 +231,12 @@ def make_eval_fn(loss_fn, cfg: ModelConfig):
   return evaluate
 
 
-def _walk(jaxpr):
-  """Yields ``(eqn, used)`` for every equation of a jaxpr and its sub-jaxprs.
-
-  ``used`` is False when nothing in its jaxpr reads any of its results.
-  """
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  read = {v for eqn in jaxpr.eqns for v in eqn.invars if isinstance(v, Var)}
-  read.update(v for v in jaxpr.outvars if isinstance(v, Var))
-  for eqn in jaxpr.eqns:
-    yield eqn, any(v in read for v in eqn.outvars)
-    for sub in jaxprs_in_params(eqn.params):
-      yield from _walk(sub)
-
-
 def op_evidence(fn, *args) -> dict[str, Any]:
   """What the operations of ``fn(*args)`` see, read from its jaxpr.
+
+  Built on ``jmp_lite.op_dtypes``, which lists every operation that runs
+  (sub-jaxprs included; equations whose results nothing reads are left out,
+  as XLA removes them).
 
   Args:
     fn: the function to trace (the loss, or the jitted train step).
@@ -258,28 +246,17 @@ def op_evidence(fn, *args) -> dict[str, Any]:
     ``dot_general_half`` / ``dot_general_total``: how many ``dot_general``
     equations take half-precision inputs, of all; ``ops``: for each op in
     :data:`EVIDENCE_OPS`, a ``{"dtype, dtype": count}`` histogram of its
-    floating input dtypes; ``dead``: the same for equations whose results
-    nothing reads (JAX's AD leaves some, e.g. the ``reduce_sum`` of
-    ``reduce_max``'s JVP when the max is under ``stop_gradient``; XLA removes
-    them).
+    floating input dtypes.
   """
   ops = collections.defaultdict(collections.Counter)
-  dead = collections.defaultdict(collections.Counter)
-  for eqn, used in _walk(jax.make_jaxpr(fn)(*args)):
-    name = eqn.primitive.name
-    if name not in EVIDENCE_OPS:
-      continue
-    key = ", ".join(np.dtype(v.aval.dtype).name for v in eqn.invars
-                    if jnp.issubdtype(v.aval.dtype, jnp.floating))
-    ops[name][key] += 1
-    if not used:
-      dead[name][key] += 1
+  for name, dtypes in jmp_lite.op_dtypes(fn, *args):
+    if name in EVIDENCE_OPS:
+      ops[name][", ".join(dtypes)] += 1
   dots = ops["dot_general"]
   return dict(
       dot_general_half=sum(n for key, n in dots.items() if "float16" in key),
       dot_general_total=sum(dots.values()),
       ops={name: dict(ops[name]) for name in EVIDENCE_OPS if ops[name]},
-      dead={name: dict(dead[name]) for name in EVIDENCE_OPS if dead[name]},
   )
 
 
@@ -352,19 +329,11 @@ def format_table(results: dict[str, dict]) -> str:
 
 
 def _histogram(evidence: dict[str, Any], op: str) -> str:
-  """``"2x (float32)"``-style cell; dropped equations are counted apart."""
+  """``"2x (float32)"``-style cell."""
   counts = evidence["ops"].get(op)
   if not counts:
     return "-"
-  dead = evidence["dead"].get(op, {})
-  parts = []
-  for key, n in sorted(counts.items()):
-    live = n - dead.get(key, 0)
-    if live:
-      parts.append(f"{live}x ({key})")
-    if dead.get(key):
-      parts.append(f"{dead[key]}x ({key}, result dropped)")
-  return ", ".join(parts)
+  return ", ".join(f"{n}x ({key})" for key, n in sorted(counts.items()))
 
 
 def evidence_columns(results: dict[str, dict]) -> list[tuple[str, dict]]:
@@ -481,10 +450,9 @@ def main(argv=None) -> int:
   evidence_note = (
       "Op dtypes, read from the jaxprs of each autocast loss (forward) and of "
       "each jitted train step (forward, backward and Adam): `N x (dtypes)` "
-      "counts the equations whose floating inputs have those dtypes. The "
-      "model code is the same float32 code in every run. `result dropped`: "
-      "an equation JAX's AD emits but whose result nothing uses (the count "
-      "of maxima in `reduce_max`'s JVP; XLA removes it)."
+      "counts the equations whose floating inputs have those dtypes "
+      "(`jmp_lite.op_dtypes`, which leaves out equations whose results nothing "
+      "reads). The model code is the same float32 code in every run."
   )
   report = [format_table(results), evidence_note, format_evidence(results),
             verdict(results)]

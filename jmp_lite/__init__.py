@@ -12,6 +12,7 @@ Example:
 
 from jmp_lite._src.autocast import autocast
 from jmp_lite._src.autocast import autocast_disabled
+from jmp_lite._src.autocast import op_dtypes
 from jmp_lite._src.dtypes import half_dtype
 from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
@@ -50,6 +51,7 @@ __all__ = (
     "get_policy",
     "half_dtype",
     "loss_scaling",
+    "op_dtypes",
     "save_half_residuals",
     "scaled_value_and_grad",
     "select_tree",

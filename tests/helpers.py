@@ -16,9 +16,10 @@ import re
 import subprocess
 import sys
 
-from jax.extend import core as jex_core
 import jax.numpy as jnp
 import numpy as np
+
+from jmp_lite._src.autocast import compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F32 = np.dtype(jnp.float32)
@@ -28,25 +29,9 @@ F32 = np.dtype(jnp.float32)
 # ---------------------------------------------------------------------------
 
 
-def _sub_jaxprs(value):
-  if isinstance(value, jex_core.ClosedJaxpr):
-    yield value.jaxpr
-  elif isinstance(value, jex_core.Jaxpr):
-    yield value
-  elif isinstance(value, (tuple, list)):
-    for v in value:
-      yield from _sub_jaxprs(v)
-
-
 def all_eqns(jaxpr):
   """Every equation of a jaxpr, recursing into jit, remat, scan, cond..."""
-  if isinstance(jaxpr, jex_core.ClosedJaxpr):
-    jaxpr = jaxpr.jaxpr
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        yield from all_eqns(sub)
+  return compat.walk_eqns(jaxpr)
 
 
 def operand_dtypes(jaxpr, primitives):

@@ -18,14 +18,14 @@ import optax
 import pytest
 
 import jmp_lite
-from jmp_lite._src.autocast import autocast
-from jmp_lite._src.autocast import autocast_disabled
-from jmp_lite._src.autocast import DEFAULT_RULES
-from jmp_lite._src.autocast import RULE_NAMES
-from jmp_lite._src.autocast import RuleContext
+from jmp_lite import autocast
+from jmp_lite import autocast_disabled
+from jmp_lite import op_dtypes
+from jmp_lite._src.autocast import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
-from jmp_lite._src.autocast import op_dtypes
-from jmp_lite._src.autocast import rules as rules_lib
+from jmp_lite.autocast_rules import DEFAULT_RULES
+from jmp_lite.autocast_rules import RULE_NAMES
+from jmp_lite.autocast_rules import RuleContext
 
 from helpers import all_eqns
 
@@ -325,7 +325,7 @@ def test_nested_jit_body_is_autocast_and_params_kept():
 def test_checkpoint_body_is_autocast():
   fn = lambda w, x: jax.checkpoint(lambda a, b: jnp.tanh(a @ b) @ b)(x, w).sum()
   jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16))(W, X)
-  (remat,) = [e for e in jaxpr.eqns if e.primitive is P.remat_p]
+  (remat,) = [e for e in jaxpr.eqns if e.primitive is compat.primitive("remat_p")]
   assert_dots_in(remat.params["jaxpr"], np.dtype(jnp.float16), count=2)
   _check_grads(fn, W, X)
 
@@ -334,7 +334,7 @@ def test_checkpoint_policy_is_kept():
   policy = jax.checkpoint_policies.nothing_saveable
   fn = lambda w, x: jax.checkpoint(lambda a, b: a @ b, policy=policy)(x, w).sum()
   jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16))(W, X)
-  (remat,) = [e for e in jaxpr.eqns if e.primitive is P.remat_p]
+  (remat,) = [e for e in jaxpr.eqns if e.primitive is compat.primitive("remat_p")]
   assert remat.params["policy"] is policy
 
 
@@ -351,10 +351,9 @@ def test_scan_body_is_autocast_and_carry_keeps_its_dtype():
   body = scan.params["jaxpr"]
   assert_dots_in(body, np.dtype(jnp.float16), count=1)
   assert_sensitive_ops_in_f32(body)
-  num_consts, num_carry = scan.params["num_consts"], scan.params["num_carry"]
-  carry_in = body.in_avals[num_consts:num_consts + num_carry]
+  _, _, carry_in, _ = compat.scan_parts(scan.params, body.in_avals)
   assert [a.dtype for a in carry_in] == [F32]
-  assert [a.dtype for a in body.out_avals[:num_carry]] == [F32]
+  assert [a.dtype for a in body.out_avals[:len(carry_in)]] == [F32]
   _check_grads(fn, W, X)
 
 
@@ -477,7 +476,7 @@ def test_shard_map_body_is_autocast():
 
   x = normal(6, (16, 4))
   jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16))(W, x)
-  (smap,) = [e for e in jaxpr.eqns if e.primitive is rules_lib.shard_map_p]
+  (smap,) = [e for e in jaxpr.eqns if e.primitive is compat.primitive("shard_map_p")]
   assert smap.params["out_specs"] == (PartitionSpec(),)
   assert_dots_in(smap.params["jaxpr"], np.dtype(jnp.float16), count=1)
   assert_sensitive_ops_in_f32(smap.params["jaxpr"])
@@ -516,10 +515,12 @@ def test_op_dtypes_lists_nested_operations():
                  ("reduce_sum", ("float32",))]
 
 
-def test_every_recursive_primitive_has_a_handler():
-  handlers = interpreter_lib._HANDLERS  # pylint: disable=protected-access
-  assert set(rules_lib.RECURSIVE_PRIMITIVES) == set(handlers)
-  assert all(DEFAULT_RULES[p] == "recurse" for p in rules_lib.RECURSIVE_PRIMITIVES)
+def test_the_default_table_recurses_into_exactly_the_registered_primitives():
+  recursing = {p for p, rule in DEFAULT_RULES.items() if rule == "recurse"}
+  assert recursing == set(interpreter_lib.HIGHER_ORDER)
+  names = {p.name for p in recursing}
+  assert {"jit", "scan", "while", "cond", "remat2", "custom_jvp_call",
+          "custom_vjp_call", "shard_map"} <= names, names
 
 
 # -- exclusion -----------------------------------------------------------------

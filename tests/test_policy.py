@@ -5,12 +5,12 @@ import functools
 import itertools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jmp_lite
+from jmp_lite._src.autocast import compat
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -58,13 +58,7 @@ def assert_policy(policy, param, compute, output):
 
 def all_eqns(jaxpr):
   """The equations of a (closed) jaxpr, those of nested jaxprs included."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  eqns = []
-  for eqn in jaxpr.eqns:
-    eqns.append(eqn)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      eqns.extend(all_eqns(sub))
-  return eqns
+  return list(compat.walk_eqns(jaxpr))
 
 
 def primitive_names(jaxpr):

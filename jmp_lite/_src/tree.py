@@ -37,13 +37,8 @@ def is_float_array(x: Any) -> bool:
 
   Returns:
     True when ``x`` is a JAX array (or tracer), numpy array or numpy scalar with
-    a real floating dtype; False for everything else, which passes through.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite._src.tree import is_float_array
-    >>> is_float_array(jnp.ones(2)), is_float_array(jnp.ones(2, int)), is_float_array(1.0)
-    (True, False, False)
+    a real floating dtype; False for everything else (integer and boolean
+    arrays, Python numbers, ``None``, objects), which passes through.
   """
   return is_array(x) and dtypes.is_floating(x.dtype)
 

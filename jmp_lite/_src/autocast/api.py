@@ -6,14 +6,15 @@ import functools
 from typing import Any, Callable, Mapping
 
 import jax
-from jax.extend.core import jaxprs_in_params
 import numpy as np
 
 from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
+from jmp_lite._src.autocast import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
+from jmp_lite._src.autocast import table as table_lib
 
 _TRACING_ERRORS = (
     jax.errors.ConcretizationTypeError,
@@ -71,7 +72,7 @@ def autocast(
   model. Bodies of nested ``jit``, ``jax.checkpoint``, ``scan``, ``cond``,
   ``while_loop``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` are autocast
   too. The default tables and their differences from ``torch.autocast`` are in
-  ``jmp_lite/_src/autocast/README.md``.
+  ``docs/autocast.md``; ``jmp_lite.autocast_rules`` holds them.
 
   Inputs are not cast (cast params with a ``Policy`` if you store them in
   half). Outputs keep the dtypes ``fn`` returns, so the autocast function can
@@ -109,15 +110,14 @@ def autocast(
       unknown.
 
   Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jmp_lite._src.autocast import autocast
+    >>> import jax, jax.numpy as jnp, jmp_lite
     >>> def layer(w, x):
     ...   return jax.nn.softmax(x @ w)
-    >>> f = autocast(layer, jnp.float16)
+    >>> f = jmp_lite.autocast(layer, jnp.float16)
     >>> w, x = jnp.ones((3, 4)), jnp.ones((2, 3))
     >>> f(w, x).dtype                       # same output dtype as layer
     dtype('float32')
-    >>> [op for op in op_dtypes(f, w, x) if op[0] in ("dot_general", "exp")]
+    >>> [op for op in jmp_lite.op_dtypes(f, w, x) if op[0] in ("dot_general", "exp")]
     [('dot_general', ('float16', 'float16')), ('exp', ('float32',))]
   """
   if not callable(fn):
@@ -126,9 +126,13 @@ def autocast(
         f"got {type(fn).__name__}: {fn!r}."
     )
   compute_dtype, output_dtype = _resolve_precision(policy_or_dtype)
-  table = rules_lib.resolve_rules(rules)
   if not isinstance(enabled, bool):
     raise TypeError(f"autocast's enabled must be a bool, got {enabled!r}.")
+  if enabled:
+    # On a jax whose internals autocast cannot read, only autocast fails.
+    compat.require("jmp_lite.autocast")
+  if compat.available():
+    table = table_lib.resolve_rules(rules)
 
   if not enabled:
 
@@ -190,14 +194,6 @@ def _split_static(
   return flat_fn, [leaves[i] for i in dynamic_idx]
 
 
-def _walk(jaxpr: Any):
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  for eqn in jaxpr.eqns:
-    yield eqn
-    for sub in jaxprs_in_params(eqn.params):
-      yield from _walk(sub)
-
-
 def op_dtypes(
     fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> list[tuple[str, tuple[str, ...]]]:
@@ -207,6 +203,8 @@ def op_dtypes(
   inside a ``torch.autocast`` region): traces ``fn(*args, **kwargs)`` with
   ``jax.make_jaxpr`` and walks every equation, sub-jaxprs of ``jit``,
   ``scan``, ``cond``, ``custom_jvp``... included, in program order.
+  Equations whose results nothing reads (JAX's AD leaves a few; XLA removes
+  them, so they never run) are left out.
 
   Args:
     fn: any traceable function, e.g. one returned by :func:`autocast`.
@@ -219,12 +217,12 @@ def op_dtypes(
     listing the dtypes of its floating inputs only.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite._src.autocast import autocast, op_dtypes
-    >>> f = autocast(lambda x: jnp.exp(x @ x), jnp.bfloat16)
-    >>> [op for op in op_dtypes(f, jnp.ones((2, 2))) if op[0] in ("dot_general", "exp")]
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> f = jmp_lite.autocast(lambda x: jnp.exp(x @ x), jnp.bfloat16)
+    >>> [op for op in jmp_lite.op_dtypes(f, jnp.ones((2, 2))) if op[0] in ("dot_general", "exp")]
     [('dot_general', ('bfloat16', 'bfloat16')), ('exp', ('float32',))]
   """
+  compat.require("jmp_lite.op_dtypes")
   flat_fn, dynamic = _split_static(
       fn,
       args,
@@ -241,5 +239,5 @@ def op_dtypes(
               if rules_lib.is_float_value(v.aval)
           ),
       )
-      for eqn in _walk(closed)
+      for eqn in compat.walk_eqns(closed, live_only=True)
   ]

@@ -39,12 +39,9 @@ from typing import Any, Callable, Sequence
 
 import jax
 from jax import lax
-import jax.extend.core as jex_core
-import jax.extend.linear_util as jex_lu
-from jax.extend import source_info_util
-from jax.extend.core import primitives as P
 import numpy as np
 
+from jmp_lite._src.autocast import compat
 from jmp_lite._src.autocast import rules as rules_lib
 
 #: The ``jax.named_scope`` name that marks a region autocast must not touch.
@@ -64,26 +61,26 @@ def autocast_disabled():
     A context manager that also works as a decorator.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite._src.autocast import autocast, autocast_disabled, op_dtypes
+    >>> import jax.numpy as jnp, jmp_lite
     >>> def f(w, x):
     ...   h = x @ w                    # autocast: float16 matmul
-    ...   with autocast_disabled():
+    ...   with jmp_lite.autocast_disabled():
     ...     return h @ w               # left in float32
     >>> w = jnp.ones((2, 2))
-    >>> [op for op in op_dtypes(autocast(f, "f16"), w, w) if op[0] == "dot_general"]
+    >>> f16 = jmp_lite.autocast(f, "f16")
+    >>> [op for op in jmp_lite.op_dtypes(f16, w, w) if op[0] == "dot_general"]
     [('dot_general', ('float16', 'float16')), ('dot_general', ('float32', 'float32'))]
   """
   return jax.named_scope(DISABLED_SCOPE)
 
 
-def _is_disabled(eqn: jex_core.JaxprEqn) -> bool:
-  return DISABLED_SCOPE in str(eqn.source_info.name_stack)
+def _is_disabled(eqn: Any) -> bool:
+  return DISABLED_SCOPE in compat.name_stack(eqn)
 
 
 def _read(env: dict[Any, Any], atom: Any) -> Any:
-  if isinstance(atom, jex_core.Literal):
-    val = atom.val
+  if compat.is_literal(atom):
+    val = compat.literal_value(atom)
     if getattr(val, "dtype", None) is None and hasattr(atom.aval, "dtype"):
       val = np.asarray(val, atom.aval.dtype)
     return val
@@ -130,43 +127,39 @@ class Interpreter:
   # -- evaluation ------------------------------------------------------------
 
   def eval_jaxpr(
-      self, jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]
+      self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]
   ) -> list[Any]:
     """Evaluates an open jaxpr; returns its outputs in their autocast dtypes."""
     env: dict[Any, Any] = {}
     weak: set[Any] = set()
-    for var, val in zip(jaxpr.constvars, consts):
-      env[var] = val
-    for var, val in zip(jaxpr.invars, args):
+    for var, val in compat.bind_inputs(jaxpr, consts, args):
       env[var] = val
       if getattr(var.aval, "weak_type", False):
         weak.add(var)
     for eqn in jaxpr.eqns:
       invals = [_read(env, v) for v in eqn.invars]
-      in_weak = tuple(
-          isinstance(v, jex_core.Literal) or v in weak for v in eqn.invars
-      )
+      in_weak = tuple(compat.is_literal(v) or v in weak for v in eqn.invars)
       outs = self._eval_eqn(eqn, invals, in_weak)
       if not eqn.primitive.multiple_results:
         outs = [outs]
       out_weak = bool(in_weak) and all(in_weak) and not self._recurses(eqn)
       for var, val in zip(eqn.outvars, outs):
-        if isinstance(var, jex_core.DropVar):
+        if compat.is_dropvar(var):
           continue
         env[var] = val
         if out_weak or getattr(var.aval, "weak_type", False):
           weak.add(var)
     return [_read(env, v) for v in jaxpr.outvars]
 
-  def eval_closed(self, closed: jex_core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+  def eval_closed(self, closed: Any, args: Sequence[Any]) -> list[Any]:
     return self.eval_jaxpr(closed.jaxpr, closed.consts, args)
 
   def trace_closed(
       self,
-      closed: jex_core.ClosedJaxpr,
+      closed: Any,
       args: Sequence[Any],
       out_dtypes: Sequence[Any] | None = None,
-  ) -> jex_core.ClosedJaxpr:
+  ) -> Any:
     """The autocast version of ``closed`` for inputs like ``args``.
 
     Args:
@@ -181,16 +174,16 @@ class Interpreter:
 
     return jax.make_jaxpr(body)(*args)
 
-  def _rule_for(self, eqn: jex_core.JaxprEqn) -> Any:
+  def _rule_for(self, eqn: Any) -> Any:
     if _is_disabled(eqn):
       return "passthrough"
     return self.rules.get(eqn.primitive, "passthrough")
 
-  def _recurses(self, eqn: jex_core.JaxprEqn) -> bool:
+  def _recurses(self, eqn: Any) -> bool:
     return self._rule_for(eqn) == "recurse"
 
   def _eval_eqn(
-      self, eqn: jex_core.JaxprEqn, invals: list[Any], in_weak: tuple[bool, ...]
+      self, eqn: Any, invals: list[Any], in_weak: tuple[bool, ...]
   ) -> Any:
     rule = self._rule_for(eqn)
     ctx = rules_lib.RuleContext(
@@ -200,88 +193,83 @@ class Interpreter:
         out_avals=tuple(v.aval for v in eqn.outvars),
         weak=in_weak,
         accumulate_f32=self.accumulate_f32,
-        _recurse=self._recurse if eqn.primitive in _HANDLERS else None,
+        _recurse=self._recurse if eqn.primitive in HIGHER_ORDER else None,
     )
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (
-        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-        eqn.ctx.manager,
-    ):
+    with compat.equation_context(eqn):
       if isinstance(rule, str):
         return ctx.apply(rule, *invals, **eqn.params)
       return rule(ctx, *invals, **eqn.params)
 
   def _recurse(self, ctx: rules_lib.RuleContext, *args: Any, **params: Any) -> Any:
-    return _HANDLERS[ctx.primitive](self, ctx, *args, **params)
+    return HIGHER_ORDER[ctx.primitive](self, ctx, list(args), params)
 
 
 # -- higher-order primitives ---------------------------------------------------
+#
+# Each handler takes (interpreter, ctx, args, params) and returns what binding
+# the primitive would; every parameter is read through `compat`.
 
 
-def _jit(interp: Interpreter, ctx: rules_lib.RuleContext, *args, jaxpr, **params):
-  new_jaxpr = interp.trace_closed(jaxpr, args)
-  return ctx.bind(*args, jaxpr=new_jaxpr, **params)
+def _jit(interp: Interpreter, ctx: rules_lib.RuleContext, args, params):
+  new_body = interp.trace_closed(compat.jit_body(params), args)
+  return ctx.bind(*args, **compat.with_jit_body(params, new_body))
 
 
-def _closed_call(interp, ctx, *args, call_jaxpr, **params):
-  del ctx, params  # Inlining a closed_call is equivalent to binding it.
-  return interp.eval_closed(call_jaxpr, args)
+def _closed_call(interp, ctx, args, params):
+  del ctx  # Inlining a closed_call is equivalent to binding it.
+  return interp.eval_closed(compat.closed_call_body(params), args)
 
 
-def _remat(interp, ctx, *args, jaxpr, prevent_cse, policy, **params):
+def _remat(interp, ctx, args, params):
   # `differentiated` is set by JAX's AD only; jax.checkpoint recomputes it.
-  del ctx, params
+  del ctx
+  body, prevent_cse, policy = compat.remat_parts(params)
 
-  def body(*xs):
-    return interp.eval_jaxpr(jaxpr, (), xs)
+  def run(*xs):
+    return interp.eval_jaxpr(compat.open_jaxpr(body), (), xs)
 
-  return jax.checkpoint(body, prevent_cse=prevent_cse, policy=policy)(*args)
+  return jax.checkpoint(run, prevent_cse=prevent_cse, policy=policy)(*args)
 
 
-def _scan(interp, ctx, *args, jaxpr, num_consts, num_carry, length, reverse,
-          unroll, **params):
-  consts = args[:num_consts]
-  carry_dtypes = _float_dtypes(ctx.in_avals[num_consts:num_consts + num_carry])
-  init = cast_all(args[num_consts:num_consts + num_carry], carry_dtypes)
-  xs = list(args[num_consts + num_carry:])
+def _scan(interp, ctx, args, params):
+  body, consts, init, xs = compat.scan_parts(params, args)
+  _, _, traced_init, _ = compat.scan_parts(params, ctx.in_avals)
+  carry_dtypes = _float_dtypes(traced_init)
+  init = cast_all(init, carry_dtypes)
+  n_carry = len(init)
 
-  def body(carry, x):
-    outs = interp.eval_closed(jaxpr, [*consts, *carry, *x])
-    return cast_all(outs[:num_carry], carry_dtypes), outs[num_carry:]
+  def step(carry, x):
+    outs = interp.eval_closed(body, [*consts, *carry, *x])
+    return cast_all(outs[:n_carry], carry_dtypes), outs[n_carry:]
 
-  extra = {}
-  if "_split_transpose" in params:
-    extra["_split_transpose"] = params["_split_transpose"]
-  carry, ys = lax.scan(body, init, xs, length=length, reverse=reverse,
-                       unroll=unroll, **extra)
+  carry, ys = lax.scan(step, init, xs, **compat.scan_options(params))
   return [*carry, *ys]
 
 
-def _while(interp, ctx, *args, cond_jaxpr, cond_nconsts, body_jaxpr, body_nconsts,
-           **params):
-  del params  # lax.while_loop rebuilds them.
-  cond_consts = args[:cond_nconsts]
-  body_consts = args[cond_nconsts:cond_nconsts + body_nconsts]
-  carry_dtypes = _float_dtypes(ctx.in_avals[cond_nconsts + body_nconsts:])
-  init = cast_all(args[cond_nconsts + body_nconsts:], carry_dtypes)
+def _while(interp, ctx, args, params):
+  cond, body, cond_consts, body_consts, init = compat.while_parts(params, args)
+  *_, traced_init = compat.while_parts(params, ctx.in_avals)
+  carry_dtypes = _float_dtypes(traced_init)
+  init = cast_all(init, carry_dtypes)
 
   def cond_fun(carry):
-    return interp.eval_closed(cond_jaxpr, [*cond_consts, *carry])[0]
+    return interp.eval_closed(cond, [*cond_consts, *carry])[0]
 
   def body_fun(carry):
-    outs = interp.eval_closed(body_jaxpr, [*body_consts, *carry])
+    outs = interp.eval_closed(body, [*body_consts, *carry])
     return tuple(cast_all(outs, carry_dtypes))
 
   return list(lax.while_loop(cond_fun, body_fun, tuple(init)))
 
 
-def _cond(interp, ctx, index, *operands, branches, **params):
-  del ctx, params
+def _cond(interp, ctx, args, params):
+  del ctx
+  index, *operands = args
 
   def make_branch(closed):
     return lambda *xs: interp.eval_closed(closed, xs)
 
-  fns = [make_branch(b) for b in branches]
+  fns = [make_branch(b) for b in compat.cond_branches(params)]
   shapes = [jax.eval_shape(fn, *operands) for fn in fns]
   targets = []
   for per_branch in zip(*shapes):
@@ -297,12 +285,6 @@ def _cond(interp, ctx, index, *operands, branches, **params):
   return list(lax.switch(index, [cast_branch(fn) for fn in fns], *operands))
 
 
-def _func_name(closed: jex_core.ClosedJaxpr, default: str) -> str:
-  debug_info = getattr(closed.jaxpr, "debug_info", None)
-  name = getattr(debug_info, "func_name", None)
-  return name if isinstance(name, str) and name.isidentifier() else default
-
-
 def _zeros_tangent(shape_dtype: Any) -> Any:
   if rules_lib.is_float_value(shape_dtype) or jax.numpy.issubdtype(
       shape_dtype.dtype, jax.numpy.complexfloating
@@ -311,11 +293,10 @@ def _zeros_tangent(shape_dtype: Any) -> Any:
   return np.zeros(shape_dtype.shape, jax.dtypes.float0)
 
 
-def _custom_jvp(interp, ctx, *args, call_jaxpr, jvp_jaxpr_fun, num_consts,
-                **params):
-  if not hasattr(jvp_jaxpr_fun, "call_wrapped"):  # A jax with another protocol.
-    return ctx.apply("passthrough", *args, call_jaxpr=call_jaxpr,
-                     jvp_jaxpr_fun=jvp_jaxpr_fun, num_consts=num_consts, **params)
+def _custom_jvp(interp, ctx, args, params):
+  call_jaxpr, jvp_thunk, num_consts = compat.custom_jvp_parts(params)
+  if jvp_thunk is None:  # A jax with another protocol: run as traced.
+    return ctx.apply("passthrough", *args, **params)
   in_avals = ctx.in_avals[num_consts:]
   # Integer/bool inputs have float0 tangents: the rule was traced without them.
   zeros = tuple(
@@ -325,14 +306,14 @@ def _custom_jvp(interp, ctx, *args, call_jaxpr, jvp_jaxpr_fun, num_consts,
   def primal(*xs):
     return tuple(interp.eval_closed(call_jaxpr, xs))
 
-  primal.__name__ = primal.__qualname__ = _func_name(call_jaxpr, "custom_jvp")
+  primal.__name__ = primal.__qualname__ = compat.func_name(call_jaxpr, "custom_jvp")
   fn = jax.custom_jvp(primal)
   tangent_interp = interp.for_tangents()
 
   def jvp(primals, tangents):
     out_types = jax.eval_shape(primal, *primals)
     xs, ts = primals[num_consts:], tangents[num_consts:]
-    jvp_jaxpr, jvp_consts, out_zeros = jvp_jaxpr_fun.call_wrapped(*zeros)
+    jvp_jaxpr, jvp_consts, out_zeros = compat.call_jvp_rule(jvp_thunk, zeros)
     nonzero_ts = [t for t, z in zip(ts, zeros) if not z]
     outs = tangent_interp.eval_jaxpr(jvp_jaxpr, jvp_consts, [*xs, *nonzero_ts])
     n_out = len(out_zeros)
@@ -363,49 +344,56 @@ def _autocast_fwd_thunk(interp: Interpreter, thunk: Any) -> Any:
 
   def autocast_thunk(*zeros):
     if zeros not in cache:
-      fwd_jaxpr, fwd_consts = thunk.call_wrapped(*zeros)
-      closed = jex_core.ClosedJaxpr(fwd_jaxpr, list(fwd_consts))
+      fwd_jaxpr, fwd_consts = compat.call_fwd_rule(thunk, zeros)
+      closed = compat.closed_jaxpr(fwd_jaxpr, fwd_consts)
       out_dtypes = _float_dtypes([v.aval for v in fwd_jaxpr.outvars])
       new = interp.trace_closed(closed, [v.aval for v in fwd_jaxpr.invars], out_dtypes)
       cache[zeros] = (new.jaxpr, new.consts)
     return cache[zeros]
 
-  return jex_lu.wrap_init(autocast_thunk, debug_info=thunk.debug_info)
+  return compat.wrap_init(autocast_thunk, like=thunk)
 
 
-def _custom_vjp(interp, ctx, *args, call_jaxpr, fwd_jaxpr_thunk, **params):
+def _custom_vjp(interp, ctx, args, params):
+  call_jaxpr, fwd_thunk = compat.custom_vjp_parts(params)
   in_dtypes = _float_dtypes(ctx.in_avals)
   args = cast_all(args, in_dtypes)
   out_dtypes = _float_dtypes(call_jaxpr.out_avals)
   new_call = interp.trace_closed(call_jaxpr, args, out_dtypes)
-  new_thunk = fwd_jaxpr_thunk
-  if hasattr(fwd_jaxpr_thunk, "call_wrapped"):  # Else fwd runs as traced.
-    new_thunk = _autocast_fwd_thunk(interp, fwd_jaxpr_thunk)
-  return ctx.bind(*args, call_jaxpr=new_call, fwd_jaxpr_thunk=new_thunk, **params)
+  # Without a thunk this jax understands, fwd runs as traced.
+  new_thunk = None if fwd_thunk is None else _autocast_fwd_thunk(interp, fwd_thunk)
+  return ctx.bind(*args, **compat.with_custom_vjp_parts(params, new_call, new_thunk))
 
 
-def _shard_map(interp, ctx, *args, jaxpr, mesh, in_specs, out_specs, check_vma,
-               newly_manual_axes, **params):
-  del ctx, params
+def _shard_map(interp, ctx, args, params):
+  del ctx
+  body, kwargs = compat.shard_map_parts(params)
 
-  def body(*xs):
-    return tuple(interp.eval_jaxpr(jaxpr, (), xs))
+  def run(*xs):
+    return tuple(interp.eval_jaxpr(compat.open_jaxpr(body), (), xs))
 
-  fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs),
-                     out_specs=tuple(out_specs), axis_names=newly_manual_axes,
-                     check_vma=check_vma)
-  return list(fn(*args))
+  return list(jax.shard_map(run, **kwargs)(*args))
 
 
-_HANDLERS: dict[Any, Callable[..., Any]] = {
-    P.jit_p: _jit,
-    P.closed_call_p: _closed_call,
-    P.remat_p: _remat,
-    P.scan_p: _scan,
-    P.while_p: _while,
-    P.cond_p: _cond,
-    P.custom_jvp_call_p: _custom_jvp,
-    P.custom_vjp_call_p: _custom_vjp,
+#: The higher-order primitives autocast enters (rule ``"recurse"``), by
+#: attribute name, with the handler that re-binds each with an autocast body.
+HIGHER_ORDER_HANDLERS: dict[str, Callable[..., Any]] = {
+    "jit_p": _jit,
+    "closed_call_p": _closed_call,
+    "remat_p": _remat,
+    "scan_p": _scan,
+    "while_p": _while,
+    "cond_p": _cond,
+    "custom_jvp_call_p": _custom_jvp,
+    "custom_vjp_call_p": _custom_vjp,
+    "shard_map_p": _shard_map,
 }
-if rules_lib.shard_map_p is not None:
-  _HANDLERS[rules_lib.shard_map_p] = _shard_map
+
+#: The one registry of higher-order primitives: ``{primitive: handler}`` for
+#: those this jax has. The default rule table and the validation of user rules
+#: derive from it.
+HIGHER_ORDER: dict[Any, Callable[..., Any]] = {
+    prim: handler
+    for name, handler in HIGHER_ORDER_HANDLERS.items()
+    if (prim := compat.primitive(name)) is not None
+}

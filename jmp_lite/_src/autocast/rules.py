@@ -20,8 +20,8 @@ primitive is bound. Rules are keyed by primitive objects (``jax.lax.exp_p``,
   inputs are cast back to the dtypes they had when ``fn`` was traced. The rule
   for dtype-sensitive primitives (``bitcast_convert_type``), for every
   primitive autocast does not know, and for excluded regions.
-* ``"recurse"``: only for the higher-order primitives listed in
-  :data:`RECURSIVE_PRIMITIVES`: their bodies are autocast too.
+* ``"recurse"``: only for the higher-order primitives the interpreter knows
+  (``interpreter.HIGHER_ORDER``): their bodies are autocast too.
 * a callable ``rule(ctx, *args, **params)`` returning what
   ``primitive.bind(*args, **params)`` returns; ``ctx`` is a
   :class:`RuleContext` giving the traced dtypes and ``ctx.apply("f32", ...)``
@@ -37,105 +37,80 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
-import jax.extend.core as jex_core
-from jax.extend.core import primitives as P
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import dtypes
+from jmp_lite._src.autocast import compat
 
 FLOAT32 = dtypes.FLOAT32
 
 #: The built-in rule names.
 RULE_NAMES: tuple[str, ...] = ("lower", "f32", "promote", "passthrough", "recurse")
 
+# The default op lists, by the attribute names of the primitives in
+# jax.extend.core.primitives / jax.lax. A name the installed jax lacks is left
+# out (compat.primitives); the test suite lists which.
 
-def _internal_primitive(module: str, name: str) -> Any:
-  """A primitive jax keeps outside its public modules, or None if it moved."""
-  try:
-    mod = __import__(module, fromlist=[name])
-    prim = getattr(mod, name)
-  except (ImportError, AttributeError):
-    return None
-  return prim if isinstance(prim, jex_core.Primitive) else None
+LOWER_NAMES = ("dot_general_p", "conv_general_dilated_p")
 
-
-def _primitives(*candidates: Any) -> tuple[jex_core.Primitive, ...]:
-  """Keeps the candidates this jax version has (drops None)."""
-  return tuple(p for p in candidates if isinstance(p, jex_core.Primitive))
-
-
-def _get(module: Any, *names: str) -> tuple[Any, ...]:
-  return tuple(getattr(module, name, None) for name in names)
-
-
-shard_map_p = _internal_primitive("jax._src.shard_map", "shard_map_p")
-pvary_p = _internal_primitive("jax._src.core", "pvary_p")
-psum_invariant_p = _internal_primitive("jax._src.lax.parallel", "psum_invariant_p")
-reduce_scatter_p = _internal_primitive("jax._src.lax.parallel", "reduce_scatter_p")
-
-#: Matmuls and convolutions: run in the compute dtype, accumulate in float32.
-LOWER_PRIMITIVES = _primitives(P.dot_general_p, P.conv_general_dilated_p)
-
-#: Numerically sensitive primitives that run in float32.
-F32_PRIMITIVES = _primitives(
+F32_NAMES = (
     # exp/log family: overflow or lose all precision in half.
-    P.exp_p, P.exp2_p, P.log_p, P.log1p_p, P.expm1_p, P.logistic_p,
+    "exp_p", "exp2_p", "log_p", "log1p_p", "expm1_p", "logistic_p",
     # powers: pow, and squares/integer powers that feed variances and norms
     # (x**2 overflows float16 above 256).
-    P.pow_p, P.integer_pow_p, P.square_p, P.rsqrt_p,
+    "pow_p", "integer_pow_p", "square_p", "rsqrt_p",
     # special functions.
-    P.erf_p, P.erfc_p, P.erf_inv_p, P.lgamma_p, P.digamma_p, P.igamma_p,
-    P.igammac_p, P.igamma_grad_a_p, P.polygamma_p, P.zeta_p, P.bessel_i0e_p,
-    P.bessel_i1e_p, P.regularized_incomplete_beta_p,
+    "erf_p", "erfc_p", "erf_inv_p", "lgamma_p", "digamma_p", "igamma_p",
+    "igammac_p", "igamma_grad_a_p", "polygamma_p", "zeta_p", "bessel_i0e_p",
+    "bessel_i1e_p", "regularized_incomplete_beta_p",
     # trigonometric/hyperbolic functions torch also runs in float32.
-    P.tan_p, P.acos_p, P.asin_p, P.cosh_p, P.sinh_p, P.acosh_p, P.asinh_p,
-    P.atanh_p,
+    "tan_p", "acos_p", "asin_p", "cosh_p", "sinh_p", "acosh_p", "asinh_p",
+    "atanh_p",
     # float reductions: sums and products accumulate error and overflow.
-    P.reduce_sum_p, P.reduce_prod_p, P.cumsum_p, P.cumprod_p,
-    P.cumlogsumexp_p, P.reduce_window_sum_p,
+    "reduce_sum_p", "reduce_prod_p", "cumsum_p", "cumprod_p",
+    "cumlogsumexp_p", "reduce_window_sum_p",
 )
+
+PROMOTE_NAMES = (
+    # binary and ternary elementwise ops.
+    "add_p", "sub_p", "mul_p", "div_p", "rem_p", "max_p", "min_p", "atan2_p",
+    "nextafter_p", "select_n_p", "clamp_p", "complex_p", "add_jaxvals_p",
+    "eq_p", "ne_p", "lt_p", "le_p", "gt_p", "ge_p",
+    # unary elementwise ops that are accurate in half precision.
+    "neg_p", "abs_p", "sign_p", "floor_p", "ceil_p", "round_p", "is_finite_p",
+    "sqrt_p", "cbrt_p", "tanh_p", "sin_p", "cos_p", "atan_p", "real_p",
+    "imag_p", "conj_p", "copy_p", "stop_gradient_p", "name_p",
+    # shape, indexing and data movement.
+    "reshape_p", "broadcast_in_dim_p", "transpose_p", "squeeze_p", "rev_p",
+    "slice_p", "dynamic_slice_p", "dynamic_update_slice_p", "gather_p",
+    "scatter_p", "scatter_add_p", "scatter_mul_p", "scatter_min_p",
+    "scatter_max_p", "scatter_sub_p", "concatenate_p", "split_p", "tile_p",
+    "pad_p", "iota_p", "sort_p", "top_k_p", "optimization_barrier_p",
+    "sharding_constraint_p", "device_put_p",
+    # order statistics and pooling (exact in any dtype).
+    "reduce_max_p", "reduce_min_p", "argmax_p", "argmin_p", "cummax_p",
+    "cummin_p", "reduce_window_max_p", "reduce_window_min_p",
+    "select_and_gather_add_p", "select_and_scatter_add_p",
+    # collectives move data in the dtype it has.
+    "psum_p", "pmax_p", "pmin_p", "all_gather_p", "all_to_all_p",
+    "ppermute_p", "pvary_p", "psum_invariant_p", "reduce_scatter_p",
+)
+
+PASSTHROUGH_NAMES = ("bitcast_convert_type_p", "reduce_precision_p")
+
+#: Matmuls and convolutions: run in the compute dtype, accumulate in float32.
+LOWER_PRIMITIVES = compat.primitives(*LOWER_NAMES)
+#: Numerically sensitive primitives that run in float32.
+F32_PRIMITIVES = compat.primitives(*F32_NAMES)
+#: Primitives that run in the dtype their inputs arrive in (widest on mismatch).
+PROMOTE_PRIMITIVES = compat.primitives(*PROMOTE_NAMES)
+#: Primitives autocast keeps exactly as traced (the default for unknown ones).
+PASSTHROUGH_PRIMITIVES = compat.primitives(*PASSTHROUGH_NAMES)
 
 # Primitives bilinear in their two operands (used by the float32-accumulating
 # matmul rule, whose tangent is built from the two partial products).
-_BILINEAR = frozenset(_primitives(P.dot_general_p, P.conv_general_dilated_p))
-
-#: Primitives that run in the dtype their inputs arrive in (widest on mismatch).
-PROMOTE_PRIMITIVES = _primitives(
-    # binary and ternary elementwise ops.
-    P.add_p, P.sub_p, P.mul_p, P.div_p, P.rem_p, P.max_p, P.min_p, P.atan2_p,
-    P.nextafter_p, P.select_n_p, P.clamp_p, P.complex_p, P.add_jaxvals_p,
-    P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p,
-    # unary elementwise ops that are accurate in half precision.
-    P.neg_p, P.abs_p, P.sign_p, P.floor_p, P.ceil_p, P.round_p, P.is_finite_p,
-    P.sqrt_p, P.cbrt_p, P.tanh_p, P.sin_p, P.cos_p, P.atan_p, P.real_p,
-    P.imag_p, P.conj_p, P.copy_p, P.stop_gradient_p, P.name_p,
-    # shape, indexing and data movement.
-    P.reshape_p, P.broadcast_in_dim_p, P.transpose_p, P.squeeze_p, P.rev_p,
-    P.slice_p, P.dynamic_slice_p, P.dynamic_update_slice_p, P.gather_p,
-    P.scatter_p, P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p,
-    P.scatter_max_p, P.concatenate_p, P.pad_p, P.iota_p, P.sort_p, P.top_k_p,
-    *_get(lax, "scatter_sub_p", "split_p", "tile_p", "optimization_barrier_p"),
-    P.sharding_constraint_p, P.device_put_p,
-    # order statistics and pooling (exact in any dtype).
-    P.reduce_max_p, P.reduce_min_p, P.argmax_p, P.argmin_p, P.cummax_p,
-    P.cummin_p, P.reduce_window_max_p, P.reduce_window_min_p,
-    P.select_and_gather_add_p, P.select_and_scatter_add_p,
-    # collectives move data in the dtype it has.
-    P.psum_p, P.pmax_p, P.pmin_p, P.all_gather_p, P.all_to_all_p, P.ppermute_p,
-    pvary_p, psum_invariant_p, reduce_scatter_p,
-)
-
-#: Primitives autocast keeps exactly as traced (the default for unknown ones).
-PASSTHROUGH_PRIMITIVES = _primitives(
-    P.bitcast_convert_type_p, P.reduce_precision_p,
-)
-
-#: Higher-order primitives whose bodies autocast enters.
-RECURSIVE_PRIMITIVES = _primitives(
-    P.jit_p, P.closed_call_p, P.remat_p, P.scan_p, P.while_p, P.cond_p,
-    P.custom_jvp_call_p, P.custom_vjp_call_p, shard_map_p,
-)
+_BILINEAR = frozenset(LOWER_PRIMITIVES)
 
 
 def _is_float_dtype(dtype: Any) -> bool:
@@ -193,7 +168,7 @@ class RuleContext:
       backward pass has no mixed-dtype matmuls.
   """
 
-  primitive: jex_core.Primitive
+  primitive: Any
   compute_dtype: np.dtype
   in_avals: tuple[Any, ...]
   out_avals: tuple[Any, ...]
@@ -203,16 +178,15 @@ class RuleContext:
 
   def bind(self, *args: Any, **params: Any) -> Any:
     """Binds the primitive to ``args`` (like ``eval_jaxpr`` does)."""
-    return self.primitive.bind(*args, **self.primitive.get_bind_params(params))
+    return compat.bind(self.primitive, args, params)
 
   def apply(self, rule: str, *args: Any, **params: Any) -> Any:
     """Runs the built-in rule named ``rule`` (one of :data:`RULE_NAMES`)."""
     if rule == "recurse":
       if self._recurse is None:
         raise ValueError(
-            f"The 'recurse' rule only applies to higher-order primitives "
-            f"({', '.join(p.name for p in RECURSIVE_PRIMITIVES)}), not "
-            f"{self.primitive.name}."
+            "The 'recurse' rule only applies to higher-order primitives "
+            f"(jit, scan, cond, ...), not {self.primitive.name}."
         )
       return self._recurse(self, *args, **params)
     try:
@@ -372,103 +346,3 @@ BUILTIN_RULES: Mapping[str, Callable[..., Any]] = types.MappingProxyType({
     "promote": promote_rule,
     "passthrough": passthrough_rule,
 })
-
-
-def _default_rules() -> dict[jex_core.Primitive, Any]:
-  table: dict[jex_core.Primitive, Any] = {}
-  for prims, rule in (
-      (PROMOTE_PRIMITIVES, "promote"),
-      (F32_PRIMITIVES, "f32"),
-      (LOWER_PRIMITIVES, "lower"),
-      (PASSTHROUGH_PRIMITIVES, "passthrough"),
-      (RECURSIVE_PRIMITIVES, "recurse"),
-  ):
-    for prim in prims:
-      table[prim] = rule
-  table[P.convert_element_type_p] = convert_element_type_rule
-  return table
-
-
-#: The default rule table (read-only). Primitives not in it run "passthrough".
-DEFAULT_RULES: Mapping[jex_core.Primitive, Any] = types.MappingProxyType(
-    _default_rules()
-)
-
-_PRIMITIVES_BY_NAME = {
-    prim.name: name
-    for name in dir(P)
-    if isinstance(prim := getattr(P, name), jex_core.Primitive)
-}
-
-
-def _key_error(key: Any) -> TypeError:
-  hint = ""
-  if isinstance(key, str):
-    attr = _PRIMITIVES_BY_NAME.get(key) or (
-        key if isinstance(getattr(P, key, None), jex_core.Primitive) else None
-    )
-    if attr is None and isinstance(getattr(P, f"{key}_p", None), jex_core.Primitive):
-      attr = f"{key}_p"
-    hint = (
-        f" Did you mean jax.extend.core.primitives.{attr}?"
-        if attr
-        else f" No jax primitive is called {key!r}."
-    )
-  return TypeError(
-      "autocast rules are keyed by primitive objects (e.g. jax.lax.exp_p or "
-      "jax.extend.core.primitives.dot_general_p), not names; got key "
-      f"{key!r} of type {type(key).__name__}.{hint}"
-  )
-
-
-def resolve_rules(
-    rules: Mapping[Any, Any] | None,
-) -> dict[jex_core.Primitive, Any]:
-  """Validates user rules and merges them over :data:`DEFAULT_RULES`.
-
-  Args:
-    rules: ``None`` or a mapping from primitive objects to a rule name or a
-      callable.
-
-  Returns:
-    The merged table.
-
-  Raises:
-    TypeError: if ``rules`` is not a mapping, a key is not a primitive, or a
-      rule is neither a string nor callable.
-    ValueError: for an unknown rule name, or ``"recurse"`` on a primitive
-      autocast cannot enter.
-  """
-  table = dict(DEFAULT_RULES)
-  if rules is None:
-    return table
-  if not isinstance(rules, Mapping):
-    raise TypeError(
-        "autocast's rules must be a mapping {primitive: rule}, e.g. "
-        "{jax.lax.tanh_p: 'f32'}; got "
-        f"{type(rules).__name__}: {rules!r}."
-    )
-  for key, rule in rules.items():
-    if not isinstance(key, jex_core.Primitive):
-      raise _key_error(key)
-    if isinstance(rule, str):
-      if rule not in RULE_NAMES:
-        raise ValueError(
-            f"Unknown autocast rule {rule!r} for primitive {key.name!r}; valid"
-            f" rules are {', '.join(repr(r) for r in RULE_NAMES)} or a callable"
-            " rule(ctx, *args, **params)."
-        )
-      if rule == "recurse" and key not in RECURSIVE_PRIMITIVES:
-        raise ValueError(
-            f"The 'recurse' rule only applies to higher-order primitives "
-            f"({', '.join(p.name for p in RECURSIVE_PRIMITIVES)}); "
-            f"{key.name!r} is not one of them."
-        )
-    elif not callable(rule):
-      raise TypeError(
-          f"The autocast rule for primitive {key.name!r} must be one of "
-          f"{', '.join(repr(r) for r in RULE_NAMES)} or a callable "
-          f"rule(ctx, *args, **params); got {type(rule).__name__}: {rule!r}."
-      )
-    table[key] = rule
-  return table

@@ -1,0 +1,401 @@
+"""Every JAX internal autocast relies on, behind one small interface.
+
+autocast interprets jaxprs, so it depends on things JAX does not promise to keep
+stable: ``jax.extend`` and ``jax._src`` names, the parameters of higher-order
+primitives (``scan``'s ``num_consts``/``num_carry`` became a ``ft_in`` tree in
+jax 0.11), the jaxpr data structures, and ``get_bind_params``'s return value.
+All of that is read here and nowhere else in jmp_lite, so that a new JAX
+release means changing this file only.
+
+Importing this module never fails: a name JAX no longer has is recorded in
+:data:`PROBLEMS` and looked up as ``None``; a primitive that is missing is left
+out of the rule tables. :func:`require` raises :class:`UnsupportedJaxError`,
+naming the installed jax version, when autocast is used on a jax whose
+internals it cannot read; policies, loss scaling and everything else in
+jmp_lite keep working.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+
+#: The jax versions the test matrix covers (the pins in pyproject.toml).
+SUPPORTED_JAX = "0.8.1 to 0.12.x"
+
+#: What could not be found in the installed jax (``"module.name: error"``).
+PROBLEMS: list[str] = []
+
+
+class UnsupportedJaxError(RuntimeError):
+  """autocast met a JAX internal it does not know (a newer or older jax)."""
+
+
+def _load(module: str, name: str | None = None) -> Any:
+  """``module.name`` (or the module itself), or None if the jax lacks it."""
+  try:
+    mod = importlib.import_module(module)
+    return mod if name is None else getattr(mod, name)
+  except (ImportError, AttributeError) as err:
+    PROBLEMS.append(f"{module}{'.' + name if name else ''}: {err}")
+    return None
+
+
+def _first(*candidates: tuple[str, str]) -> Any:
+  """The first of several ``(module, name)`` locations that exists, or None."""
+  for module, name in candidates:
+    try:
+      return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+      continue
+  PROBLEMS.append(" or ".join(f"{m}.{n}" for m, n in candidates) + ": not found")
+  return None
+
+
+_core = _load("jax.extend.core")
+_primitives_module = _load("jax.extend.core.primitives")
+_linear_util = _load("jax.extend.linear_util")
+_source_info = _load("jax.extend.source_info_util")
+
+Primitive: Any = getattr(_core, "Primitive", None)
+Jaxpr: Any = getattr(_core, "Jaxpr", None)
+ClosedJaxpr: Any = getattr(_core, "ClosedJaxpr", None)
+Literal: Any = getattr(_core, "Literal", None)
+# jax.extend.core has DropVar from jax 0.9; before, only jax._src.core does.
+DropVar: Any = _first(("jax.extend.core", "DropVar"), ("jax._src.core", "DropVar"))
+_jaxprs_in_params = _first(
+    ("jax.extend.core", "jaxprs_in_params"),  # jax >= 0.10
+    ("jax._src.core", "jaxprs_in_params"),
+)
+
+# Primitives that jax keeps outside jax.extend.core.primitives and jax.lax.
+_INTERNAL_PRIMITIVES = {
+    "remat_p": ("jax._src.ad_checkpoint",),  # jax.extend has it from 0.9
+    "name_p": ("jax._src.ad_checkpoint",),
+    "shard_map_p": ("jax._src.shard_map",),
+    "pvary_p": ("jax._src.core",),
+    "psum_invariant_p": ("jax._src.lax.parallel",),
+    "reduce_scatter_p": ("jax._src.lax.parallel",),
+}
+
+_looked_up: dict[str, Any] = {}
+
+
+def is_primitive(x: Any) -> bool:
+  """Whether ``x`` is a JAX primitive object (e.g. ``jax.lax.exp_p``)."""
+  return Primitive is not None and isinstance(x, Primitive)
+
+
+def primitive(name: str) -> Any:
+  """The primitive called ``name`` (``"scan_p"``), or None if this jax lacks it.
+
+  Looks in ``jax.extend.core.primitives``, then ``jax.lax``, then the internal
+  modules of :data:`_INTERNAL_PRIMITIVES`.
+  """
+  if name not in _looked_up:
+    found = None
+    modules = [_primitives_module, jax.lax]
+    modules += [_load_quietly(m) for m in _INTERNAL_PRIMITIVES.get(name, ())]
+    for module in modules:
+      candidate = getattr(module, name, None)
+      if is_primitive(candidate):
+        found = candidate
+        break
+    _looked_up[name] = found
+  return _looked_up[name]
+
+
+def _load_quietly(module: str) -> Any:
+  try:
+    return importlib.import_module(module)
+  except ImportError:
+    return None
+
+
+def primitives(*names: str) -> tuple[Any, ...]:
+  """The primitives of ``names`` this jax has, in order; missing ones dropped."""
+  return tuple(p for p in map(primitive, names) if p is not None)
+
+
+def missing_primitives(names: Sequence[str]) -> list[str]:
+  """Which of ``names`` the installed jax lacks."""
+  return [name for name in names if primitive(name) is None]
+
+
+def primitive_attribute_names() -> dict[str, str]:
+  """``{primitive.name: attribute}`` for ``jax.extend.core.primitives``.
+
+  Used to suggest the object when a user keys a rule by a name string.
+  """
+  out = {}
+  for attr in dir(_primitives_module) if _primitives_module else ():
+    prim = getattr(_primitives_module, attr)
+    if is_primitive(prim):
+      out.setdefault(prim.name, attr)
+  return out
+
+
+def available() -> bool:
+  """Whether every internal autocast cannot do without was found."""
+  essential = (Primitive, Jaxpr, ClosedJaxpr, Literal, _jaxprs_in_params,
+               _linear_util, _source_info)
+  return all(x is not None for x in essential)
+
+
+def require(what: str = "autocast") -> None:
+  """Raises :class:`UnsupportedJaxError` if autocast cannot run on this jax."""
+  if not available():
+    raise unsupported(what, "; ".join(PROBLEMS) or "jax.extend is missing")
+
+
+def unsupported(what: str, detail: str) -> UnsupportedJaxError:
+  """The error for an internal that moved, naming the installed jax."""
+  return UnsupportedJaxError(
+      f"{what} cannot read the internals of jax {jax.__version__}: {detail}. "
+      f"jmp_lite's autocast is tested with jax {SUPPORTED_JAX}; install one of "
+      "those (pip install 'jax>=0.8.1,<0.13'), or use jmp_lite.with_policy / "
+      "the Flax policies, which do not depend on jax internals."
+  )
+
+
+# -- jaxprs -----------------------------------------------------------------------
+
+
+def is_literal(atom: Any) -> bool:
+  return isinstance(atom, Literal)
+
+
+def literal_value(atom: Any) -> Any:
+  """The value of a literal operand, as an array of its aval's dtype."""
+  return atom.val
+
+
+def is_dropvar(var: Any) -> bool:
+  return DropVar is not None and isinstance(var, DropVar)
+
+
+def open_jaxpr(jaxpr: Any) -> Any:
+  """The ``Jaxpr`` of a ``ClosedJaxpr`` (a ``Jaxpr`` is returned as is)."""
+  return getattr(jaxpr, "jaxpr", jaxpr)
+
+
+def bind_inputs(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> Iterator[tuple[Any, Any]]:
+  """``(var, value)`` for a jaxpr's constants and inputs.
+
+  Released jax keeps constants in ``constvars``; jax's main branch after 0.11
+  moves them to the front of ``invars``. Both layouts are handled.
+  """
+  constvars = list(jaxpr.constvars)
+  invars = list(jaxpr.invars)
+  if len(constvars) == len(consts):
+    yield from zip(constvars, consts)
+    yield from zip(invars, args)
+  elif not constvars and len(invars) == len(consts) + len(args):
+    yield from zip(invars, [*consts, *args])
+  else:
+    raise unsupported(
+        "autocast",
+        f"a jaxpr has {len(constvars)} constvars and {len(invars)} invars for "
+        f"{len(consts)} constants and {len(args)} arguments",
+    )
+
+
+def closed_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
+  return ClosedJaxpr(jaxpr, list(consts))
+
+
+def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
+  """The jaxprs inside a primitive's parameters (bodies of scan, cond...)."""
+  return iter(_jaxprs_in_params(params))
+
+
+def walk_eqns(jaxpr: Any, live_only: bool = False) -> Iterator[Any]:
+  """Every equation of a (closed) jaxpr and its sub-jaxprs, in program order.
+
+  Args:
+    jaxpr: a ``Jaxpr`` or ``ClosedJaxpr``.
+    live_only: skip equations that compute nothing anyone reads and have no
+      side effects (JAX's AD leaves some; XLA removes them, so they never
+      run), and everything inside them.
+  """
+  jaxpr = open_jaxpr(jaxpr)
+  read: set[Any] = set()
+  if live_only:
+    read = {v for eqn in jaxpr.eqns for v in eqn.invars if not is_literal(v)}
+    read.update(v for v in jaxpr.outvars if not is_literal(v))
+  for eqn in jaxpr.eqns:
+    if live_only and not eqn.effects and not any(v in read for v in eqn.outvars):
+      continue
+    yield eqn
+    for sub in sub_jaxprs(eqn.params):
+      yield from walk_eqns(sub, live_only)
+
+
+def func_name(closed: Any, default: str) -> str:
+  """The traced function's name, from the jaxpr's debug info, or ``default``."""
+  debug_info = getattr(open_jaxpr(closed), "debug_info", None)
+  name = getattr(debug_info, "func_name", None)
+  return name if isinstance(name, str) and name.isidentifier() else default
+
+
+# -- equations ----------------------------------------------------------------------
+
+
+def name_stack(eqn: Any) -> str:
+  """The named scopes an equation was traced in, e.g. ``"jit(f)/block"``."""
+  return str(eqn.source_info.name_stack)
+
+
+@contextlib.contextmanager
+def equation_context(eqn: Any):
+  """Re-enters an equation's source location, name stack and context manager.
+
+  Operations bound inside keep the user's traceback and named scopes (so
+  ``autocast_disabled`` regions and profiler names survive), and the
+  equation's own context (e.g. a ``jax.named_scope`` or sharding context).
+  """
+  stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+  with _source_info.user_context(eqn.source_info.traceback, name_stack=stack):
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    with manager if manager is not None else contextlib.nullcontext():
+      yield
+
+
+def bind(primitive_: Any, args: Sequence[Any], params: dict[str, Any]) -> Any:
+  """``primitive.bind(*args, **params)`` with a jaxpr equation's params.
+
+  Equation params must go through ``get_bind_params``, which returns the params
+  (jax >= 0.10) or ``(subfuns, params)`` (jax <= 0.9).
+  """
+  bind_params = primitive_.get_bind_params(params)
+  if isinstance(bind_params, tuple):
+    subfuns, bind_params = bind_params
+    return primitive_.bind(*subfuns, *args, **bind_params)
+  return primitive_.bind(*args, **bind_params)
+
+
+def wrap_init(fn: Callable[..., Any], like: Any) -> Any:
+  """``linear_util.wrap_init`` with the debug info of the thunk ``like``."""
+  return _linear_util.wrap_init(fn, debug_info=getattr(like, "debug_info", None))
+
+
+# -- parameters of higher-order primitives ---------------------------------------
+
+
+def _param(params: dict[str, Any], *names: str) -> Any:
+  for name in names:
+    if name in params:
+      return params[name]
+  raise unsupported("autocast", f"none of the parameters {names} is present "
+                    f"(got {sorted(params)})")
+
+
+def jit_body(params: dict[str, Any]) -> Any:
+  return _param(params, "jaxpr", "call_jaxpr")
+
+
+def with_jit_body(params: dict[str, Any], body: Any) -> dict[str, Any]:
+  return {**params, "jaxpr": body}
+
+
+def closed_call_body(params: dict[str, Any]) -> Any:
+  return _param(params, "call_jaxpr", "jaxpr")
+
+
+def remat_parts(params: dict[str, Any]) -> tuple[Any, bool, Any]:
+  """``(body jaxpr, prevent_cse, policy)`` of a ``jax.checkpoint``."""
+  return params["jaxpr"], params.get("prevent_cse", True), params.get("policy")
+
+
+def _group_sizes(params: dict[str, Any], tree_key: str, count_keys: tuple[str, ...]) -> list[int]:
+  if tree_key in params:  # jax >= 0.11: a FlatTree of the input groups.
+    return [len(group) for group in params[tree_key].unpack()]
+  try:
+    return [params[k] for k in count_keys]
+  except KeyError:
+    raise unsupported(
+        "autocast", f"scan has neither {tree_key!r} nor {count_keys} parameters"
+    ) from None
+
+
+def scan_parts(params: dict[str, Any], args: Sequence[Any]) -> tuple[Any, list[Any], list[Any], list[Any]]:
+  """``(body, consts, carry, xs)`` of a ``lax.scan`` equation's inputs."""
+  sizes = _group_sizes(params, "ft_in", ("num_consts", "num_carry"))
+  n_consts, n_carry = sizes[0], sizes[1]
+  args = list(args)
+  return (params["jaxpr"], args[:n_consts], args[n_consts:n_consts + n_carry],
+          args[n_consts + n_carry:])
+
+
+def scan_options(params: dict[str, Any]) -> dict[str, Any]:
+  """The keyword arguments that re-create the scan with ``lax.scan``."""
+  options = {k: params[k] for k in ("length", "reverse", "unroll") if k in params}
+  if "_split_transpose" in params:
+    options["_split_transpose"] = params["_split_transpose"]
+  return options
+
+
+def while_parts(params: dict[str, Any], args: Sequence[Any]) -> tuple[Any, Any, list[Any], list[Any], list[Any]]:
+  """``(cond, body, cond_consts, body_consts, carry)`` of a ``while_loop``."""
+  nc, nb = params["cond_nconsts"], params["body_nconsts"]
+  args = list(args)
+  return (params["cond_jaxpr"], params["body_jaxpr"], args[:nc],
+          args[nc:nc + nb], args[nc + nb:])
+
+
+def cond_branches(params: dict[str, Any]) -> Sequence[Any]:
+  return params["branches"]
+
+
+def custom_jvp_parts(params: dict[str, Any]) -> tuple[Any, Any, int]:
+  """``(call_jaxpr, jvp rule thunk or None, num_consts)`` of a custom_jvp.
+
+  The thunk is None when this jax uses a protocol autocast does not know;
+  the equation then runs as traced.
+  """
+  thunk = params.get("jvp_jaxpr_fun", params.get("jvp_jaxpr_thunk"))
+  if not hasattr(thunk, "call_wrapped"):
+    thunk = None
+  return params["call_jaxpr"], thunk, params.get("num_consts", 0)
+
+
+def call_jvp_rule(thunk: Any, zeros: Sequence[bool]) -> tuple[Any, Sequence[Any], Sequence[bool]]:
+  """``(jvp jaxpr, consts, which output tangents are zero)`` of a custom_jvp."""
+  return thunk.call_wrapped(*zeros)
+
+
+def custom_vjp_parts(params: dict[str, Any]) -> tuple[Any, Any]:
+  """``(call_jaxpr, fwd thunk or None)`` of a custom_vjp."""
+  thunk = params.get("fwd_jaxpr_thunk")
+  return params["call_jaxpr"], thunk if hasattr(thunk, "call_wrapped") else None
+
+
+def with_custom_vjp_parts(params: dict[str, Any], call_jaxpr: Any, fwd_thunk: Any) -> dict[str, Any]:
+  out = {**params, "call_jaxpr": call_jaxpr}
+  if fwd_thunk is not None:
+    out["fwd_jaxpr_thunk"] = fwd_thunk
+  return out
+
+
+def call_fwd_rule(thunk: Any, zeros: Sequence[bool]) -> tuple[Any, Sequence[Any]]:
+  """``(fwd jaxpr, consts)`` of a custom_vjp's forward rule."""
+  return thunk.call_wrapped(*zeros)
+
+
+def shard_map_parts(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+  """``(body jaxpr, keyword arguments of jax.shard_map)`` of a shard_map.
+
+  The manual axes are ``newly_manual_axes`` from jax 0.10.2, ``manual_axes``
+  before; replication checking is ``check_vma`` (``check_rep`` in older jax).
+  """
+  kwargs = dict(
+      mesh=params["mesh"],
+      in_specs=tuple(params["in_specs"]),
+      out_specs=tuple(params["out_specs"]),
+      axis_names=_param(params, "newly_manual_axes", "manual_axes"),
+      check_vma=_param(params, "check_vma", "check_rep"),
+  )
+  return params["jaxpr"], kwargs

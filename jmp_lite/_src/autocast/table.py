@@ -1,0 +1,138 @@
+"""The autocast rule table: the defaults, and user rules merged over them.
+
+The defaults come from two places only: the op lists of ``rules.py`` (one
+built-in rule each) and the interpreter's registry of higher-order primitives
+(``"recurse"``). Primitives the installed jax lacks are simply absent.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Mapping
+
+import numpy as np
+
+from jmp_lite._src.autocast import compat
+from jmp_lite._src.autocast import interpreter as interpreter_lib
+from jmp_lite._src.autocast import rules as rules_lib
+
+
+def _default_rules() -> dict[Any, Any]:
+  table: dict[Any, Any] = {}
+  for prims, rule in (
+      (rules_lib.PROMOTE_PRIMITIVES, "promote"),
+      (rules_lib.F32_PRIMITIVES, "f32"),
+      (rules_lib.LOWER_PRIMITIVES, "lower"),
+      (rules_lib.PASSTHROUGH_PRIMITIVES, "passthrough"),
+      (tuple(interpreter_lib.HIGHER_ORDER), "recurse"),
+  ):
+    for prim in prims:
+      table[prim] = rule
+  convert = compat.primitive("convert_element_type_p")
+  if convert is not None:
+    table[convert] = rules_lib.convert_element_type_rule
+  return table
+
+
+#: The default rule table ``{primitive: rule}`` (read-only). Primitives not in
+#: it run ``"passthrough"``.
+DEFAULT_RULES: Mapping[Any, Any] = types.MappingProxyType(_default_rules())
+
+#: Every primitive name the default table refers to (for the compatibility
+#: report: ``compat.missing_primitives(EXPECTED_PRIMITIVES)``).
+EXPECTED_PRIMITIVES: tuple[str, ...] = (
+    *rules_lib.LOWER_NAMES, *rules_lib.F32_NAMES, *rules_lib.PROMOTE_NAMES,
+    *rules_lib.PASSTHROUGH_NAMES, *interpreter_lib.HIGHER_ORDER_HANDLERS,
+    "convert_element_type_p",
+)
+
+
+def _key_error(key: Any) -> TypeError:
+  hint = ""
+  if isinstance(key, str):
+    by_name = compat.primitive_attribute_names()
+    attr = by_name.get(key)
+    if attr is None and compat.primitive(key) is not None:
+      attr = key
+    if attr is None and compat.primitive(f"{key}_p") is not None:
+      attr = f"{key}_p"
+    hint = (
+        f" Did you mean jax.extend.core.primitives.{attr}?"
+        if attr
+        else f" No jax primitive is called {key!r}."
+    )
+  return TypeError(
+      "autocast rules are keyed by primitive objects (e.g. jax.lax.exp_p or "
+      "jax.extend.core.primitives.dot_general_p), not names; got key "
+      f"{key!r} of type {type(key).__name__}.{hint}"
+  )
+
+
+def _is_dtype_like(rule: Any) -> bool:
+  if isinstance(rule, np.dtype):
+    return True
+  if isinstance(rule, type):
+    try:
+      return rules_lib.dtypes.is_floating(np.dtype(rule))
+    except TypeError:
+      return False
+  return False
+
+
+def resolve_rules(rules: Mapping[Any, Any] | None) -> dict[Any, Any]:
+  """Validates user rules and merges them over :data:`DEFAULT_RULES`.
+
+  Args:
+    rules: ``None`` or a mapping from primitive objects to a rule name or a
+      callable.
+
+  Returns:
+    The merged table.
+
+  Raises:
+    TypeError: if ``rules`` is not a mapping, a key is not a primitive, or a
+      rule is neither a rule name nor a callable rule (a dtype such as
+      ``jnp.float32`` is not a rule: use ``"f32"`` or ``"lower"``).
+    ValueError: for an unknown rule name, or ``"recurse"`` on a primitive
+      autocast cannot enter.
+  """
+  table = dict(DEFAULT_RULES)
+  if rules is None:
+    return table
+  if not isinstance(rules, Mapping):
+    raise TypeError(
+        "autocast's rules must be a mapping {primitive: rule}, e.g. "
+        "{jax.lax.tanh_p: 'f32'}; got "
+        f"{type(rules).__name__}: {rules!r}."
+    )
+  names = ", ".join(repr(r) for r in rules_lib.RULE_NAMES)
+  for key, rule in rules.items():
+    if not compat.is_primitive(key):
+      raise _key_error(key)
+    if isinstance(rule, str):
+      if rule not in rules_lib.RULE_NAMES:
+        raise ValueError(
+            f"Unknown autocast rule {rule!r} for primitive {key.name!r}; valid"
+            f" rules are {names} or a callable rule(ctx, *args, **params)."
+        )
+      if rule == "recurse" and key not in interpreter_lib.HIGHER_ORDER:
+        entered = ", ".join(p.name for p in interpreter_lib.HIGHER_ORDER)
+        raise ValueError(
+            f"The 'recurse' rule only applies to higher-order primitives "
+            f"({entered}); {key.name!r} is not one of them."
+        )
+    elif _is_dtype_like(rule):
+      raise TypeError(
+          f"The autocast rule for primitive {key.name!r} is the dtype "
+          f"{np.dtype(rule).name}, but rules are names or callables: use 'f32' "
+          "to run the op in float32, 'lower' to run it in the compute dtype, "
+          "'passthrough' to keep it as traced."
+      )
+    elif not callable(rule):
+      raise TypeError(
+          f"The autocast rule for primitive {key.name!r} must be one of "
+          f"{names} or a callable rule(ctx, *args, **params); got "
+          f"{type(rule).__name__}: {rule!r}."
+      )
+    table[key] = rule
+  return table
