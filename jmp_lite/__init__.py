@@ -19,6 +19,7 @@ from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.loss_scale import NoOpLossScale
 from jmp_lite._src.loss_scale import StaticLossScale
 from jmp_lite._src.optax_wrapper import get_loss_scale
+from jmp_lite._src.optax_wrapper import get_loss_scale_state
 from jmp_lite._src.optax_wrapper import loss_scaling
 from jmp_lite._src.optax_wrapper import LossScaleState
 from jmp_lite._src.optax_wrapper import scaled_value_and_grad
@@ -48,6 +49,7 @@ __all__ = (
     "cast_to_full",
     "cast_to_half",
     "get_loss_scale",
+    "get_loss_scale_state",
     "get_policy",
     "half_dtype",
     "loss_scaling",

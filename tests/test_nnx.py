@@ -308,7 +308,7 @@ def test_train_steps_with_optimizer_and_loss_scaling_adam(half):
   @nnx.jit
   def step(model, optimizer, x, y):
     traces.append(1)
-    loss_scale = jmp_lite.get_loss_scale(nnx.as_pure(optimizer.opt_state))
+    loss_scale = jmp_lite.get_loss_scale(optimizer.opt_state)
 
     def loss_fn(model):
       loss = jnp.mean((model(x) - y) ** 2)
@@ -320,7 +320,7 @@ def test_train_steps_with_optimizer_and_loss_scaling_adam(half):
 
   losses = [float(step(model, optimizer, x, y)) for _ in range(15)]
   assert len(traces) == 1  # no recompilation
-  state = nnx.as_pure(optimizer.opt_state)
+  state = jmp_lite.get_loss_scale_state(optimizer.opt_state)
   assert int(state.skipped_steps) <= 2 and bool(state.last_finite)
   assert set(_dtypes(nnx.state(module, nnx.Param)).values()) == {F32}
   assert np.isfinite(losses).all()
@@ -336,12 +336,12 @@ def test_overflowing_f16_step_is_skipped_with_sgd():
 
   @nnx.jit
   def step(model, optimizer, x):
-    loss_scale = jmp_lite.get_loss_scale(nnx.as_pure(optimizer.opt_state))
+    loss_scale = jmp_lite.get_loss_scale(optimizer.opt_state)
     grads = nnx.grad(lambda m: loss_scale.scale(jnp.mean(m(x) ** 2)))(model)
     optimizer.update(model, grads)
 
   step(model, optimizer, _x())
-  state = nnx.as_pure(optimizer.opt_state)
+  state = jmp_lite.get_loss_scale_state(optimizer.opt_state)
   assert int(state.skipped_steps) == 1
   assert float(state.loss_scale.loss_scale) == 2.0**39
   after = nnx.to_pure_dict(nnx.state(module, nnx.Param))

@@ -166,13 +166,15 @@ def _install_boundaries(
     if id(node) in visited:
       return
     visited.add(id(node))
+    # Attributes are read and written through the instance dict: nnx.List
+    # keys its items by int in flax 0.12.1 (by str later).
     for name, value in list(vars(node).items()):
-      if name.startswith("_pytree__"):
+      if isinstance(name, str) and name.startswith("_pytree__"):
         continue
       new = replace(value)
       if new is not value:
         undo.append((node, name, value))
-        object.__setattr__(node, name, new)
+        vars(node)[name] = new
 
   def replace(value: Any) -> Any:
     if isinstance(value, nnx.Module):
@@ -206,7 +208,7 @@ def _install_boundaries(
 def _undo(records: list[tuple[Any, Any, Any]]) -> None:
   for container, key, original in reversed(records):
     if isinstance(container, nnx.Module):
-      object.__setattr__(container, key, original)
+      vars(container)[key] = original
     else:
       container[key] = original
 

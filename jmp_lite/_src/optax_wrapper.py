@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -189,13 +188,65 @@ def _find_states(tree: Any) -> Sequence[LossScaleState]:
   return [x for x in leaves if isinstance(x, LossScaleState)]
 
 
+def get_loss_scale_state(opt_state: Any) -> LossScaleState:
+  """Returns the :class:`LossScaleState` from anywhere inside an optimizer state.
+
+  The state may sit at the top, inside ``optax.chain``, ``optax.MultiSteps``,
+  ``optax.inject_hyperparams``, dicts or named tuples, or an
+  ``nnx.Optimizer``'s ``opt_state``. Its loss scale and counters come back as
+  plain arrays even where a framework keeps them in wrapper pytrees (NNX
+  variables); ``inner_state`` is returned as it is stored.
+
+  Args:
+    opt_state: the state of an optimizer built with :func:`loss_scaling`.
+
+  Returns:
+    The ``LossScaleState``: log its ``skipped_steps``, ``last_finite`` and
+    ``loss_scale.loss_scale``.
+
+  Raises:
+    ValueError: if the state holds no loss scaling, or more than one (then
+      pass the sub-state you mean).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = optax.chain(optax.add_decayed_weights(1e-4),
+    ...                   jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale(8.0)))
+    >>> state = jmp_lite.get_loss_scale_state(opt.init({"w": jnp.zeros(2)}))
+    >>> int(state.skipped_steps), float(state.loss_scale.loss_scale)
+    (0, 8.0)
+  """
+  return _the_state(opt_state, "get_loss_scale_state")
+
+
+def _the_state(opt_state: Any, caller: str) -> LossScaleState:
+  found = _find_states(opt_state)
+  if not found:
+    raise ValueError(
+        f"{caller} found no loss-scaling state in the optimizer state "
+        f"(a {type(opt_state).__name__}). Build the optimizer with "
+        "jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**15)) and "
+        "pass the state its init returned."
+    )
+  if len(found) > 1:
+    raise ValueError(
+        f"{caller} found {len(found)} loss-scaling states in the optimizer"
+        " state, so which scale to use is ambiguous. Pass the sub-state of the"
+        " optimizer whose loss you are scaling."
+    )
+  state = found[0]
+  return state._replace(
+      loss_scale=_fields_as_arrays(state.loss_scale),
+      skipped_steps=_as_array(state.skipped_steps),
+      consecutive_skips=_as_array(state.consecutive_skips),
+  )
+
+
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
   """Returns the current loss scale from an optimizer state.
 
-  The :class:`LossScaleState` may sit anywhere inside ``opt_state``: at the top,
-  inside ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
-  dicts or named tuples, or an ``nnx.Optimizer``'s ``opt_state`` (whose NNX
-  variables are unwrapped into arrays).
+  The :class:`LossScaleState` may sit anywhere inside ``opt_state``, as for
+  :func:`get_loss_scale_state`; a loss scale passed in is returned as it is.
 
   Args:
     opt_state: the state of an optimizer built with :func:`loss_scaling`.
@@ -210,39 +261,33 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
-    >>> opt = optax.chain(optax.clip(1.0),
-    ...                   jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale(8.0)))
+    >>> opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale(8.0))
     >>> float(jmp_lite.get_loss_scale(opt.init({"w": jnp.zeros(2)})).loss_scale)
     8.0
   """
   if isinstance(opt_state, loss_scale_lib.LossScale):
     return opt_state
-  found = _find_states(opt_state)
-  if not found:
-    raise ValueError(
-        "get_loss_scale found no loss-scaling state in the optimizer state "
-        f"(a {type(opt_state).__name__}). Build the optimizer with "
-        "jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**15)) and "
-        "pass the state its init returned."
-    )
-  if len(found) > 1:
-    raise ValueError(
-        f"get_loss_scale found {len(found)} loss-scaling states in the optimizer"
-        " state, so which scale to use is ambiguous. Pass the sub-state of the"
-        " optimizer whose loss you are scaling."
-    )
-  return _unwrap_nnx_variables(found[0].loss_scale)
+  return _the_state(opt_state, "get_loss_scale").loss_scale
 
 
-def _unwrap_nnx_variables(loss_scale: Any) -> Any:
-  """Turns NNX variables (``nnx.Optimizer`` keeps its state in them) into arrays.
+def _as_array(x: Any) -> Any:
+  """``x``, or the one array inside a wrapper pytree such as an NNX variable.
 
-  Flax is only consulted when the user has already imported ``flax.nnx``.
+  Frameworks may keep optimizer state in wrapper pytrees (``nnx.Optimizer``
+  keeps it in NNX variables). No framework is imported or named here.
   """
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None or not hasattr(nnx, "as_pure"):
-    return loss_scale
-  return nnx.as_pure(loss_scale)
+  if tree_lib.is_array(x):
+    return x
+  leaves = jax.tree_util.tree_leaves(x)
+  return leaves[0] if len(leaves) == 1 else x
+
+
+def _fields_as_arrays(loss_scale: Any) -> Any:
+  """The loss scale with each of its fields as a plain array."""
+  fields, treedef = jax.tree_util.tree_flatten(
+      loss_scale, is_leaf=lambda x: x is not loss_scale
+  )
+  return jax.tree_util.tree_unflatten(treedef, [_as_array(f) for f in fields])
 
 
 def scaled_value_and_grad(
