@@ -18,6 +18,10 @@ from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.loss_scale import NoOpLossScale
 from jmp_lite._src.loss_scale import StaticLossScale
+from jmp_lite._src.master_weights import get_master_params
+from jmp_lite._src.master_weights import master_weights
+from jmp_lite._src.master_weights import MasterWeightsState
+from jmp_lite._src.master_weights import with_state_dtype
 from jmp_lite._src.optax_wrapper import get_loss_scale
 from jmp_lite._src.optax_wrapper import get_loss_scale_state
 from jmp_lite._src.optax_wrapper import loss_scaling
@@ -39,6 +43,7 @@ __all__ = (
     "DynamicLossScale",
     "LossScale",
     "LossScaleState",
+    "MasterWeightsState",
     "NoOpLossScale",
     "PRESETS",
     "Policy",
@@ -50,12 +55,15 @@ __all__ = (
     "cast_to_half",
     "get_loss_scale",
     "get_loss_scale_state",
+    "get_master_params",
     "get_policy",
     "half_dtype",
     "loss_scaling",
+    "master_weights",
     "op_dtypes",
     "save_half_residuals",
     "scaled_value_and_grad",
     "select_tree",
     "with_policy",
+    "with_state_dtype",
 )

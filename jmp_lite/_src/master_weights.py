@@ -1,0 +1,490 @@
+"""Optimizer-side precision: float32 master weights and optimizer-state dtypes.
+
+Two optax wrappers, usable with any optax optimizer and with each other:
+
+* :func:`master_weights` keeps half-precision params (for compute and memory)
+  and a float32 master copy in the optimizer state (Apex's O2 recipe): the
+  inner optimizer runs against the master copy, updates accumulate in float32,
+  and the params are the master copy rounded to their dtype, bit for bit.
+* :func:`with_state_dtype` stores an optimizer's moments in a chosen dtype
+  (e.g. bfloat16, to halve the optimizer state) and does the update math in
+  float32.
+
+:func:`get_master_params` reads the master copy out of an optimizer state, and
+:func:`find_states` is the search it uses (it finds states of a given type
+anywhere inside ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmp_lite._src import dtypes
+from jmp_lite._src import tree as tree_lib
+
+S = TypeVar("S")
+
+
+# -- shared helpers ----------------------------------------------------------
+
+
+def find_states(tree: Any, state_type: type[S]) -> list[S]:
+  """Every node of type ``state_type`` inside an optimizer state.
+
+  The search walks the pytree (``optax.chain`` tuples, ``MultiSteps``,
+  ``inject_hyperparams``, ``multi_transform``, dicts, named tuples) and does
+  not look inside a match.
+
+  Args:
+    tree: an optimizer state, or any pytree.
+    state_type: the class to look for, e.g. :class:`MasterWeightsState`.
+
+  Returns:
+    The matching nodes, in pytree order (empty if there is none).
+  """
+  leaves = jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, state_type)
+  )
+  return [x for x in leaves if isinstance(x, state_type)]
+
+
+def _check_inner(
+    inner: Any, owner: str
+) -> optax.GradientTransformationExtraArgs:
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise TypeError(
+        f"{owner} expects an optax GradientTransformation such as "
+        f"optax.adam(1e-3) as its first argument, got {type(inner).__name__}: "
+        f"{inner!r}."
+    )
+  return optax.with_extra_args_support(inner)
+
+
+def _floating_dtype(dtype: Any, what: str, example: str) -> np.dtype:
+  """Validates a floating dtype given by the user (dtype, scalar type, name)."""
+  if isinstance(dtype, str):
+    try:
+      return np.dtype(dtypes.parse_dtype(dtype))
+    except ValueError:
+      pass  # Perhaps a numpy name such as "int32": judged below.
+  try:
+    result = None if dtype is None else np.dtype(dtype)
+  except TypeError:
+    result = None
+  if result is None:
+    raise TypeError(
+        f"{what} must be a floating dtype, got {type(dtype).__name__}: "
+        f"{dtype!r}. Pass e.g. {example}."
+    )
+  if not dtypes.is_floating(result):
+    raise TypeError(
+        f"{what} must be a floating dtype, got {result.name} ({dtype!r}). "
+        f"Pass e.g. {example}."
+    )
+  return result
+
+
+def _check_enabled(dtype: np.dtype, what: str) -> None:
+  """float64 needs x64 mode; without it JAX silently makes float32 arrays."""
+  if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+    raise ValueError(
+        f"{what} is {dtype.name}, but JAX is running without "
+        "jax_enable_x64, so arrays of that dtype cannot be made. Enable it "
+        "(jax.config.update('jax_enable_x64', True)) or use jnp.float32."
+    )
+
+
+def _represents(wide: np.dtype, narrow: np.dtype) -> bool:
+  """Whether every value of ``narrow`` is exactly a value of ``wide``."""
+  if wide == narrow:
+    return True
+  fw, fn = jnp.finfo(wide), jnp.finfo(narrow)
+  return (
+      fw.nmant >= fn.nmant
+      and fw.maxexp >= fn.maxexp
+      and fw.minexp <= fn.minexp
+  )
+
+
+# -- master weights ----------------------------------------------------------
+
+
+class MasterWeightsState(NamedTuple):
+  """State of :func:`master_weights`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state, made by ``inner.init`` from the
+      master copy, so its moments are in the master dtype (float32).
+    master_params: the master copy: the params' tree structure, every floating
+      leaf in the master dtype and with the params' sharding; non-floating
+      leaves hold the params' own values. It is authoritative: after each step
+      ``params == master_params.astype(params.dtype)``, bit for bit. Read it
+      with :func:`get_master_params`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.master_weights(optax.sgd(0.1))
+    >>> state = opt.init({"w": jnp.ones(2, jnp.bfloat16)})
+    >>> state.master_params["w"].dtype
+    dtype('float32')
+  """
+
+  inner_state: Any
+  master_params: Any
+
+
+def master_weights(
+    inner: optax.GradientTransformation, dtype: Any = jnp.float32
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps a float32 master copy of half-precision params inside the optimizer.
+
+  Apex's O2 recipe as an optax wrapper: the params stay in half precision
+  (bfloat16/float16) for compute and memory, and the optimizer state holds a
+  master copy in ``dtype``. ``update(grads, state, params, **extra_args)``
+
+  1. casts the floating gradients to the master dtype;
+  2. runs ``inner`` against the master copy (so its moments are float32 and
+     params-dependent transforms such as ``adamw``'s weight decay see the
+     master values);
+  3. adds the inner updates to the master copy in the master dtype, so updates
+     below the params' spacing (a bfloat16 ``1.0`` ignores any update smaller
+     than ``2**-9``) still accumulate;
+  4. returns the updates that take the params to the new master copy rounded
+     to their dtype.
+
+  **How the params land on the master copy.** ``optax.apply_updates`` computes
+  ``(p + u).astype(p.dtype)``, the sum in the promoted dtype. For a leaf whose
+  dtype differs from the master's, the returned update is
+  ``new_master.astype(p.dtype).astype(m) - p.astype(m)`` computed in the master
+  dtype ``m``: the difference of two half-precision values is exact in float32
+  unless the step shrinks the element by more than a factor of about ``2**16``
+  (bfloat16) or ``2**13`` (float16), so ``p + u`` is exactly the rounded master
+  value and the final cast changes nothing. (An update in the params' own dtype
+  would round often, e.g. whenever an element crosses zero.) In the rare
+  extreme step the params miss by one rounding for that step only: every update
+  is computed from the params it is given, so the next step lands exactly again,
+  and the master copy is never affected. For a leaf already in the master
+  dtype the inner update is returned as it is and added to the master copy the
+  way ``apply_updates`` adds it to the params, so the two stay identical (and
+  such params train exactly as under ``inner`` alone). The updates are in the
+  master dtype: with ``jax.numpy_dtype_promotion('strict')``, apply them as
+  ``(p.astype(u.dtype) + u).astype(p.dtype)``.
+
+  Because the master copy is authoritative, a change made to the params
+  outside the optimizer (loading weights, say) is undone by the next step;
+  re-run ``init`` after changing them. Non-floating leaves pass through: the
+  inner optimizer sees the params' own leaves there, its updates for them are
+  returned unchanged, and the state stores the params' values.
+
+  Compose with :func:`loss_scaling` outside
+  (``loss_scaling(master_weights(optax.adam(1e-3)), loss_scale)``): a skipped
+  non-finite step then leaves the master copy and the inner state untouched,
+  bit for bit. Use :func:`with_state_dtype` inside to keep the moments in
+  bfloat16 as well, and put ``optax.MultiSteps`` inside
+  (``master_weights(optax.MultiSteps(inner, k))``) so that its gradient
+  accumulator is float32 too.
+
+  Args:
+    inner: the optax optimizer to run on the master copy
+      (``GradientTransformation`` or ``GradientTransformationExtraArgs``).
+    dtype: the master dtype, a floating dtype at least as precise as every
+      floating param: ``jnp.float32`` (the default), or ``jnp.float64`` with
+      ``jax_enable_x64``. A name such as ``"f32"`` is accepted too.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`MasterWeightsState`. Its ``update`` needs ``params``.
+
+  Raises:
+    TypeError: if ``inner`` is not an optax transformation or ``dtype`` is not
+      a floating dtype; from ``update``, if the state is not this wrapper's.
+    ValueError: from ``init``, if ``dtype`` cannot represent some floating
+      param (e.g. a bfloat16 master for float32 params); from ``update``, if
+      ``params`` is not given.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> opt = jmp_lite.master_weights(optax.sgd(1e-3))
+    >>> state = opt.init(params)
+    >>> grads = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> for _ in range(10):  # each step is below bfloat16's spacing at 1.0
+    ...   updates, state = opt.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> master = jmp_lite.get_master_params(state)["w"]
+    >>> master.dtype, round(float(master[0]), 6)
+    (dtype('float32'), 0.99)
+    >>> params["w"]  # the master copy, rounded (plain sgd would stay at 1)
+    Array([0.988281, 0.988281, 0.988281], dtype=bfloat16)
+  """
+  owner = "master_weights"
+  inner = _check_inner(inner, owner)
+  master_dtype = _floating_dtype(
+      dtype, f"{owner}'s dtype", "jnp.float32 (the default)"
+  )
+
+  def init_fn(params):
+    _check_enabled(master_dtype, f"{owner}'s dtype")
+    narrower = [
+        (jax.tree_util.keystr(path), np.dtype(p.dtype))
+        for path, p in jax.tree_util.tree_leaves_with_path(params)
+        if tree_lib.is_float_array(p)
+        and not _represents(master_dtype, np.dtype(p.dtype))
+    ]
+    if narrower:
+      shown = ", ".join(
+          f"{path or '<root>'} ({d.name})" for path, d in narrower[:5]
+      )
+      more = f" and {len(narrower) - 5} more" if len(narrower) > 5 else ""
+      raise ValueError(
+          f"{owner}: the master dtype {master_dtype.name} cannot represent "
+          f"every value of the params {shown}{more}; the master copy must be "
+          "at least as precise as the params it keeps. Use "
+          f"{owner}(inner, dtype=jnp.float32) (the default) for float16 or "
+          "bfloat16 params; float32 params need no master copy."
+      )
+    # Fresh buffers (astype alone would alias params already in the master
+    # dtype, and a step that donates both would fail).
+    master = jax.tree_util.tree_map(
+        lambda p: jnp.array(p, dtype=master_dtype, copy=True)
+        if tree_lib.is_float_array(p)
+        else (jnp.array(p, copy=True) if tree_lib.is_array(p) else p),
+        params,
+    )
+    return MasterWeightsState(
+        inner_state=inner.init(master), master_params=master
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not isinstance(state, MasterWeightsState):
+      raise TypeError(
+          f"{owner}'s update expects the MasterWeightsState made by its init, "
+          f"got {type(state).__name__}. Pass the state returned by opt.init."
+      )
+    if params is None:
+      raise ValueError(
+          f"{owner}'s update needs the current params, to return the updates "
+          "that take them to the master copy: call "
+          "opt.update(grads, state, params)."
+      )
+    master = state.master_params
+    is_master = tree_lib.is_float_array
+
+    # The inner optimizer sees the master copy and float32 gradients.
+    inner_params = jax.tree_util.tree_map(
+        lambda m, p: m if is_master(m) else p, master, params
+    )
+    grads = jax.tree_util.tree_map(
+        lambda m, g: g.astype(m.dtype)
+        if is_master(m) and tree_lib.is_float_array(g) and g.dtype != m.dtype
+        else g,
+        master,
+        updates,
+    )
+    inner_updates, inner_state = inner.update(
+        grads, state.inner_state, inner_params, **extra_args
+    )
+    inner_updates = jax.tree_util.tree_map(
+        lambda m, u: u.astype(m.dtype)
+        if is_master(m) and tree_lib.is_float_array(u) and u.dtype != m.dtype
+        else u,
+        master,
+        inner_updates,
+    )
+
+    def new_master(m, p, u):
+      return m + u if is_master(m) else p
+
+    def out_update(m, new_m, p, u):
+      if not is_master(m) or p.dtype == m.dtype:
+        return u  # apply_updates computes p + u, as new_master did.
+      # Exact in the master dtype (see the docstring), so p + u == target.
+      target = new_m.astype(p.dtype).astype(m.dtype)
+      return target - p.astype(m.dtype)
+
+    master_out = jax.tree_util.tree_map(
+        new_master, master, params, inner_updates
+    )
+    updates_out = jax.tree_util.tree_map(
+        out_update, master, master_out, params, inner_updates
+    )
+    return updates_out, MasterWeightsState(
+        inner_state=inner_state, master_params=master_out
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def get_master_params(opt_state: Any) -> Any:
+  """Returns the master copy of the params from an optimizer state.
+
+  The :class:`MasterWeightsState` may sit anywhere inside ``opt_state``: at the
+  top, inside ``loss_scaling``, ``optax.chain``, ``optax.MultiSteps``,
+  ``optax.inject_hyperparams``, dicts or named tuples.
+
+  Args:
+    opt_state: the state of an optimizer built with :func:`master_weights`.
+
+  Returns:
+    The master params: the params' tree, floating leaves in the master dtype.
+    Evaluate or export from these rather than from the rounded params if you
+    want the full-precision values.
+
+  Raises:
+    ValueError: if the state holds no master copy, or more than one (then pass
+      the sub-state you mean).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.loss_scaling(jmp_lite.master_weights(optax.sgd(0.1)),
+    ...                             jmp_lite.NoOpLossScale())
+    >>> state = opt.init({"w": jnp.ones(2, jnp.float16)})
+    >>> jmp_lite.get_master_params(state)
+    {'w': Array([1., 1.], dtype=float32)}
+  """
+  found = find_states(opt_state, MasterWeightsState)
+  if not found:
+    raise ValueError(
+        "get_master_params found no master weights in the optimizer state "
+        f"(a {type(opt_state).__name__}). Build the optimizer with "
+        "jmp_lite.master_weights(inner) and pass the state its init returned."
+    )
+  if len(found) > 1:
+    raise ValueError(
+        f"get_master_params found {len(found)} master-weights states in the "
+        "optimizer state, so which one to return is ambiguous. Pass the "
+        "sub-state of the optimizer you mean."
+    )
+  return found[0].master_params
+
+
+# -- optimizer-state dtypes --------------------------------------------------
+
+
+def _is_moment(x: Any) -> bool:
+  """The state leaves :func:`with_state_dtype` stores in its dtype."""
+  return tree_lib.is_float_array(x) and np.ndim(x) >= 1
+
+
+def with_state_dtype(
+    inner: optax.GradientTransformation, dtype: Any
+) -> optax.GradientTransformationExtraArgs:
+  """Stores an optimizer's moments in ``dtype``; computes in float32.
+
+  optax offers ``mu_dtype`` for ``adam`` only; this works for any optimizer
+  (``adam``'s ``mu`` and ``nu``, ``adamw``, ``lion``, ``adafactor``'s factored
+  statistics, ``sgd`` momentum, ``chain``, ``inject_hyperparams``...):
+
+  * ``init`` returns the inner state with its moments in ``dtype``;
+  * ``update`` casts the moments, the other floating state leaves, the
+    gradients and the params (which ``adamw``'s weight decay or ``adafactor``
+    read) up to float32 (float64 stays float64), runs the inner update
+    there, and casts the new moments back to ``dtype``, rounding to nearest.
+    The other state leaves return to the dtype they had, so the state's
+    dtypes never change. The updates are those of the float32 math.
+
+  A *moment* is a floating state leaf with at least one dimension: per-param
+  statistics. Floating scalars keep their own dtype: hyperparameters of
+  ``inject_hyperparams`` (a bfloat16 learning rate would be coarse),
+  schedule state, and the moments of scalar params (a few bytes). Integer
+  leaves (step counts) are never touched. The state keeps the inner
+  optimizer's structure, so code reading ``state[0].mu`` still works.
+
+  bfloat16 halves the moments' memory at a small accuracy cost: with its
+  8-bit significand a relative change under ``2**-9`` rounds away, so
+  ``adam``'s ``nu`` cannot decay by ``b2 = 0.999`` per step; when gradients
+  shrink it stays where it was and the steps come out smaller than in
+  float32. Avoid float16 for ``adam``: a ``nu`` under about ``3e-8``
+  (gradients under about ``2e-4``) flushes to zero and the update divides
+  ``mu`` by ``eps``.
+
+  Put it inside :func:`master_weights` (the master copy must stay float32):
+  ``master_weights(with_state_dtype(optax.adam(1e-3), jnp.bfloat16))``; and
+  inside ``optax.MultiSteps``, whose gradient accumulator is state too.
+
+  Args:
+    inner: the optax optimizer whose state to store in ``dtype``.
+    dtype: a floating dtype, e.g. ``jnp.bfloat16``, ``jnp.float16``,
+      ``jnp.float32``, or a name such as ``"bf16"``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``inner``'s state
+    structure.
+
+  Raises:
+    TypeError: if ``inner`` is not an optax transformation or ``dtype`` is not
+      a floating dtype.
+    ValueError: from ``init``, if ``inner`` contains :func:`master_weights`
+      (the master copy would be stored in ``dtype`` too).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.with_state_dtype(optax.adam(1e-3), jnp.bfloat16)
+    >>> state = opt.init({"w": jnp.ones(3)})
+    >>> state[0].mu["w"].dtype, state[0].nu["w"].dtype, state[0].count.dtype
+    (dtype(bfloat16), dtype(bfloat16), dtype('int32'))
+    >>> updates, state = opt.update({"w": jnp.ones(3)}, state)
+    >>> updates["w"].dtype, state[0].mu["w"].dtype
+    (dtype('float32'), dtype(bfloat16))
+  """
+  owner = "with_state_dtype"
+  inner = _check_inner(inner, owner)
+  store_dtype = _floating_dtype(
+      dtype, f"{owner}'s dtype", "jnp.bfloat16 or jnp.float32"
+  )
+
+  def upcast(tree):
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(dtypes.at_least_f32(x.dtype))
+        if tree_lib.is_float_array(x)
+        and x.dtype != dtypes.at_least_f32(x.dtype)
+        else x,
+        tree,
+    )
+
+  def store(state):
+    return jax.tree_util.tree_map(
+        lambda x: x.astype(store_dtype)
+        if _is_moment(x) and x.dtype != store_dtype
+        else x,
+        state,
+    )
+
+  def init_fn(params):
+    _check_enabled(store_dtype, f"{owner}'s dtype")
+    state = inner.init(params)
+    if find_states(state, MasterWeightsState):
+      raise ValueError(
+          f"{owner} wraps an optimizer containing master_weights, so the "
+          f"float32 master copy would be stored in {store_dtype.name} too. "
+          "Put it inside instead: master_weights(with_state_dtype(inner, "
+          f"jnp.{store_dtype.name}))."
+      )
+    return store(state)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    # The moments, the other floating leaves, the gradients and the params,
+    # all in float32 (or wider): the math runs there, strict-promotion clean.
+    new_updates, new_state = inner.update(
+        upcast(updates), upcast(state), upcast(params), **extra_args
+    )
+
+    def keep_dtype(new, old):
+      if _is_moment(new):
+        return new if new.dtype == store_dtype else new.astype(store_dtype)
+      if (
+          tree_lib.is_array(new)
+          and tree_lib.is_array(old)
+          and new.dtype != old.dtype
+      ):
+        return new.astype(old.dtype)
+      return new
+
+    return new_updates, jax.tree_util.tree_map(keep_dtype, new_state, state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
