@@ -50,10 +50,10 @@ def reference_trajectory(config, flags):
 
   * finite step: the counter increments; on the ``period``-th consecutive
     finite step the scale is multiplied by ``factor`` (capped at
-    ``max_loss_scale``; a product that overflows float32 keeps the old scale)
-    and the counter returns to 0;
+    ``max_loss_scale`` and at 2**126, the largest scale whose reciprocal is a
+    normal float32) and the counter returns to 0;
   * non-finite step: the scale is divided by ``factor``, floored at
-    ``min_loss_scale``, and the counter returns to 0.
+    ``min_loss_scale`` (and at 2**-126), and the counter returns to 0.
 
   Arithmetic is float32 (numpy scalars), as in the library.
 
@@ -68,8 +68,8 @@ def reference_trajectory(config, flags):
   """
   scale = np.float32(config["loss_scale"])
   factor = np.float32(config["factor"])
-  min_scale = np.float32(config["min_loss_scale"])
-  max_scale = config["max_loss_scale"]
+  min_scale = np.float32(max(config["min_loss_scale"], 2.0**-126))
+  max_scale = min(config["max_loss_scale"] or 2.0**126, 2.0**126)
   counter = 0
   scales, counters = [], []
   for finite in flags:
@@ -77,11 +77,7 @@ def reference_trajectory(config, flags):
       counter += 1
       if counter == config["period"]:
         with np.errstate(over="ignore"):
-          grown = np.float32(scale * factor)
-        if np.isfinite(grown):
-          scale = grown
-        if max_scale is not None:
-          scale = min(scale, np.float32(max_scale))
+          scale = min(np.float32(scale * factor), np.float32(max_scale))
         counter = 0
     else:
       scale = max(np.float32(scale / factor), min_scale)
@@ -103,8 +99,11 @@ STATE_MACHINE_CONFIGS = [
     # Starts near the floor and the cap: both are hit.
     dict(loss_scale=4.0, period=2, factor=2.0, min_loss_scale=2.0,
          max_loss_scale=16.0),
-    # Grows towards float32 overflow: the scale must stay finite.
+    # Grows towards float32 overflow: the scale stops at 2**126.
     dict(loss_scale=2.0**100, period=1, factor=2.0**20, min_loss_scale=1.0,
+         max_loss_scale=None),
+    # No floor of one's own (jmp's min_loss_scale=0): stops at 2**-126.
+    dict(loss_scale=2.0**-100, period=3, factor=2.0**20, min_loss_scale=0.0,
          max_loss_scale=None),
 ]
 
@@ -175,9 +174,9 @@ def test_dynamic_state_machine_matches_reference(config, seed, runner):
   assert _config(final) == _config(ls)
 
 
-def test_reference_configs_hit_floor_cap_and_overflow_guard():
+def test_reference_configs_hit_floor_cap_and_float32_limits():
   """The configs above reach every branch of the rule at least once."""
-  hit_floor = hit_cap = hit_overflow = False
+  hit_floor = hit_cap = hit_top = hit_bottom = False
   for config in STATE_MACHINE_CONFIGS:
     for seed in (0, 1):
       flags = _flags(seed)
@@ -185,14 +184,9 @@ def test_reference_configs_hit_floor_cap_and_overflow_guard():
       hit_floor |= bool(np.any(scales == np.float32(config["min_loss_scale"])))
       if config["max_loss_scale"] is not None:
         hit_cap |= bool(np.any(scales == np.float32(config["max_loss_scale"])))
-      # A growth step whose product would overflow float32 (period 1).
-      with np.errstate(over="ignore"):
-        grown = scales[:-1] * np.float32(config["factor"])
-      would_overflow = ~np.isfinite(grown)
-      hit_overflow |= bool(
-          config["period"] == 1 and np.any(would_overflow & flags[1:])
-      )
-  assert hit_floor and hit_cap and hit_overflow
+      hit_top |= bool(np.any(scales == np.float32(2.0**126)))
+      hit_bottom |= bool(np.any(scales == np.float32(2.0**-126)))
+  assert hit_floor and hit_cap and hit_top and hit_bottom
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -225,18 +219,36 @@ def test_dynamic_back_off_floors_at_min_loss_scale(jit):
 
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("start,factor", [
-    (F32_MAX, 2.0),
-    (2.0**127, 2.0),
+    (2.0**126, 2.0),
+    (2.0**125, 3.0),
     (2.0**120, 2.0**10),
 ])
-def test_dynamic_growth_never_reaches_inf(start, factor, jit):
+def test_dynamic_growth_stops_where_unscaling_still_works(start, factor, jit):
+  """A long run grows the scale to 2**126 and no further: its reciprocal is a
+  normal float32, so unscaling (x * 1/scale) never flushes to zero."""
   adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
       lambda ls, f: ls.adjust(f))
   ls = jmp_lite.DynamicLossScale(start, period=1, factor=factor)
   for _ in range(3):
     ls = adjust(ls, _true())
-    assert np.isfinite(np.asarray(ls.loss_scale))
-    assert float(ls.loss_scale) >= np.float32(start)
+    assert float(ls.loss_scale) == 2.0**126
+  x = jnp.float32(0.75)
+  assert float(ls.unscale(ls.scale(x))) == 0.75
+  assert float(jax.jit(lambda l: l.unscale(l.scale(x)))(ls)) == 0.75
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_zero_floor_stops_at_the_smallest_normal_scale(jit):
+  """jmp's min_loss_scale=0: the scale never reaches 0 (which would make every
+  step non-finite for good)."""
+  adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
+      lambda ls, f: ls.adjust(f))
+  ls = jmp_lite.DynamicLossScale(2.0**-120, min_loss_scale=0, factor=2.0**4)
+  for _ in range(4):
+    ls = adjust(ls, _false())
+  assert float(ls.loss_scale) == 2.0**-126
+  assert ls.min_loss_scale == 0.0
+  assert float(ls.unscale(ls.scale(jnp.float32(3.0)))) == 3.0
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -573,7 +585,10 @@ def test_non_floating_leaves_pass_through(kind):
     out = method(tree)
     for key in ("ints", "np_ints", "bools", "marker"):
       assert out[key] is tree[key], key
-    assert out["py_int"] == 3 and out["none"] is None and out["name"] == "layer"
+    assert out["none"] is None and out["name"] == "layer"
+  # Python numbers are scaled, as jmp scales them (a loss may be one).
+  assert ls.unscale(tree)["py_int"] == 3
+  assert float(ls.scale(tree)["py_int"]) == 3 * float(ls.loss_scale)
   if kind != "noop":
     assert ls.scale(tree)["f"].dtype == F32
     assert ls.unscale(tree)["f"].dtype == F16
@@ -634,8 +649,8 @@ BAD_INPUTS = [
     ("period_float", lambda: _DLS(2.0**15, period=2.5), [r"period", r"2\.5"]),
     ("min_above_scale", lambda: _DLS(4.0, min_loss_scale=8.0),
      [r"min_loss_scale", r"\b4(\.0)?\b", r"\b8(\.0)?\b"]),
-    ("min_zero", lambda: _DLS(4.0, min_loss_scale=0), [r"min_loss_scale",
-                                                       r"\b0(\.0)?\b"]),
+    ("min_tiny", lambda: _DLS(4.0, min_loss_scale=1e-50), [r"min_loss_scale",
+                                                           r"1e-50", r"2\*\*-126"]),
     ("min_negative", lambda: _DLS(4.0, min_loss_scale=-1.0),
      [r"min_loss_scale", r"-1(\.0)?\b"]),
     ("max_below_min", lambda: _DLS(4.0, min_loss_scale=2.0, max_loss_scale=1.0),

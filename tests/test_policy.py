@@ -193,7 +193,9 @@ F16_SPELLINGS = (jnp.float16, np.float16, "f16", "float16", " F16 ", np.dtype("f
 @pytest.mark.parametrize("spelling", F16_SPELLINGS)
 def test_dtype_spellings_are_canonicalised(spelling):
   policy = jmp_lite.Policy(jnp.float32, spelling, np.float32)
-  assert type(policy.compute_dtype) is type(F16)
+  # jmp's objects: JAX's scalar types, one per dtype.
+  assert policy.compute_dtype is jnp.float16
+  assert policy.param_dtype is policy.output_dtype is jnp.float32
   assert policy.compute_dtype == F16
   assert policy == jmp_lite.get_policy("p=f32,c=f16,o=f32")
 

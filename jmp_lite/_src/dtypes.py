@@ -31,23 +31,36 @@ DTYPE_NAMES: tuple[str, ...] = tuple(_NAME_TO_DTYPE) + ("half",)
 
 FLOAT32 = np.dtype(jnp.float32)
 
+# The canonical form of each policy dtype: JAX's scalar type, as jmp returns
+# them (``policy.compute_dtype is jnp.float16``; ``half_dtype()(2 ** 15)`` makes
+# a scalar). One object per dtype, so equal policies compare and hash equal.
+_SCALAR_TYPES: dict[np.dtype, type] = {
+    np.dtype(jnp.float32): jnp.float32,
+    np.dtype(jnp.float16): jnp.float16,
+    np.dtype(jnp.bfloat16): jnp.bfloat16,
+    np.dtype(jnp.float64): jnp.float64,
+}
 
-def half_dtype() -> np.dtype:
+
+def half_dtype() -> type:
   """Returns the half-precision dtype for the current default backend.
 
   bfloat16 on TPU (which has no fast float16), float16 everywhere else — the
-  same rule as jmp.
+  same rule as jmp, and the same objects: JAX's scalar types, which are
+  callable and compare equal to the matching ``numpy.dtype``.
 
   Returns:
-    ``numpy.dtype('bfloat16')`` on TPU, otherwise ``numpy.dtype('float16')``.
+    ``jnp.bfloat16`` on TPU, otherwise ``jnp.float16``.
 
   Example:
-    >>> import jmp_lite
-    >>> jmp_lite.half_dtype() in ("float16", "bfloat16")
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> jmp_lite.half_dtype() in (jnp.float16, jnp.bfloat16)
+    True
+    >>> jmp_lite.half_dtype()(2 ** 15).dtype == jmp_lite.half_dtype()
     True
   """
   on_tpu = jax.default_backend() == "tpu"
-  return np.dtype(jnp.bfloat16) if on_tpu else np.dtype(jnp.float16)
+  return jnp.bfloat16 if on_tpu else jnp.float16
 
 
 def parse_dtype(value: str) -> np.dtype:
@@ -60,7 +73,7 @@ def parse_dtype(value: str) -> np.dtype:
       ``float16``, ``bf16``, ``bfloat16``, ``f64``, ``float64``.
 
   Returns:
-    The canonical ``numpy.dtype``.
+    The ``numpy.dtype``.
 
   Raises:
     TypeError: if ``value`` is not a string.
@@ -72,7 +85,7 @@ def parse_dtype(value: str) -> np.dtype:
     )
   name = value.strip().lower()
   if name == "half":
-    return half_dtype()
+    return np.dtype(half_dtype())
   try:
     return _NAME_TO_DTYPE[name]
   except KeyError:
@@ -100,6 +113,11 @@ def canonical_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
   """
   if isinstance(dtype, str):
     return parse_dtype(dtype)
+  if dtype is None:  # np.dtype(None) would silently mean float64.
+    raise TypeError(
+        f"{what} must be a floating dtype or a dtype name, got None. Use e.g."
+        " jnp.float16 or 'bf16'."
+    )
   try:
     result = np.dtype(dtype)
   except TypeError:
@@ -113,6 +131,14 @@ def canonical_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
         f"{result.name}. Mixed-precision policies only hold floating dtypes."
     )
   return result
+
+
+def scalar_type(dtype: Any, what: str = "dtype") -> type:
+  """The canonical form of a policy dtype: JAX's scalar type (``jnp.float16``).
+
+  Accepts what :func:`canonical_dtype` accepts, and raises as it does.
+  """
+  return _SCALAR_TYPES[canonical_dtype(dtype, what)]
 
 
 def dtype_name(dtype: Any) -> str:

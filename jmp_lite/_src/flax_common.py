@@ -59,7 +59,16 @@ class FullPrecision:
     Returns:
       ``Policy(param=at least f32, compute=at least f32,
       output=outer.compute_dtype)``.
+
+    Raises:
+      TypeError: if ``outer`` is not a ``Policy``.
     """
+    if not isinstance(outer, policy_lib.Policy):
+      raise TypeError(
+          "FullPrecision.resolve expects the jmp_lite.Policy around the "
+          f"matched module, got {type(outer).__name__}: {outer!r}. Pass e.g. "
+          "jmp_lite.get_policy('mixed_bfloat16')."
+      )
     return policy_lib.Policy(
         dtypes.at_least_f32(outer.param_dtype),
         dtypes.at_least_f32(outer.compute_dtype),
@@ -152,6 +161,12 @@ class PolicyRulesBase:
         )
       return match
     if isinstance(match, re.Pattern):
+      if not isinstance(match.pattern, str):
+        raise TypeError(
+            f"{where}: the regex {match.pattern!r} is a bytes pattern; module "
+            "paths are strings, so compile a str pattern, e.g. "
+            f"re.compile({match.pattern.decode(errors='replace')!r})."
+        )
       return match
     classes = match if isinstance(match, tuple) else (match,)
     if not classes:
@@ -397,13 +412,13 @@ def unmatched_message(
   )
 
 
-def storable(stored: Any, wanted: np.dtype) -> bool:
+def storable(stored: Any, wanted: Any) -> bool:
   """Whether params stored in ``stored`` satisfy a param dtype of ``wanted``.
 
   Equal dtypes, and wider ones (a float32 copy under a bfloat16 policy is never
   less accurate), are fine; narrower or same-width-but-different ones are not.
   """
-  stored = np.dtype(stored)
+  stored, wanted = np.dtype(stored), np.dtype(wanted)
   return stored == wanted or stored.itemsize > wanted.itemsize
 
 
@@ -419,7 +434,7 @@ def narrow_params_error(
   return ValueError(
       f"jmp_lite: param {path_str(leaf_path)!r} is stored in "
       f"{np.dtype(stored).name}{more}, but its module's policy "
-      f"({owner_policy}) stores params in {owner_policy.param_dtype.name}. "
+      f"({owner_policy}) stores params in {np.dtype(owner_policy.param_dtype).name}. "
       "Params kept in half precision lose small updates (a float16 weight of "
       "1.0 cannot move by less than ~0.0005), which is why mixed precision "
       f"keeps a float32 copy. Fix: {fix} To train in pure half precision on "

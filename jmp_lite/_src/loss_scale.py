@@ -6,9 +6,15 @@ afterwards. ``DynamicLossScale`` also adapts the scale: it backs off on a step
 with non-finite gradients and grows after ``period`` finite steps in a row.
 
 All three are pytrees. Their only leaves are arrays (``loss_scale`` and, for the
-dynamic scale, ``counter``); ``period``, ``factor``, ``min_loss_scale`` and
-``max_loss_scale`` are static config that survives ``jax.jit``, ``tree_map`` and
+dynamic scale, ``counter``); the dynamic scale's configuration (``period``,
+``factor``, ``backoff_factor``, ``hysteresis``, ``min_loss_scale``,
+``max_loss_scale``) is static and survives ``jax.jit``, ``tree_map`` and
 checkpoint round-trips.
+
+Every scale stays within [:data:`SCALE_MIN`, :data:`SCALE_MAX`] = [2**-126,
+2**126], where both the scale and its reciprocal are normal float32 numbers:
+unscaling (a multiplication by the reciprocal) never flushes to zero, and a
+long run cannot grow the scale into a value that silently zeroes every update.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 
 
+#: The smallest loss scale: the smallest normal float32, 2**-126.
+SCALE_MIN = 2.0**-126
+#: The largest loss scale, 2**126: its reciprocal is still a normal float32.
+SCALE_MAX = 2.0**126
+_INT32_MAX = 2**31 - 1
+
+
 def _is_concrete(x: Any) -> bool:
   """Whether ``x``'s value can be read (it is not a tracer)."""
   return not isinstance(x, jax.core.Tracer)
@@ -42,15 +55,15 @@ def _is_complex(x: Any) -> bool:
   )
 
 
-def _scalar_leaf(x: Any, dtype: np.dtype, what: str, owner: str) -> jax.Array:
-  """Validates a user-given loss-scale leaf; returns it as a ``dtype`` scalar.
-
-  Accepts Python and numpy numbers and JAX arrays (tracers too) of any real
-  dtype: a float16/bfloat16/int scale becomes float32.
-  """
-  if isinstance(x, (bool, np.bool_)) or (
+def _is_bool(x: Any) -> bool:
+  return isinstance(x, (bool, np.bool_)) or (
       tree_lib.is_array(x) and x.dtype == np.bool_
-  ):
+  )
+
+
+def _check_scalar(x: Any, what: str, owner: str) -> None:
+  """A user-given loss-scale leaf must be a real scalar (number or array)."""
+  if _is_bool(x):
     raise TypeError(f"{owner}: {what} must be a number, got a bool ({x!r}).")
   if _is_complex(x):
     raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
@@ -64,6 +77,10 @@ def _scalar_leaf(x: Any, dtype: np.dtype, what: str, owner: str) -> jax.Array:
         f"{owner}: {what} must be a scalar, got an array of shape "
         f"{np.shape(x)}. Pass a single number such as 2.0**15."
     )
+
+
+def _scalar_leaf(x: Any, dtype: np.dtype) -> jax.Array:
+  """A checked scalar as a ``dtype`` array (a float16/int scale -> float32)."""
   if isinstance(x, jax.Array):
     return x if x.dtype == dtype else x.astype(dtype)
   return jnp.asarray(x, dtype=dtype)
@@ -78,7 +95,7 @@ def _static_number(x: Any, what: str, owner: str) -> float:
     )
   if _is_complex(x):
     raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
-  if isinstance(x, (bool, np.bool_)) or not (
+  if _is_bool(x) or not (
       isinstance(x, numbers.Real) or (tree_lib.is_array(x) and np.ndim(x) == 0)
   ):
     raise TypeError(
@@ -90,14 +107,91 @@ def _static_number(x: Any, what: str, owner: str) -> float:
   return value
 
 
-def _check_positive_scale(x: Any, owner: str) -> float | None:
-  """Checks a concrete scale value is positive and finite; returns it."""
+def _whole_number(x: Any, what: str, owner: str, low: int, high: int) -> int:
+  """Reads an integral config value (an int, or a float such as ``5.0``)."""
+  value = _static_number(x, what, owner)
+  if not value.is_integer():
+    raise ValueError(f"{owner}: {what} must be a whole number, got {x!r}.")
+  if not low <= value <= high:
+    raise ValueError(
+        f"{owner}: {what} must be between {low} and {high} (it is stored as an"
+        f" int32), got {int(value)}."
+    )
+  return int(value)
+
+
+def _scale_value(x: Any, what: str, owner: str) -> float | None:
+  """Checks a concrete scale value lies in [SCALE_MIN, SCALE_MAX]; returns it.
+
+  Returns None for a traced value (checked nowhere; ``adjust`` clamps).
+  """
   if not _is_concrete(x):
     return None
-  value = _static_number(x, "loss_scale", owner)
+  value = _static_number(x, what, owner)
   if value <= 0:
-    raise ValueError(f"{owner}: loss_scale must be positive, got {value}.")
+    raise ValueError(f"{owner}: {what} must be positive, got {value}.")
+  if not SCALE_MIN <= value <= SCALE_MAX:
+    raise ValueError(
+        f"{owner}: {what}={value:g} is outside [2**-126, 2**126], the range in"
+        " which a float32 scale and its reciprocal are both normal numbers "
+        "(outside it, scaling or unscaling rounds to 0 or inf). Typical "
+        "scales are 1 to 2**24."
+    )
   return value
+
+
+def _counter_leaf(x: Any, owner: str) -> jax.Array:
+  """Validates ``counter`` (a whole number >= 0, or a traced int array)."""
+  if _is_concrete(x):
+    if _is_bool(x) or _is_complex(x) or not (
+        isinstance(x, numbers.Real) or (tree_lib.is_array(x) and np.ndim(x) == 0)
+    ):
+      raise TypeError(
+          f"{owner}: counter must be a whole number >= 0 (finite steps since "
+          f"the scale last changed), got {type(x).__name__}: {x!r}."
+      )
+    return jnp.asarray(_whole_number(x, "counter", owner, 0, _INT32_MAX), _I32)
+  _check_scalar(x, "counter", owner)
+  return _scalar_leaf(x, _I32)
+
+
+def _above_one(x: Any, what: str, owner: str) -> float:
+  value = _static_number(x, what, owner)
+  if not np.float32(value) > 1:
+    raise ValueError(
+        f"{owner}: {what} must be > 1 in float32 (the scale is multiplied by "
+        f"it to grow), got {value!r}{' (it rounds to 1)' if value > 1 else ''}."
+        " Use 2 (the default)."
+    )
+  return value
+
+
+def _below_one(x: Any, what: str, owner: str) -> float:
+  value = _static_number(x, what, owner)
+  if not 0 < np.float32(value) < 1:
+    raise ValueError(
+        f"{owner}: {what} must be in (0, 1) in float32 (the scale is "
+        f"multiplied by it to back off), got {value!r}. Use 0.5 (torch's "
+        "default)."
+    )
+  return value
+
+
+def _floor(x: Any, owner: str) -> float:
+  """``min_loss_scale``: 0 (no floor of one's own) or a valid scale."""
+  value = _static_number(x, "min_loss_scale", owner)
+  if value == 0:
+    return 0.0
+  if value < 0:
+    raise ValueError(f"{owner}: min_loss_scale must be >= 0, got {value}.")
+  if value < SCALE_MIN:
+    raise ValueError(
+        f"{owner}: min_loss_scale={value:g} is below 2**-126, where float32 "
+        "scales stop being normal numbers (it would round to 0). Use 0 for no"
+        " floor of your own (the scale then stops at 2**-126), or a value of "
+        "at least 2**-126."
+    )
+  return _scale_value(value, "min_loss_scale", owner)
 
 
 def _register(cls):
@@ -170,16 +264,28 @@ class LossScale(Protocol):
     """Returns the loss scale for the next step."""
 
 
+def _is_number(x: Any) -> bool:
+  """A Python or numpy real number (not a bool): ``scale`` scales these too."""
+  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
 def _scale_tree(tree: T, loss_scale: Any) -> T:
-  """``x * loss_scale`` for floating leaves, in ``promote_types(x.dtype, f32)``."""
+  """``x * loss_scale`` for floating leaves, in ``promote_types(x.dtype, f32)``.
+
+  Python numbers are scaled too (as jmp does: ``scale(1.0)`` of a scale of
+  ``2**15`` is ``32768.0``), as float32 arrays; other leaves pass through.
+  """
 
   def scale(x):
+    if _is_number(x) and not tree_lib.is_array(x):
+      return jnp.asarray(x, _F32) * jnp.asarray(loss_scale, _F32)
     if not tree_lib.is_float_array(x):
       return x
     dtype = dtypes.at_least_f32(x.dtype)
     return jnp.asarray(x, dtype) * jnp.asarray(loss_scale).astype(dtype)
 
   return jax.tree_util.tree_map(scale, tree)
+
 
 
 def _unscale_tree(tree: T, loss_scale: Any) -> T:
@@ -234,18 +340,21 @@ class StaticLossScale:
   """A fixed loss scale.
 
   Args:
-    loss_scale: the scale, a positive finite scalar; stored as float32 whatever
-      dtype it is given in.
+    loss_scale: the scale, a scalar in [2**-126, 2**126]; stored as float32
+      whatever dtype it is given in.
 
   Raises:
     TypeError: if ``loss_scale`` is not a real number.
-    ValueError: if it is not a positive, finite scalar.
+    ValueError: if it is not a scalar in [2**-126, 2**126] (outside, float32
+      would store it as 0 or inf, or its reciprocal would flush to 0).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> ls = jmp_lite.StaticLossScale(128)
     >>> ls.scale(jnp.float16(2.0))  # computed in float32
     Array(256., dtype=float32)
+    >>> ls.scale(1.0)               # Python numbers too, as in jmp
+    Array(128., dtype=float32)
     >>> ls.unscale(jnp.full((2,), 256.0, jnp.float16))
     Array([2., 2.], dtype=float16)
   """
@@ -254,9 +363,9 @@ class StaticLossScale:
 
   def __init__(self, loss_scale: Any):
     owner = "StaticLossScale"
-    leaf = _scalar_leaf(loss_scale, _F32, "loss_scale", owner)
-    _check_positive_scale(loss_scale, owner)
-    object.__setattr__(self, "loss_scale", leaf)
+    _check_scalar(loss_scale, "loss_scale", owner)
+    _scale_value(loss_scale, "loss_scale", owner)
+    object.__setattr__(self, "loss_scale", _scalar_leaf(loss_scale, _F32))
 
   def scale(self, tree: T) -> T:
     """Multiplies floating leaves by the scale, in ``promote_types(dtype, f32)``."""
@@ -283,32 +392,49 @@ class DynamicLossScale:
   On each ``adjust(grads_finite)``:
 
   * finite gradients: ``counter`` increments; on the ``period``-th consecutive
-    finite step the scale is multiplied by ``factor`` (never past
-    ``max_loss_scale`` nor to infinity) and ``counter`` returns to 0;
-  * non-finite gradients: the scale is divided by ``factor``, floored at
-    ``min_loss_scale``, and ``counter`` returns to 0.
+    finite step the scale is multiplied by ``factor`` (the growth factor; never
+    past ``max_loss_scale``) and ``counter`` returns to 0;
+  * non-finite gradients: the scale is multiplied by ``backoff_factor``
+    (divided by ``factor`` unless given), floored at ``min_loss_scale``, and
+    ``counter`` returns to 0. With ``hysteresis=n`` the scale backs off only
+    on the ``n``-th non-finite step in a row (Megatron/DeepSpeed's option);
+    until then ``counter`` holds minus the number of such steps.
+
+  With the defaults this is jmp's rule, and torch's ``GradScaler`` and Flax's
+  ``DynamicScale`` with ``growth_factor=2, backoff_factor=0.5``. The scale
+  always stays in [2**-126, 2**126] (both it and its reciprocal are normal
+  float32 numbers), whatever ``min_loss_scale`` and ``max_loss_scale`` say.
 
   Leaves are exactly ``(loss_scale, counter)`` (float32 and int32 scalars);
-  ``period``, ``factor``, ``min_loss_scale`` and ``max_loss_scale`` are static and
-  survive ``jax.jit``, ``tree_map`` and checkpoint round-trips (jmp drops
-  ``min_loss_scale``).
+  the rest is static configuration that survives ``jax.jit``, ``tree_map`` and
+  checkpoint round-trips (jmp drops ``min_loss_scale``).
 
   Args:
     loss_scale: the initial scale, e.g. ``2.0**15``; converted to float32 (an
       f16/bf16/int scale is accepted and converted).
-    counter: finite steps since the last change of scale (int32).
-    period: grow after this many consecutive finite steps (>= 1).
-    factor: growth and back-off factor (> 1).
-    min_loss_scale: the scale never backs off below this (> 0).
+    counter: finite steps since the scale last changed (a whole number >= 0).
+    period: grow after this many consecutive finite steps (a whole number
+      >= 1; ``5.0`` is accepted, as jmp accepts it).
+    factor: the growth factor (> 1); also the back-off divisor unless
+      ``backoff_factor`` is given.
+    min_loss_scale: the scale never backs off below this. ``0`` means no floor
+      of your own: the scale can then fall to 2**-126 but never to 0.
     max_loss_scale: optional cap on growth (>= min_loss_scale).
+    growth_factor: torch's and Flax's name for ``factor`` (give one of them).
+    backoff_factor: multiply the scale by this (in (0, 1)) to back off;
+      default ``1 / factor``.
+    hysteresis: back off on the ``hysteresis``-th non-finite step in a row
+      (>= 1; 1 backs off on every non-finite step). Every non-finite step is
+      still skipped by :func:`jmp_lite.loss_scaling`.
 
   Raises:
-    TypeError: for non-numeric or traced config, or a non-scalar/complex/bool
-      scale.
-    ValueError: for ``period < 1``, ``factor <= 1``, ``min_loss_scale <= 0``,
-      ``max_loss_scale < min_loss_scale``, a scale that is not positive and
-      finite, or ``min_loss_scale > loss_scale`` (checked whenever the scale is a
-      concrete value rather than a tracer).
+    TypeError: for non-numeric or traced config, or a non-scalar, complex or
+      bool scale.
+    ValueError: for config that is out of range or means nothing in float32
+      (``period`` or ``counter`` not whole or beyond int32, ``factor`` that
+      rounds to 1, ``min_loss_scale`` that rounds to 0, a scale outside
+      [2**-126, 2**126] or outside [min_loss_scale, max_loss_scale]),
+      ``growth_factor`` contradicting ``factor``, or ``hysteresis < 1``.
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -318,6 +444,10 @@ class DynamicLossScale:
     65536.0
     >>> float(ls.adjust(jnp.array(False)).loss_scale)
     32768.0
+    >>> torch_like = jmp_lite.DynamicLossScale(2.0**16, growth_factor=2.0,
+    ...                                        backoff_factor=0.5, hysteresis=2)
+    >>> float(torch_like.adjust(jnp.array(False)).loss_scale)  # 1st of 2: kept
+    65536.0
   """
 
   loss_scale: jax.Array = _field()
@@ -326,6 +456,8 @@ class DynamicLossScale:
   factor: float = _field(static=True)
   min_loss_scale: float = _field(static=True)
   max_loss_scale: float | None = _field(static=True)
+  backoff_factor: float = _field(static=True)
+  hysteresis: int = _field(static=True)
 
   def __init__(
       self,
@@ -335,66 +467,29 @@ class DynamicLossScale:
       factor: float = 2,
       min_loss_scale: float = 1,
       max_loss_scale: float | None = None,
+      *,
+      growth_factor: float | None = None,
+      backoff_factor: float | None = None,
+      hysteresis: int = 1,
   ):
     # Only a user's call runs this: unflattening bypasses it (see _register).
     owner = "DynamicLossScale"
-    if isinstance(period, (bool, np.bool_)) or not isinstance(
-        period, numbers.Integral
-    ):
-      raise TypeError(
-          f"{owner}: period must be an int >= 1, got {type(period).__name__}:"
-          f" {period!r}."
-      )
-    if period < 1:
-      raise ValueError(
-          f"{owner}: period must be >= 1 (the number of finite steps before the"
-          f" scale grows), got {period}."
-      )
-    factor = _static_number(factor, "factor", owner)
-    if factor <= 1:
-      raise ValueError(
-          f"{owner}: factor must be > 1 (the scale is multiplied by it to grow "
-          f"and divided by it to back off), got {factor}. Use 2 (the default)."
-      )
-    min_loss_scale = _static_number(min_loss_scale, "min_loss_scale", owner)
-    if min_loss_scale <= 0:
-      raise ValueError(
-          f"{owner}: min_loss_scale must be > 0, got {min_loss_scale}."
-      )
-    if max_loss_scale is not None:
-      max_loss_scale = _static_number(max_loss_scale, "max_loss_scale", owner)
-      if max_loss_scale < min_loss_scale:
-        raise ValueError(
-            f"{owner}: max_loss_scale ({max_loss_scale}) must be >= "
-            f"min_loss_scale ({min_loss_scale})."
-        )
-    scale_leaf = _scalar_leaf(loss_scale, _F32, "loss_scale", owner)
-    counter_leaf = _scalar_leaf(counter, _I32, "counter", owner)
-    value = _check_positive_scale(loss_scale, owner)
-    if value is not None and value < min_loss_scale:
-      raise ValueError(
-          f"{owner}: loss_scale ({value}) is below min_loss_scale "
-          f"({min_loss_scale}). Start at or above the minimum, or lower "
-          "min_loss_scale."
-      )
-    if (
-        value is not None
-        and max_loss_scale is not None
-        and value > max_loss_scale
-    ):
-      raise ValueError(
-          f"{owner}: loss_scale ({value}) is above max_loss_scale "
-          f"({max_loss_scale})."
-      )
-    if _is_concrete(counter) and int(counter) < 0:
-      raise ValueError(f"{owner}: counter must be >= 0, got {counter}.")
-    set_ = object.__setattr__
-    set_(self, "loss_scale", scale_leaf)
-    set_(self, "counter", counter_leaf)
-    set_(self, "period", int(period))
-    set_(self, "factor", factor)
-    set_(self, "min_loss_scale", min_loss_scale)
-    set_(self, "max_loss_scale", max_loss_scale)
+    config = _dynamic_config(
+        owner, period, factor, growth_factor, backoff_factor, hysteresis,
+        min_loss_scale, max_loss_scale,
+    )
+    _check_scalar(loss_scale, "loss_scale", owner)
+    _check_within(_scale_value(loss_scale, "loss_scale", owner), config, owner)
+    scale_leaf = _scalar_leaf(loss_scale, _F32)
+    counter_leaf = _counter_leaf(counter, owner)
+    for name, value in (("loss_scale", scale_leaf), ("counter", counter_leaf),
+                        *config.items()):
+      object.__setattr__(self, name, value)
+
+  @property
+  def growth_factor(self) -> float:
+    """The growth factor (torch's and Flax's name for ``factor``)."""
+    return self.factor
 
   def scale(self, tree: T) -> T:
     """Multiplies floating leaves by the scale, in ``promote_types(dtype, f32)``."""
@@ -423,18 +518,80 @@ class DynamicLossScale:
     )
     scale = jnp.asarray(self.loss_scale, _F32)
     counter = jnp.asarray(self.counter, _I32)
-    grow = counter >= self.period - 1
-    grown = scale * np.float32(self.factor)
-    grown = jnp.where(jnp.isfinite(grown), grown, scale)
-    if self.max_loss_scale is not None:
-      grown = jnp.minimum(grown, np.float32(self.max_loss_scale))
-    backed_off = jnp.maximum(
-        scale / np.float32(self.factor), np.float32(self.min_loss_scale)
-    )
-    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+    cap = np.float32(min(self.max_loss_scale or SCALE_MAX, SCALE_MAX))
+    floor = np.float32(max(self.min_loss_scale, SCALE_MIN))
     zero = jnp.zeros_like(counter)
-    new_counter = jnp.where(finite & ~grow, counter + 1, zero)
-    return _replace(self, loss_scale=new_scale, counter=new_counter)
+    # A finite step: grow on the period-th in a row.
+    streak = jnp.maximum(counter, zero)
+    grow = streak >= self.period - 1
+    grown = jnp.minimum(scale * np.float32(self.factor), cap)
+    finite_scale = jnp.where(grow, grown, scale)
+    finite_counter = jnp.where(grow, zero, streak + 1)
+    # A non-finite step: back off on the hysteresis-th in a row.
+    pending = jnp.maximum(-counter, zero) + 1
+    back = pending >= self.hysteresis
+    backed = jnp.maximum(scale * np.float32(self.backoff_factor), floor)
+    bad_scale = jnp.where(back, backed, scale)
+    bad_counter = jnp.where(back, zero, -pending)
+    return _replace(
+        self,
+        loss_scale=jnp.where(finite, finite_scale, bad_scale),
+        counter=jnp.where(finite, finite_counter, bad_counter),
+    )
+
+
+def _dynamic_config(
+    owner, period, factor, growth_factor, backoff_factor, hysteresis,
+    min_loss_scale, max_loss_scale,
+) -> dict[str, Any]:
+  """Validates DynamicLossScale's static configuration; returns its fields."""
+  factor = _above_one(factor, "factor", owner)
+  if growth_factor is not None:
+    growth = _above_one(growth_factor, "growth_factor", owner)
+    if factor not in (2.0, growth):
+      raise ValueError(
+          f"{owner}: growth_factor={growth} contradicts factor={factor}; they"
+          " are the same setting (torch's name and jmp's): give one of them."
+      )
+    factor = growth
+  if backoff_factor is None:
+    backoff = 1.0 / factor
+  else:
+    backoff = _below_one(backoff_factor, "backoff_factor", owner)
+  floor = _floor(min_loss_scale, owner)
+  cap = None
+  if max_loss_scale is not None:
+    cap = _scale_value(max_loss_scale, "max_loss_scale", owner)
+    if cap < floor:
+      raise ValueError(
+          f"{owner}: max_loss_scale ({cap}) must be >= min_loss_scale "
+          f"({floor})."
+      )
+  return dict(
+      period=_whole_number(period, "period", owner, 1, _INT32_MAX),
+      factor=factor,
+      min_loss_scale=floor,
+      max_loss_scale=cap,
+      backoff_factor=backoff,
+      hysteresis=_whole_number(hysteresis, "hysteresis", owner, 1, _INT32_MAX),
+  )
+
+
+def _check_within(value: float | None, config: dict[str, Any], owner: str) -> None:
+  """A concrete initial scale must lie between the floor and the cap."""
+  if value is None:
+    return
+  if value < config["min_loss_scale"]:
+    raise ValueError(
+        f"{owner}: loss_scale ({value}) is below min_loss_scale "
+        f"({config['min_loss_scale']}). Start at or above the minimum, or "
+        "lower min_loss_scale."
+    )
+  if config["max_loss_scale"] is not None and value > config["max_loss_scale"]:
+    raise ValueError(
+        f"{owner}: loss_scale ({value}) is above max_loss_scale "
+        f"({config['max_loss_scale']})."
+    )
 
 
 _register(NoOpLossScale)

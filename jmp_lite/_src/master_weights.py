@@ -10,14 +10,13 @@ Two optax wrappers, usable with any optax optimizer and with each other:
   (e.g. bfloat16, to halve the optimizer state) and does the update math in
   float32.
 
-:func:`get_master_params` reads the master copy out of an optimizer state, and
-:func:`find_states` is the search it uses (it finds states of a given type
-anywhere inside ``optax.chain``, ``MultiSteps``, ``inject_hyperparams``...).
+:func:`get_master_params` reads the master copy out of an optimizer state,
+wherever it sits (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``...).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,30 +26,7 @@ import optax
 from jmp_lite._src import dtypes
 from jmp_lite._src import tree as tree_lib
 
-S = TypeVar("S")
-
-
 # -- shared helpers ----------------------------------------------------------
-
-
-def find_states(tree: Any, state_type: type[S]) -> list[S]:
-  """Every node of type ``state_type`` inside an optimizer state.
-
-  The search walks the pytree (``optax.chain`` tuples, ``MultiSteps``,
-  ``inject_hyperparams``, ``multi_transform``, dicts, named tuples) and does
-  not look inside a match.
-
-  Args:
-    tree: an optimizer state, or any pytree.
-    state_type: the class to look for, e.g. :class:`MasterWeightsState`.
-
-  Returns:
-    The matching nodes, in pytree order (empty if there is none).
-  """
-  leaves = jax.tree_util.tree_leaves(
-      tree, is_leaf=lambda x: isinstance(x, state_type)
-  )
-  return [x for x in leaves if isinstance(x, state_type)]
 
 
 def _check_inner(
@@ -347,7 +323,7 @@ def get_master_params(opt_state: Any) -> Any:
     >>> jmp_lite.get_master_params(state)
     {'w': Array([1., 1.], dtype=float32)}
   """
-  found = find_states(opt_state, MasterWeightsState)
+  found = tree_lib.find_nodes(opt_state, MasterWeightsState)
   if not found:
     raise ValueError(
         "get_master_params found no master weights in the optimizer state "
@@ -458,7 +434,7 @@ def with_state_dtype(
   def init_fn(params):
     _check_enabled(store_dtype, f"{owner}'s dtype")
     state = inner.init(params)
-    if find_states(state, MasterWeightsState):
+    if tree_lib.find_nodes(state, MasterWeightsState):
       raise ValueError(
           f"{owner} wraps an optimizer containing master_weights, so the "
           f"float32 master copy would be stored in {store_dtype.name} too. "

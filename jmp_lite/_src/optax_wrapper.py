@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,13 @@ from jmp_lite._src import dtypes
 from jmp_lite._src import loss_scale as loss_scale_lib
 from jmp_lite._src import tree as tree_lib
 
+#: What :func:`loss_scaling` does after ``max_consecutive_skips`` skipped steps
+#: in a row: ``"flag"`` sets ``state.gave_up`` (jit-safe, no host sync);
+#: ``"raise"`` raises ``FloatingPointError`` from the step (a host callback
+#: per step).
+ON_MAX_SKIPS = ("flag", "raise")
+
+
 class LossScaleState(NamedTuple):
   """State of :func:`loss_scaling`.
 
@@ -20,36 +27,69 @@ class LossScaleState(NamedTuple):
       counts included) on a step whose gradients are not finite.
     loss_scale: the loss scale to use for the *next* forward pass; read it with
       :func:`get_loss_scale`. ``loss_scale.loss_scale`` is the float32 value to
-      log.
-    skipped_steps: int32, the number of updates skipped so far because the
-      gradients were not finite.
-    consecutive_skips: int32, updates skipped in a row (0 after a finite step);
-      a value that keeps growing once the scale sits at ``min_loss_scale``
-      means the model itself produces NaN/inf.
-    last_finite: (property) bool array, whether the last update's gradients
-      were finite: ``consecutive_skips == 0``. Derived rather than stored, since
-      returning the all-finite flag as its own output costs XLA a fusion.
+      log. ``None`` when the wrapper shares a scale passed to every ``update``
+      (``loss_scaling(inner)`` without a scale).
+    skipped_steps: int32, the number of optimizer steps skipped so far because
+      the gradients were not finite (with accumulation: windows).
+    consecutive_skips: int32, optimizer steps skipped in a row (0 after a
+      finite step); a value that keeps growing once the scale sits at its
+      floor means the model itself produces NaN/inf.
+    accumulated: with ``accumulation_steps > 1``, the float32 sum of the
+      unscaled gradients of the finite micro-batches of the current window;
+      ``None`` otherwise.
+    micro_step: with accumulation, the micro-batches already seen in the
+      current window (int32); ``None`` otherwise.
+    window_finite: with accumulation, whether every micro-batch of the current
+      window was finite so far (bool); ``None`` otherwise.
+    max_consecutive_skips: the limit given to :func:`loss_scaling` (int32), or
+      ``None``.
+    last_finite: (property) bool array, whether the last optimizer step's
+      gradients were finite: ``consecutive_skips == 0``. Derived rather than
+      stored, since returning the all-finite flag as its own output costs XLA
+      a fusion.
+    gave_up: (property) bool array, ``consecutive_skips >=
+      max_consecutive_skips``: the run has stalled (always False without a
+      limit).
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0**15))
     >>> state = opt.init({"w": jnp.zeros(2)})
-    >>> int(state.skipped_steps), bool(state.last_finite)
-    (0, True)
+    >>> int(state.skipped_steps), bool(state.last_finite), bool(state.gave_up)
+    (0, True, False)
   """
 
   inner_state: Any
   loss_scale: Any
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
+  accumulated: Any = None
+  micro_step: Any = None
+  window_finite: Any = None
+  max_consecutive_skips: Any = None
 
   @property
   def last_finite(self) -> jax.Array:
-    """Whether the last update's gradients were finite (bool array)."""
+    """Whether the last optimizer step's gradients were finite (bool array)."""
     return self.consecutive_skips == 0
+
+  @property
+  def gave_up(self) -> jax.Array:
+    """Whether ``max_consecutive_skips`` steps in a row were skipped."""
+    if self.max_consecutive_skips is None:
+      return jnp.zeros_like(self.consecutive_skips, dtype=bool)
+    return self.consecutive_skips >= self.max_consecutive_skips
 
 
 def _check_loss_scale(loss_scale: Any) -> None:
+  if loss_scale is None:
+    return
+  if isinstance(loss_scale, type):
+    raise TypeError(
+        f"loss_scaling expects a loss-scale object, got the class "
+        f"{loss_scale.__name__}; create one: jmp_lite.{loss_scale.__name__}("
+        f"{'' if loss_scale is loss_scale_lib.NoOpLossScale else '2.0**15'})."
+    )
   if isinstance(loss_scale, (int, float)) or tree_lib.is_array(loss_scale):
     raise TypeError(
         f"loss_scaling expects a loss-scale object, got the number {loss_scale!r}."
@@ -64,11 +104,77 @@ def _check_loss_scale(loss_scale: Any) -> None:
     )
 
 
+def _check_config(
+    loss_scale: Any, accumulation_steps: Any, max_consecutive_skips: Any,
+    on_max_skips: Any,
+) -> None:
+  """Validates loss_scaling's options (each error names the option)."""
+  for name, value, low in (("accumulation_steps", accumulation_steps, 1),
+                           ("max_consecutive_skips", max_consecutive_skips, 1)):
+    if value is None and name == "max_consecutive_skips":
+      continue
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+      raise (TypeError if not isinstance(value, int) or isinstance(value, bool)
+             else ValueError)(
+          f"loss_scaling: {name} must be an int >= {low}, got {value!r}."
+      )
+  if on_max_skips not in ON_MAX_SKIPS:
+    raise ValueError(
+        f"loss_scaling: on_max_skips must be one of {ON_MAX_SKIPS}, got "
+        f"{on_max_skips!r}."
+    )
+  if on_max_skips == "raise" and max_consecutive_skips is None:
+    raise ValueError(
+        "loss_scaling: on_max_skips='raise' needs max_consecutive_skips, the "
+        "number of skipped steps in a row after which to raise."
+    )
+  if loss_scale is None and accumulation_steps > 1:
+    raise ValueError(
+        "loss_scaling: accumulation_steps needs the wrapper's own loss scale "
+        "(it changes the scale once per window); a shared scale you adjust "
+        "yourself cannot know where windows end. Pass the loss scale."
+    )
+
+
+def _refuse_nesting(inner_state: Any) -> None:
+  """Compositions that would silently break are errors at init."""
+  if tree_lib.find_nodes(inner_state, LossScaleState):
+    raise TypeError(
+        "loss_scaling wraps an optimizer that already contains loss_scaling: "
+        "the gradients would be unscaled twice and training would stall. Use "
+        "one loss_scaling, outermost (e.g. loss_scaling(optax.chain(clip, "
+        "adam), scale))."
+    )
+  if tree_lib.find_nodes(inner_state, optax.MultiStepsState):
+    raise TypeError(
+        "loss_scaling wraps optax.MultiSteps: each micro-batch would adjust "
+        "the loss scale and a non-finite one would be dropped alone instead of"
+        " invalidating its window. Accumulate inside the wrapper instead: "
+        "jmp_lite.loss_scaling(inner, loss_scale, accumulation_steps=k)."
+    )
+
+
+def _gave_up(consecutive_skips, limit, loss_scale) -> None:
+  """Host callback of on_max_skips='raise'."""
+  if int(consecutive_skips) >= int(limit):
+    raise FloatingPointError(
+        f"jmp_lite.loss_scaling gave up: {int(consecutive_skips)} optimizer "
+        f"steps in a row had non-finite gradients (max_consecutive_skips="
+        f"{int(limit)}); the loss scale is now {float(loss_scale):g}. A scale "
+        "that keeps backing off to its floor means the model itself makes "
+        "NaN/inf (learning rate, data, a log of 0...), or that the gradients "
+        "handed to update were not computed from a scaled loss."
+    )
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
-    loss_scale: loss_scale_lib.AnyLossScale,
+    loss_scale: loss_scale_lib.AnyLossScale | None = None,
     *,
     axis_name: Any = None,
+    accumulation_steps: int = 1,
+    max_consecutive_skips: int | None = None,
+    on_max_skips: str = "flag",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with loss scaling and non-finite step skipping.
 
@@ -88,26 +194,61 @@ def loss_scaling(
   Every choice is made with ``lax.select``: no host sync, no recompilation.
   The inner state keeps the dtypes its ``init`` gave it.
 
+  **Gradient clipping goes inside** (``loss_scaling(optax.chain(
+  optax.clip_by_global_norm(1.0), optax.adam(1e-3)), scale)``): the inner
+  optimizer sees unscaled gradients. Outside, it would clip the still-scaled
+  gradients down to a norm of 1 / scale.
+
+  **Gradient accumulation** (``accumulation_steps=k``): every ``update`` is a
+  micro-batch; the inner optimizer steps on the mean of ``k`` unscaled
+  gradients, accumulated in float32, and returns zero updates in between.
+  A non-finite micro-batch invalidates its whole window (no NaN enters the
+  accumulator or a later window); the scale stays fixed within a window and
+  adjusts once at its end, so growth counts optimizer steps (torch's
+  ``GradScaler`` semantics). ``optax.MultiSteps`` around or inside this
+  wrapper is refused with an error pointing here.
+
+  **Several optimizers, one scale** (a GAN's two, torch's one ``GradScaler``
+  for two optimizers): build each wrapper without a scale
+  (``loss_scaling(optax.adam(1e-4))``) and pass the shared scale to every
+  update (``update(grads, state, params, loss_scale=scale)``); each optimizer
+  skips on its own non-finite gradients. Then adjust the scale once per step,
+  backing off if any optimizer skipped:
+  ``scale = scale.adjust(state_a.last_finite & state_b.last_finite)``.
+
   Args:
     inner: the optax optimizer to wrap (``GradientTransformation`` or
       ``GradientTransformationExtraArgs``).
     loss_scale: the initial ``NoOpLossScale``, ``StaticLossScale`` or
-      ``DynamicLossScale``.
+      ``DynamicLossScale``; ``None`` to use a scale passed to every
+      ``update`` as ``loss_scale=`` (shared between optimizers).
     axis_name: mapped axis name(s) under ``pmap``/``shard_map`` over which the
       finiteness check is agreed, so all replicas keep the same scale. Not
       needed with ``jax.jit`` and sharded arrays.
+    accumulation_steps: micro-batches per optimizer step (1: none).
+    max_consecutive_skips: optional limit on optimizer steps skipped in a row;
+      reaching it sets ``state.gave_up`` (see ``on_max_skips``).
+    on_max_skips: ``"flag"`` (default: ``state.gave_up`` only, jit-safe, no
+      host sync) or ``"raise"`` (the step fails with a ``FloatingPointError``
+      explaining why, which JAX reports as a runtime error at the next
+      synchronisation; it costs a host callback on every step).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
 
   Raises:
-    TypeError: if ``inner`` is not an optax transformation or ``loss_scale`` is
-      not a loss scale.
+    TypeError: if ``inner`` is not an optax transformation, ``loss_scale`` is
+      not a loss scale (a class instead of an instance, a number...), or an
+      option has the wrong type; from ``init``, if ``inner`` contains another
+      ``loss_scaling`` or ``optax.MultiSteps``.
+    ValueError: for an option out of range.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jmp_lite
-    >>> opt = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.DynamicLossScale(2.0**10))
+    >>> opt = jmp_lite.loss_scaling(
+    ...     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+    ...     jmp_lite.DynamicLossScale(2.0**10))
     >>> params = {"w": jnp.ones(3)}
     >>> state = opt.init(params)
     >>> loss_fn = lambda p: jnp.sum(p["w"].astype(jnp.float16) ** 2)
@@ -123,17 +264,49 @@ def loss_scaling(
         f"optax.adam(1e-3), got {type(inner).__name__}: {inner!r}."
     )
   _check_loss_scale(loss_scale)
+  _check_config(loss_scale, accumulation_steps, max_consecutive_skips,
+                on_max_skips)
+  if axis_name is not None:
+    tree_lib.check_axis_name(axis_name)
   inner = optax.with_extra_args_support(inner)
+  k = accumulation_steps
 
   def init_fn(params):
+    inner_state = inner.init(params)
+    _refuse_nesting(inner_state)
+    accumulating = dict(
+        accumulated=jax.tree_util.tree_map(
+            lambda p: jnp.zeros(p.shape, dtypes.at_least_f32(p.dtype))
+            if tree_lib.is_float_array(p) else p,
+            params,
+        ),
+        micro_step=jnp.zeros([], jnp.int32),
+        window_finite=jnp.ones([], bool),
+    ) if k > 1 else {}
     return LossScaleState(
-        inner_state=inner.init(params),
+        inner_state=inner_state,
         # Fresh buffers on every init: a step that donates its state must not
         # delete the arrays of the loss scale this optimizer was built with.
         loss_scale=jax.tree_util.tree_map(jnp.array, loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         consecutive_skips=jnp.zeros([], jnp.int32),
+        max_consecutive_skips=None if max_consecutive_skips is None
+        else jnp.asarray(max_consecutive_skips, jnp.int32),
+        **accumulating,
     )
+
+  def inner_step(grads, ok, state, params, extra_args):
+    """The inner update where ``ok``; zero updates and the old state elsewhere."""
+    new_updates, new_inner = inner.update(
+        grads, state.inner_state, params, **extra_args
+    )
+    # Keep the state's dtypes stable across steps (as its init made them).
+    new_inner = optax.tree.cast_like(new_inner, state.inner_state)
+    zeros = jax.tree_util.tree_map(
+        lambda u: jnp.zeros_like(u) if tree_lib.is_array(u) else u, new_updates
+    )
+    return (tree_lib.select_tree(ok, new_updates, zeros),
+            tree_lib.select_tree(ok, new_inner, state.inner_state))
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, LossScaleState):
@@ -141,7 +314,8 @@ def loss_scaling(
           "loss_scaling's update expects the LossScaleState made by its init, "
           f"got {type(state).__name__}. Pass the state returned by opt.init."
       )
-    current = state.loss_scale
+    shared = extra_args.pop("loss_scale", None)
+    current = _scale_for_update(state.loss_scale, shared)
     # Unscale in f32 (or wider) and keep that precision for the inner update.
     wide = jax.tree_util.tree_map(
         lambda g: g.astype(dtypes.at_least_f32(g.dtype))
@@ -151,41 +325,105 @@ def loss_scaling(
     )
     grads = current.unscale(wide)
     finite = tree_lib.all_finite(grads, axis_name=axis_name)
-
-    new_updates, new_inner = inner.update(
-        grads, state.inner_state, params, **extra_args
-    )
-    # Keep the state's dtypes stable across steps (as its init made them).
-    new_inner = jax.tree_util.tree_map(
-        lambda new, old: new.astype(old.dtype)
-        if tree_lib.is_array(new) and tree_lib.is_array(old)
-        and new.dtype != old.dtype
-        else new,
-        new_inner,
-        state.inner_state,
-    )
-    zeros = jax.tree_util.tree_map(
-        lambda u: jnp.zeros_like(u) if tree_lib.is_array(u) else u, new_updates
-    )
-    out_updates = tree_lib.select_tree(finite, new_updates, zeros)
-    out_inner = tree_lib.select_tree(finite, new_inner, state.inner_state)
-    skipped = (~finite).astype(jnp.int32)
-    new_state = LossScaleState(
+    if k == 1:
+      step_ends, ok, fields = True, finite, {}
+    else:
+      step_ends = state.micro_step == k - 1
+      window_ok = state.window_finite & finite
+      ok = step_ends & window_ok
+      # A non-finite micro-batch is never added: no NaN enters the sum.
+      acc = jax.tree_util.tree_map(
+          lambda a, g: a + jnp.where(finite, g, jnp.zeros_like(g))
+          if tree_lib.is_float_array(a) else a,
+          state.accumulated, grads,
+      )
+      grads = jax.tree_util.tree_map(
+          lambda a, g: a / k if tree_lib.is_float_array(a) else g, acc, grads
+      )
+      fields = dict(
+          accumulated=tree_lib.select_tree(
+              step_ends, optax.tree.zeros_like(acc), acc),
+          micro_step=jnp.where(step_ends, 0, state.micro_step + 1),
+          window_finite=step_ends | window_ok,
+      )
+      finite = window_ok  # What the scale and the counters judge.
+    out_updates, out_inner = inner_step(grads, ok, state, params, extra_args)
+    skipped = step_ends & ~finite
+    consecutive = jnp.where(
+        skipped, optax.safe_increment(state.consecutive_skips),
+        jnp.where(step_ends, 0, state.consecutive_skips))
+    new_scale = state.loss_scale
+    if state.loss_scale is not None:
+      new_scale = current.adjust(finite)
+      if k > 1:
+        new_scale = tree_lib.select_tree(step_ends, new_scale, current)
+    new_state = state._replace(
         inner_state=out_inner,
-        loss_scale=current.adjust(finite),
-        skipped_steps=state.skipped_steps + skipped,
-        consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1),
+        loss_scale=new_scale,
+        skipped_steps=jnp.where(skipped, optax.safe_increment(state.skipped_steps),
+                                state.skipped_steps),
+        consecutive_skips=consecutive,
+        **fields,
     )
+    if on_max_skips == "raise":
+      jax.debug.callback(_gave_up, consecutive, state.max_consecutive_skips,
+                         current.loss_scale)
     return out_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _scale_for_update(own: Any, shared: Any) -> Any:
+  """The loss scale this update unscales with: the state's, or the shared one."""
+  if own is None:
+    if shared is None:
+      raise TypeError(
+          "This loss_scaling was built without a loss scale, to share one: "
+          "pass it to every update, opt.update(grads, state, params, "
+          "loss_scale=scale), and adjust it once per step yourself."
+      )
+    _check_loss_scale(shared)
+    return shared
+  if shared is not None:
+    raise TypeError(
+        "loss_scaling got loss_scale= in update, but it keeps its own scale in"
+        " its state. To share one scale between optimizers, build each with "
+        "loss_scaling(inner) (no scale)."
+    )
+  return _restored(own)
+
+
+def _restored(loss_scale: Any) -> Any:
+  """The state's loss scale, or a clear error if a checkpoint lost its class."""
+  if isinstance(loss_scale, Mapping):
+    raise TypeError(
+        "The optimizer state's loss_scale is a plain dict "
+        f"({sorted(loss_scale)}): it came back from a checkpoint restored "
+        "without a target, which loses the loss scale's class and its static "
+        "configuration (period, factor, min_loss_scale...). Restore with the "
+        "state from opt.init as the target (orbax: "
+        "checkpointer.restore(path, target=opt.init(params)), or "
+        "ocp.args.StandardRestore(abstract_state))."
+    )
+  return loss_scale
+
+
 def _find_states(tree: Any) -> Sequence[LossScaleState]:
-  leaves = jax.tree_util.tree_leaves(
-      tree, is_leaf=lambda x: isinstance(x, LossScaleState)
-  )
-  return [x for x in leaves if isinstance(x, LossScaleState)]
+  """The LossScaleStates inside an optimizer state; refuses MultiSteps outside."""
+  found = []
+  for node in tree_lib.find_nodes(tree, (LossScaleState, optax.MultiStepsState)):
+    if isinstance(node, LossScaleState):
+      found.append(node)
+    elif tree_lib.find_nodes(node.inner_opt_state, LossScaleState):
+      raise TypeError(
+          "This optimizer is optax.MultiSteps(loss_scaling(...)): MultiSteps "
+          "accumulates the scaled gradients itself and resets its accumulator "
+          "by multiplying with 0, so one non-finite micro-batch turns it into "
+          "NaN for good and every later step is skipped. Accumulate inside the"
+          " wrapper instead: jmp_lite.loss_scaling(inner, loss_scale, "
+          "accumulation_steps=k)."
+      )
+  return found
 
 
 def get_loss_scale_state(opt_state: Any) -> LossScaleState:
@@ -235,8 +473,14 @@ def _the_state(opt_state: Any, caller: str) -> LossScaleState:
         " optimizer whose loss you are scaling."
     )
   state = found[0]
+  if state.loss_scale is None:
+    raise ValueError(
+        f"{caller}: this loss_scaling shares a loss scale passed to each "
+        "update (it was built without one), so its state holds none: use the "
+        "scale you pass to update."
+    )
   return state._replace(
-      loss_scale=_fields_as_arrays(state.loss_scale),
+      loss_scale=_fields_as_arrays(_restored(state.loss_scale)),
       skipped_steps=_as_array(state.skipped_steps),
       consecutive_skips=_as_array(state.consecutive_skips),
   )

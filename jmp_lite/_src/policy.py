@@ -34,11 +34,14 @@ PRESETS: dict[str, str] = {
 class Policy:
   """An immutable mixed-precision policy: param, compute and output dtypes.
 
-  Dtypes are canonicalised to ``numpy.dtype`` so that equal policies compare and
-  hash equal whatever spelling built them (``jnp.float16``, ``np.float16``,
-  ``"f16"``); a policy is therefore usable as static config (``jax.jit``'s
-  ``static_argnums``, Flax module attributes, dict keys). A float64 policy needs
-  ``jax.config.update("jax_enable_x64", True)`` to give float64 JAX arrays.
+  Dtypes are canonicalised to JAX's scalar types (``jnp.float32``,
+  ``jnp.float16``, ``jnp.bfloat16``, ``jnp.float64``), the objects jmp uses,
+  so that equal policies compare and hash equal whatever spelling built them
+  (``jnp.float16``, ``np.float16``, ``np.dtype("float16")``, ``"f16"``), and
+  ``policy.compute_dtype is jnp.float16`` holds. A policy is therefore usable
+  as static config (``jax.jit``'s ``static_argnums``, Flax module attributes,
+  dict keys). A float64 policy needs ``jax.config.update("jax_enable_x64",
+  True)`` to give float64 JAX arrays.
 
   Args:
     param_dtype: dtype parameters are stored in (usually float32).
@@ -57,9 +60,9 @@ class Policy:
     dtype('float16')
   """
 
-  param_dtype: np.dtype
-  compute_dtype: np.dtype
-  output_dtype: np.dtype
+  param_dtype: type
+  compute_dtype: type
+  output_dtype: type
 
   def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any):
     for field, value in (
@@ -67,7 +70,7 @@ class Policy:
         ("compute_dtype", compute_dtype),
         ("output_dtype", output_dtype),
     ):
-      object.__setattr__(self, field, dtypes.canonical_dtype(value, field))
+      object.__setattr__(self, field, dtypes.scalar_type(value, f"Policy's {field}"))
 
   def cast_to_param(self, x: T) -> T:
     """Casts the floating leaves of ``x`` to the param dtype."""
@@ -142,12 +145,12 @@ def get_policy(spec: str | Policy) -> Policy:
       a malformed pair; the message names the bad token and the valid choices.
 
   Example:
-    >>> import jmp_lite
+    >>> import jax.numpy as jnp, jmp_lite
     >>> policy = jmp_lite.get_policy("params=f32,compute=f16")
     >>> print(policy)
     p=full,c=f16,o=f16
-    >>> jmp_lite.get_policy("mixed_bfloat16").compute_dtype
-    dtype(bfloat16)
+    >>> jmp_lite.get_policy("mixed_bfloat16").compute_dtype is jnp.bfloat16
+    True
   """
   if isinstance(spec, Policy):
     return spec

@@ -43,6 +43,26 @@ def is_float_array(x: Any) -> bool:
   return is_array(x) and dtypes.is_floating(x.dtype)
 
 
+def find_nodes(tree: Any, node_type: type | tuple[type, ...]) -> list[Any]:
+  """Every node of ``node_type`` inside ``tree``, in pytree order.
+
+  The search walks the pytree (``optax.chain`` tuples, ``MultiSteps``,
+  ``inject_hyperparams``, dicts, named tuples) and does not look inside a
+  match. It is how an optimizer's wrapper states are found wherever the
+  wrapper sits.
+
+  Args:
+    tree: any pytree, e.g. an optimizer state.
+    node_type: a class, or a tuple of classes, to look for.
+
+  Returns:
+    The matching nodes (empty if there is none).
+  """
+  is_match = lambda x: isinstance(x, node_type)  # noqa: E731
+  return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_match)
+          if is_match(x)]
+
+
 def cast_floating(tree: T, dtype: Any) -> T:
   """Casts every floating array leaf of ``tree`` to ``dtype``.
 
@@ -75,13 +95,18 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
 
   Args:
     tree: any pytree, typically gradients.
-    axis_name: optional mapped axis name (or tuple of names) under ``pmap`` or
-      ``shard_map``. When given, the result is True only if the leaves are
-      finite on *every* device along that axis, so all replicas agree (and keep
-      the same loss scale).
+    axis_name: optional mapped axis name (a string, or a tuple of them) under
+      ``pmap`` or ``shard_map``. When given, the result is True only if the
+      leaves are finite on *every* device along that axis, so all replicas
+      agree (and keep the same loss scale).
 
   Returns:
     A ``bool`` scalar ``jax.Array``.
+
+  Raises:
+    TypeError: if ``axis_name`` is not a string or a tuple of strings.
+    ValueError: if ``axis_name`` is not bound (called outside ``pmap`` /
+      ``shard_map``).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -98,9 +123,29 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   else:
     finite = jnp.array(True)
   if axis_name is not None:
+    check_axis_name(axis_name)
     # pmin over {0, 1}: one non-finite replica makes every replica non-finite.
-    finite = lax.pmin(finite.astype(jnp.int32), axis_name) == 1
+    try:
+      finite = lax.pmin(finite.astype(jnp.int32), axis_name) == 1
+    except NameError as err:
+      raise ValueError(
+          f"all_finite(axis_name={axis_name!r}) must run inside jax.pmap or "
+          "jax.shard_map over that axis, so that replicas agree on "
+          "finiteness; here no such axis is bound. Under jax.jit with sharded "
+          f"arrays, pass axis_name=None. ({err})"
+      ) from None
   return finite
+
+
+def check_axis_name(axis_name: Any) -> None:
+  """A mapped axis is named by a string (or a tuple of strings)."""
+  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  if not names or not all(isinstance(n, str) for n in names):
+    raise TypeError(
+        "axis_name must be the name of a pmap/shard_map axis (a string such "
+        f"as 'batch') or a tuple of names, got {axis_name!r}. (An integer "
+        "would be taken as a positional array axis.)"
+    )
 
 
 def check_predicate(pred: Any, what: str) -> jax.Array:
