@@ -131,13 +131,23 @@ def make_workloads(size: str) -> list[Workload]:
         resnet(128, 224, RESNET50),
         transformer(8, GPT2_SMALL),
     ]
-  if size in ("quick", "tiny"):
-    tiny_resnet = models.ResNetConfig(
-        blocks=(1, 1), widths=(4, 8), bottleneck=(size == "tiny"),
-        imagenet_stem=(size == "tiny"), stem_width=4, classes=10)
+  if size == "quick":
     return [
         mlp(8, (16, 32, 32, 10)),
-        resnet(2, 16 if size == "tiny" else 8, tiny_resnet),
+        resnet(2, 8, models.ResNetConfig(
+            blocks=(1, 1), widths=(4, 8), bottleneck=False, imagenet_stem=False,
+            stem_width=4, classes=10)),
+        transformer(2, models.LMConfig(vocab=32, layers=1, width=16, heads=2, seq_len=8)),
+    ]
+  if size == "tiny":
+    # The GPU shapes' code paths (bottleneck blocks, ImageNet stem, tied
+    # embeddings) at the smallest size: one stage, one block, so that the
+    # dry run's many compilations stay short on a CPU.
+    return [
+        mlp(8, (16, 32, 32, 10)),
+        resnet(2, 16, models.ResNetConfig(
+            blocks=(1,), widths=(4,), bottleneck=True, imagenet_stem=True,
+            stem_width=4, classes=10)),
         transformer(2, models.LMConfig(vocab=32, layers=1, width=16, heads=2, seq_len=8)),
     ]
   raise ValueError(f"unknown size {size!r}; choose from {SIZES}")

@@ -1,0 +1,286 @@
+"""The GPU suite's code paths, end to end at tiny sizes on the CPU.
+
+``python -m benchmarks run --suite gpu --dry-run`` runs every case of the GPU
+suite (every workload, every mode, jmp_lite and -- when ``import torch``
+works -- PyTorch, the autocast and hand-written-step comparisons) at tiny
+shapes on the CPU, derives the figures and writes ``gpu.json``/``gpu.md``;
+split runs merge into one report. These tests check that this works and that
+the report is complete and self-consistent. They assert nothing about speed.
+
+The dry runs compile about thirty train steps; to keep that short on two
+cores, XLA's LLVM optimisation of the CPU code is turned off
+(``--xla_backend_optimization_level=0``): the code paths are the same.
+"""
+
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+from helpers import example_env
+
+MODES = ("f32", "tf32", "bf16", "f16")
+WORKLOADS = ("mlp", "resnet", "transformer")
+# The two runs of the split fixture, and the workloads each covers.
+SPLIT = (("mlp,resnet", ("mlp", "resnet")), ("transformer", ("transformer",)))
+
+
+def _env():
+  env = example_env()
+  env["XLA_FLAGS"] = (env["XLA_FLAGS"] + " --xla_backend_optimization_level=0").strip()
+  return env
+
+
+def _run(args, timeout=600):
+  return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=_env(),
+                        capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _dry_run(out, *args):
+  return _run(["benchmarks", "run", "--suite", "gpu", "--dry-run", "--gpu-steps", "2",
+               *args, "--out", str(out)])
+
+
+def _ok(proc):
+  assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _positive_finite(x):
+  return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def _has_torch():
+  return importlib.util.find_spec("torch") is not None
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory):
+  """Two dry runs into one folder: mlp and resnet, then the transformer."""
+  out = tmp_path_factory.mktemp("gpu_split")
+  procs = [_dry_run(out, "--gpu-workloads", workloads) for workloads, _ in SPLIT]
+  for proc in procs:
+    _ok(proc)
+  return procs, out, json.loads((out / "gpu.json").read_text())
+
+
+def _check_library_cases(entry, library, steps):
+  cases = entry[library]
+  assert tuple(cases) == MODES, (entry["workload"], library)
+  for mode, case in cases.items():
+    where = (entry["workload"], library, mode)
+    assert case["status"] == "ok", (where, case.get("error"))
+    assert case["mode"] == mode
+    t = case["step_time_s"]
+    assert _positive_finite(t), where
+    assert len(case["step_times_s"]) == steps == case["steps"]
+    assert all(_positive_finite(x) for x in case["step_times_s"]), where
+    assert min(case["step_times_s"]) <= t <= max(case["step_times_s"])
+    assert math.isfinite(case["final_loss"]), where
+    assert case["examples_per_s"] == pytest.approx(entry["examples"] / t)
+    if entry["tokens"]:
+      assert case["tokens_per_s"] == pytest.approx(entry["tokens"] / t)
+    assert case["tflops"] == pytest.approx(entry["flops_per_step"] / t / 1e12)
+    # Speedups: the same library's f32 (TF32) step time over this mode's.
+    for base in ("f32", "tf32"):
+      assert case[f"speedup_vs_{base}"] == pytest.approx(cases[base]["step_time_s"] / t)
+    # A CPU is not in the peak table: no MFU, rather than a wrong one.
+    assert case["peak_tflops"] is None and case["mfu"] is None
+    assert case["skipped_steps"] >= 0
+  assert cases["f32"]["speedup_vs_f32"] == 1.0
+  assert cases["f16"]["loss_scale"] > 0
+
+
+def test_every_jax_case_ran_with_consistent_figures(split):
+  _, _, report = split
+  assert report["suite"] == "gpu" and report["dry_run"] is True
+  assert [e["workload"] for e in report["results"]] == list(WORKLOADS)
+  for entry in report["results"]:
+    assert entry["flops_per_step"] > 0
+    _check_library_cases(entry, "jax", steps=2)
+    cases = entry["jax"]
+    for mode, case in cases.items():
+      # Every mode counts the same matmul/conv FLOPs as the static count.
+      assert case["flops_per_step"] == entry["flops_per_step"], mode
+      assert case["compile"]["total_s"] > 0
+      assert case["compile"]["xla_memory"]["argument"] > 0
+    assert cases["f32"]["half_flop_share"] == cases["tf32"]["half_flop_share"] == 0.0
+    assert cases["bf16"]["half_flop_share"] == cases["f16"]["half_flop_share"] == 1.0
+    assert cases["bf16"]["loss_scale"] == 1.0  # NoOpLossScale
+
+
+def test_every_torch_case_ran_with_consistent_figures(split):
+  pytest.importorskip("torch")
+  _, _, report = split
+  assert report["config"]["torch"].startswith("torch ")
+  for entry in report["results"]:
+    _check_library_cases(entry, "torch", steps=2)
+    assert entry["torch"]["f16"]["loss_scale"] == 2.0**15  # no overflow, no growth yet
+
+
+def test_without_torch_the_report_says_why(split):
+  if _has_torch():
+    pytest.skip("torch is installed")
+  _, _, report = split
+  assert report["config"]["torch"].startswith("not run: import torch failed")
+  assert all("torch" not in e for e in report["results"])
+
+
+def test_autocast_and_wrapper_comparisons(split):
+  _, _, report = split
+  for entry in report["results"]:
+    auto = entry["jax"]["bf16"]["autocast_vs_policy"]
+    assert auto["half_flop_share"] == 1.0
+    assert auto["repeats"] == 2 and auto["block_steps"] == 2
+    for name in ("policy", "autocast"):
+      assert len(auto["step_time_s"][name]["values"]) == 2
+      assert all(_positive_finite(v) for v in auto["step_time_s"][name]["values"])
+    ratios = [a / b for a, b in zip(auto["step_time_s"]["autocast"]["values"],
+                                    auto["step_time_s"]["policy"]["values"])]
+    assert auto["ratio"]["values"] == pytest.approx(ratios)
+    assert all(math.isfinite(x) for x in auto["losses"])
+    hand = entry["jax"]["f16"]["wrapper_vs_hand"]
+    assert hand["check"]["same"] is True, hand["check"]
+    assert hand["check"]["loss_scale"]["jmp_lite"] == hand["check"]["loss_scale"]["hand"]
+    assert _positive_finite(hand["ratio"]["median"])
+    assert hand["compile"]["total_s"] > 0
+
+
+def test_split_runs_merge_into_one_report(split):
+  _, _, report = split
+  runs = report["runs"]
+  assert len(runs) == 2
+  for run, (workloads, names) in zip(runs, SPLIT):
+    assert f"--gpu-workloads {workloads}" in run["command"]
+    assert run["workloads"] == list(names)
+  for entry in report["results"]:
+    for library in ("jax", "torch"):
+      for case in entry.get(library, {}).values():
+        assert entry["workload"] in runs[case["run"]]["workloads"]
+  assert report["wall_s"] == pytest.approx(sum(r["wall_s"] for r in runs))
+
+
+def test_markdown_has_every_table(split):
+  procs, out, report = split
+  text = (out / "gpu.md").read_text()
+  assert "Merged from these runs" in text and "Dry run" in text
+  for run in report["runs"]:
+    assert f"`{run['command']}`" in text
+  for entry in report["results"]:
+    assert f"## {entry['workload']}: {entry['description']}" in text
+    for mode in MODES:
+      assert f"| jmp_lite (JAX) | {mode} |" in text
+      assert f"| {entry['workload']} | {mode} |" in text  # side by side
+      if "torch" in entry:
+        assert f"| PyTorch | {mode} |" in text
+  for heading in ("## Speedup over float32, side by side",
+                  "## `autocast` vs the hand-cast policy (bf16)",
+                  "## `loss_scaling` wrapper vs the same step by hand"):
+    assert heading in text
+  assert "error" not in text and "timeout" not in text
+  assert text in procs[-1].stdout  # the page is also printed
+
+
+def test_rerun_in_subprocesses_replaces_only_its_cases(split, tmp_path):
+  """A case re-run (here in a subprocess, as on a GPU) replaces the old one;
+  the speedups of the cases kept are recomputed against it."""
+  _, out, before = split
+  shutil.copy(out / "gpu.json", tmp_path / "gpu.json")
+  libraries = "jax,torch" if _has_torch() else "jax"
+  proc = _dry_run(tmp_path, "--gpu-subprocess", "--gpu-workloads", "mlp",
+                  "--gpu-libraries", libraries, "--gpu-modes", "f32")
+  _ok(proc)
+  report = json.loads((tmp_path / "gpu.json").read_text())
+  assert len(report["runs"]) == 3
+  assert report["runs"][-1]["workloads"] == ["mlp"]
+  mlp = report["results"][0]
+  for library in libraries.split(","):
+    cases = mlp[library]
+    assert cases["f32"]["run"] == 2 and cases["f16"]["run"] == 0
+    assert cases["f32"]["status"] == "ok"
+    assert cases["f16"]["step_time_s"] == before["results"][0][library]["f16"]["step_time_s"]
+    assert cases["f16"]["speedup_vs_f32"] == pytest.approx(
+        cases["f32"]["step_time_s"] / cases["f16"]["step_time_s"])
+  assert report["results"][1:] == before["results"][1:]
+
+
+def test_case_timeout_is_reported_not_dropped(tmp_path):
+  proc = _dry_run(tmp_path, "--gpu-subprocess", "--gpu-workloads", "mlp",
+                  "--gpu-libraries", "jax", "--gpu-modes", "f32,f16",
+                  "--gpu-case-timeout-s", "0.5")
+  _ok(proc)
+  assert "2 case(s) did not complete" in proc.stderr
+  cases = json.loads((tmp_path / "gpu.json").read_text())["results"][0]["jax"]
+  for case in cases.values():
+    assert case["status"] == "timeout"
+    assert case["error"] == "timed out after 0.5 s (killed)"
+  assert "| jmp_lite (JAX) | f16 | timeout: timed out after 0.5 s" in (
+      tmp_path / "gpu.md").read_text()
+
+
+def test_spent_budget_reports_cases_as_not_run_and_replaces_other_reports(tmp_path):
+  previous = {"suite": "gpu", "dry_run": False, "runs": [], "results": [],
+              "config": {"size": "gpu"}, "machine": {"device_kind": "NVIDIA H100"}}
+  (tmp_path / "gpu.json").write_text(json.dumps(previous))
+  proc = _dry_run(tmp_path, "--gpu-workloads", "mlp", "--gpu-budget-s", "0")
+  _ok(proc)
+  assert "is replaced, not merged (one is a dry run, the other not)" in proc.stdout
+  report = json.loads((tmp_path / "gpu.json").read_text())
+  assert len(report["runs"]) == 1
+  entry = report["results"][0]
+  for library in ("jax", "torch") if _has_torch() else ("jax",):
+    for case in entry[library].values():
+      assert case["status"] == "not run"
+      assert "--gpu-budget-s 0" in case["error"]
+  assert "| jmp_lite (JAX) | f32 | not run:" in (tmp_path / "gpu.md").read_text()
+
+
+@pytest.mark.parametrize("flag, value", [("--gpu-workloads", "resnet50"),
+                                         ("--gpu-modes", "fp16"),
+                                         ("--gpu-libraries", "pytorch")])
+def test_unknown_selection_is_an_error(tmp_path, flag, value):
+  proc = _dry_run(tmp_path, flag, value)
+  assert proc.returncode == 2
+  assert f"{flag}: '{value}' given; choose a comma-separated subset of" in proc.stderr
+  assert not (tmp_path / "gpu.json").exists()
+
+
+def test_without_a_gpu_the_suite_fails_clearly(tmp_path):
+  import jax  # pylint: disable=import-outside-toplevel
+  try:
+    if jax.devices("gpu"):
+      pytest.skip("a GPU is present")
+  except RuntimeError:
+    pass
+  proc = _run(["benchmarks", "run", "--suite", "gpu", "--out", str(tmp_path)])
+  assert proc.returncode == 2
+  assert "needs a CUDA GPU" in proc.stderr
+  assert not (tmp_path / "gpu.json").exists()
+
+
+def test_peak_table_matches_device_names():
+  from benchmarks import gpu_suite  # pylint: disable=import-outside-toplevel
+  assert gpu_suite.peak_tflops("NVIDIA H100 80GB HBM3")["half"] == 989.0
+  assert gpu_suite.peak_tflops("NVIDIA H200")["tf32"] == 494.0
+  assert gpu_suite.peak_tflops("NVIDIA A100-SXM4-80GB")["f32"] == 19.5
+  assert gpu_suite.peak_tflops("NVIDIA H100 PCIe") is None
+  assert gpu_suite.peak_tflops("cpu") is None
+
+
+@pytest.mark.parametrize("size", ["tiny", "gpu"])
+def test_torch_models_have_the_jax_models_parameters(size):
+  """Same layers, same shapes: equal parameter counts (built on the meta device)."""
+  torch = pytest.importorskip("torch")
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import torch_models  # pylint: disable=import-outside-toplevel
+  from benchmarks import workloads as wl  # pylint: disable=import-outside-toplevel
+  for workload in wl.make_workloads(size):
+    shapes = jax.eval_shape(workload.init, jax.random.PRNGKey(0))
+    jax_count = sum(x.size for x in jax.tree_util.tree_leaves(shapes))
+    with torch.device("meta"):
+      model = torch_models.make_model(workload.name, workload.spec)
+    assert sum(p.numel() for p in model.parameters()) == jax_count, workload.name
