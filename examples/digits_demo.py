@@ -43,15 +43,30 @@ Run it with::
   pip install -e ".[examples]"
   python examples/digits_demo.py
 
-It prints a comparison table and a verdict, and writes ``digits_demo.png``
-(loss curves and the loss-scale history), ``digits_demo.md`` (the table) and
-``digits_demo.json`` (every figure) to ``--out`` (``examples/results/``).
+**Diagnostics.** Before the first update of each run, a second jitted
+function measures the gradients that run hands its optimizer with
+``jmp_lite.diagnostics.tensor_stats`` (exactly-zero entries, float16
+underflow and overflow, per layer). After the runs,
+``jmp_lite.diagnostics.report`` prints the float32 run's first gradients and
+activations (captured with linen's ``capture_intermediates``) against the
+float16/bfloat16 ranges, with its advice (a static loss scale and a dtype),
+and plots them. After each run, the activations of its final parameters are
+measured the same way (in float32) to name the layers whose outputs exceed
+float16's range.
+
+It prints a comparison table, the diagnostics and a verdict, and writes
+``digits_demo.png`` (loss curves and the loss-scale history),
+``digits_demo_diagnostics.png`` (the gradient and activation histograms),
+``digits_demo.md`` (the tables) and ``digits_demo.json`` (every figure) to
+``--out`` (a scratch folder; ``--update-results`` writes
+``examples/results/``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import math
 import os
 import sys
@@ -69,6 +84,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  pylint: disable=g-import-not-at-top
 import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
 import jmp_lite  # noqa: E402
+from jmp_lite import diagnostics  # noqa: E402
 
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
 
@@ -136,6 +152,17 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+def make_loss_fn(apply_fn, loss_weight: float):
+  """``loss_fn(params, x, y) -> (weighted loss, cross-entropy)``."""
+
+  def loss_fn(params, x, y):
+    logits = apply_fn({"params": params}, x)  # float32 logits
+    ce = cross_entropy(logits, y)
+    return loss_weight * ce, ce
+
+  return loss_fn
+
+
 def make_train_step(apply_fn, optimizer, loss_weight: float):
   """Builds the jitted train step: the part of a training loop jmp_lite touches.
 
@@ -145,16 +172,11 @@ def make_train_step(apply_fn, optimizer, loss_weight: float):
     loss_weight: the weight of the cross-entropy in the training loss.
 
   Returns:
-    ``train_step(params, opt_state, x, y) -> (params, opt_state, metrics)``.
-    ``metrics`` holds the unweighted cross-entropy, the loss scale this step
-    used, whether its gradients were finite, and the number of exactly-zero
-    entries of each gradient leaf.
+    ``train_step(params, opt_state, x, y) -> (params, opt_state, metrics)``;
+    the metrics are the step's unweighted cross-entropy, the loss scale it
+    used and whether its gradients were finite.
   """
-
-  def loss_fn(params, x, y):
-    logits = apply_fn({"params": params}, x)  # float32 logits
-    ce = cross_entropy(logits, y)
-    return loss_weight * ce, ce
+  loss_fn = make_loss_fn(apply_fn, loss_weight)
 
   @jax.jit
   def train_step(params, opt_state, x, y):
@@ -169,11 +191,53 @@ def make_train_step(apply_fn, optimizer, loss_weight: float):
         ce=ce,
         loss_scale=jnp.asarray(loss_scale.loss_scale, jnp.float32),
         finite=opt_state.last_finite,
-        zero_grads=jax.tree_util.tree_map(lambda g: jnp.sum(g == 0), grads),
     )
     return params, opt_state, metrics
 
   return train_step
+
+
+def make_grad_stats_fn(apply_fn, loss_weight: float):
+  """Builds a jitted ``grad_stats(params, opt_state, x, y)``: the precision
+  statistics of the gradients ``train_step`` would hand its optimizer.
+
+  A second jitted function rather than a branch of the train step, so the
+  step times stay those of the plain step. The gradients carry the run's loss
+  scale, so they are measured at scale 1: the statistics describe the values
+  the optimizer receives (for the float32 run, the true gradients).
+  """
+  loss_fn = make_loss_fn(apply_fn, loss_weight)
+
+  @jax.jit
+  def grad_stats(params, opt_state, x, y):
+    loss_scale = jmp_lite.get_loss_scale(opt_state)
+    _, grads = jmp_lite.scaled_value_and_grad(
+        loss_fn, loss_scale, has_aux=True
+    )(params, x, y)
+    return diagnostics.tensor_stats(grads)
+
+  return grad_stats
+
+
+@jax.jit
+def activation_stats(params, x):
+  """The precision statistics of every layer's output, computed in float32.
+
+  Linen's ``capture_intermediates`` records each module's output; the
+  statistics say which of them would underflow or overflow in float16.
+  """
+  _, state = MLP().apply({"params": params}, x, capture_intermediates=True,
+                         mutable=["intermediates"])
+  return diagnostics.tensor_stats(state["intermediates"])
+
+
+def layer_outputs(stats) -> dict:
+  """The statistics of :func:`activation_stats` per layer: ``Dense_0 output``
+  ... (from the paths ``Dense_0/__call__/0``; the MLP's own output, the same
+  as ``Dense_2``'s, is left out)."""
+  layers = diagnostics.group_stats(stats, by=-2)
+  return {f"{name} output": s for name, s in layers.items()
+          if name != "__call__"}
 
 
 def make_eval_fn(apply_fn):
@@ -188,15 +252,13 @@ def make_eval_fn(apply_fn):
   return evaluate
 
 
-def zero_fractions(zero_counts, params) -> dict[str, float]:
-  """Turns per-leaf zero counts into fractions, per layer and ``"all"``."""
-  counts = jax.tree_util.tree_leaves_with_path(zero_counts)
-  sizes = jax.tree_util.tree_leaves(jax.tree_util.tree_map(np.size, params))
-  fractions = {
-      "/".join(str(k.key) for k in path): int(count) / size
-      for (path, count), size in zip(counts, sizes)
-  }
-  fractions["all"] = sum(int(c) for _, c in counts) / sum(sizes)
+def zero_fractions(stats) -> dict[str, float]:
+  """The share of exactly-zero entries per gradient leaf and ``"all"``, from
+  :func:`jmp_lite.diagnostics.tensor_stats`'s statistics."""
+  per_leaf = diagnostics.group_stats(stats)
+  fractions = {name: s.fraction("zeros") for name, s in per_leaf.items()}
+  fractions["all"] = diagnostics.group_stats(stats, by=lambda _: "all")[
+      "all"].fraction("zeros")
   return fractions
 
 
@@ -211,22 +273,26 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
       ``loss_weight``).
 
   Returns:
-    The run's figures: test accuracy (%), final train loss (unweighted
-    cross-entropy on the whole training set), median step time (ms), skipped
-    steps, final loss scale, the fraction of exactly-zero gradient entries at
-    the first step (per layer and overall), and per-step histories of the loss
-    and of the loss scale, with the steps that were skipped.
+    ``(figures, first_grad_stats)``. The figures: test accuracy (%), final
+    train loss (unweighted cross-entropy on the whole training set), median
+    step time (ms), skipped steps, final loss scale, the fraction of
+    exactly-zero gradient entries at the first step (per layer and overall),
+    the share of each layer's output (final params, training set, float32)
+    above float16's max, and per-step histories of the loss and of the loss
+    scale, with the steps that were skipped. ``first_grad_stats``: the
+    diagnostics statistics of the first step's gradients.
   """
   policy = jmp_lite.get_policy(spec.policy)
   apply_fn = jmp_lite.with_policy(MLP().apply, policy)
   optimizer = jmp_lite.loss_scaling(optax.adam(args.lr), spec.loss_scale)
   train_step = make_train_step(apply_fn, optimizer, args.loss_weight)
+  grad_stats = make_grad_stats_fn(apply_fn, args.loss_weight)
   dynamic = isinstance(spec.loss_scale, jmp_lite.DynamicLossScale)
 
   params = init_params
   opt_state = optimizer.init(params)
   log = common.StepLog()
-  first_zeros = None
+  first_stats = None
   batches = common.batch_indices(len(data["x_train"]), args.batch_size,
                                  args.steps, args.seed)
   bar = tqdm(batches, total=args.steps, desc=f"{spec.label:>26}",
@@ -234,12 +300,12 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
              dynamic_ncols=True)
   for step, idx in enumerate(bar):
     x, y = data["x_train"][idx], data["y_train"][idx]
+    if first_stats is None:  # The gradients of the first step, measured.
+      first_stats = jax.device_get(grad_stats(params, opt_state, x, y))
     start = time.perf_counter()
     params, opt_state, metrics = train_step(params, opt_state, x, y)
     metrics = jax.device_get(jax.block_until_ready(metrics))
     log.record(step, start, metrics, loss_key="ce")
-    if first_zeros is None:
-      first_zeros = zero_fractions(metrics["zero_grads"], params)
     if step % 10 == 0 or step == args.steps - 1:
       postfix = dict(loss=f"{log.losses[-1]:.3f}")
       if dynamic:
@@ -251,7 +317,10 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
   evaluate = make_eval_fn(apply_fn)
   test_acc, _ = evaluate(params, data["x_test"], data["y_test"])
   _, train_ce = evaluate(params, data["x_train"], data["y_train"])
-  return dict(
+  first_zeros = zero_fractions(first_stats)
+  final_acts = layer_outputs(
+      jax.device_get(activation_stats(params, data["x_train"])))
+  figures = dict(
       label=spec.label,
       policy=str(policy),
       loss_scale_type=type(spec.loss_scale).__name__,
@@ -262,8 +331,11 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
       final_loss_scale=float(jmp_lite.get_loss_scale(opt_state).loss_scale),
       zero_grad_fraction=first_zeros["all"],
       zero_grad_fraction_per_layer=first_zeros,
+      f16_overflow_activations_per_layer={
+          name: s.fraction("f16_overflow") for name, s in final_acts.items()},
       **log.histories(),
   )
+  return figures, first_stats
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -330,17 +402,41 @@ def verdict(results: dict[str, dict]) -> str:
 
 
 def describe_non_finite(results: dict[str, dict]) -> list[str]:
-  """Notes on runs whose final train loss is not finite (an overflow)."""
+  """Notes on runs whose final train loss is not finite (an overflow), naming
+  the layers whose float32 outputs exceed float16's max."""
   notes = []
   for r in results.values():
     if not math.isfinite(r["final_train_loss"]):
-      dtype = jmp_lite.get_policy(r["policy"]).compute_dtype.name
+      dtype = np.dtype(jmp_lite.get_policy(r["policy"]).compute_dtype).name
+      over = {name: share for name, share
+              in r["f16_overflow_activations_per_layer"].items() if share > 0}
+      where = (", ".join(f"{name} {100 * share:.1f}%"
+                         for name, share in over.items())
+               or "no layer output in float32")
       notes.append(
           f"{r['label']}: final train loss {r['final_train_loss']} (the "
-          f"{dtype} forward pass overflowed); the optimizer skipped "
+          f"{dtype} forward pass overflowed; with the final params, outputs "
+          f"above 65504: {where}); the optimizer skipped "
           f"{r['skipped_steps']} non-finite steps."
       )
   return notes
+
+
+def diagnose(first_stats, init_params, data, path: str, loss_weight: float):
+  """The diagnostics report of the float32 run's first step: tables, advice
+  and the histogram plot written to ``path``. Returns ``(text, advice)``."""
+  acts = jax.device_get(activation_stats(init_params, data["x_train"]))
+  out = io.StringIO()
+  advice = diagnostics.report(
+      first_stats["f32"], path,
+      activation_stats=layer_outputs(acts),
+      title=(f"Diagnostics: the f32 run's gradients at step 1 (loss weight "
+             f"{loss_weight:g}) and its layers' outputs on the training set"),
+      file=out)
+  text = out.getvalue().strip()
+  # The markdown names the figure by its file name (it sits next to it).
+  text = text.replace(f"Wrote {path}", "")
+  return text.strip(), advice
 
 
 def plot(results: dict[str, dict], path: str, loss_weight: float) -> None:
@@ -357,10 +453,23 @@ def plot(results: dict[str, dict], path: str, loss_weight: float) -> None:
   common.save_figure(fig, path, dpi=110)
 
 
-def write_outputs(results, args, report: list[str]) -> str:
-  """Writes ``digits_demo.{png,md,json}`` to ``args.out``; returns the stem."""
+def advice_figures(advice) -> dict:
+  """The diagnostics advice as JSON figures; the loss scales (powers of two)
+  also as exponents, which the JSON's 6 significant digits keep exact."""
+  figures = dataclasses.asdict(advice)
+  for key in ("loss_scale", "f16_loss_scale"):
+    if figures[key]:
+      figures[f"{key}_log2"] = math.log2(figures[key])
+  return figures
+
+
+def write_outputs(results, args, report: list[str], advice) -> str:
+  """Writes ``digits_demo.{png,md,json}`` to ``args.out`` (the diagnostics
+  figure is already there); returns the stem."""
   stem = os.path.join(args.out, "digits_demo")
   plot(results, stem + ".png", args.loss_weight)
+  report = report + ["![gradient and activation histograms]"
+                     "(digits_demo_diagnostics.png)"]
   keys = ("steps", "batch_size", "lr", "seed", "loss_weight", "period")
   config = {k: getattr(args, k) for k in keys}
   common.write_markdown(stem + ".md", "digits demo: results", report,
@@ -368,7 +477,8 @@ def write_outputs(results, args, report: list[str]) -> str:
                         "digits_demo.png")
   common.write_json(stem + ".json", dict(
       config=config, jax_version=jax.__version__,
-      backend=jax.default_backend(), summary=report, runs=results))
+      backend=jax.default_backend(), summary=report,
+      advice=advice_figures(advice), runs=results))
   return stem
 
 
@@ -418,17 +528,23 @@ def main(argv=None) -> int:
         f"{args.lr:g}, seed {args.seed}, {jax.default_backend()} backend.")
   print(setting)
 
-  results = {}
+  results, first_stats = {}, {}
   for spec in make_run_specs(args.period):
-    r = results[spec.name] = train(spec, data, init_params, args)
+    r, first_stats[spec.name] = train(spec, data, init_params, args)
+    results[spec.name] = r
     print(f"{r['label']:>26}: test accuracy {r['test_accuracy']:5.1f}%, "
           f"final train loss {r['final_train_loss']:.4f}", flush=True)
 
+  stem = os.path.join(args.out, "digits_demo")
+  diagnostics_text, advice = diagnose(
+      first_stats, init_params, data, stem + "_diagnostics.png",
+      args.loss_weight)
   report = [setting, format_table(results), describe_zeros(results),
-            *describe_non_finite(results), verdict(results)]
+            *describe_non_finite(results), diagnostics_text, verdict(results)]
   print("\n" + "\n\n".join(report[1:]))
-  stem = write_outputs(results, args, report)
-  print(f"\nWrote {stem}.png, {stem}.md and {stem}.json")
+  stem = write_outputs(results, args, report, advice)
+  print(f"\nWrote {stem}.png, {stem}_diagnostics.png, {stem}.md and "
+        f"{stem}.json")
   return 0
 
 

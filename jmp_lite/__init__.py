@@ -37,6 +37,10 @@ from jmp_lite._src.residuals import save_half_residuals
 from jmp_lite._src.tree import all_finite
 from jmp_lite._src.tree import select_tree
 
+# The diagnostics layer (jit-safe statistics, advice, report) as a public
+# submodule: jmp_lite.diagnostics.tensor_stats(...).
+from jmp_lite import diagnostics  # noqa: E402,F401  pylint: disable=g-bad-import-order
+
 __version__ = "0.1.0"
 
 __all__ = (

@@ -1,0 +1,869 @@
+"""Tests of jmp_lite.diagnostics: precision statistics, advice, report, checks.
+
+Statistics are checked against hand-computed counts on constructed arrays
+(subnormals, exact powers of two at every threshold, inf/NaN, zeros) for
+float16, bfloat16, float32 and float64 inputs, and against a float64 numpy
+reference on random arrays spanning float32's whole range.
+"""
+
+import inspect
+import io
+import math
+import os
+import re
+import subprocess
+import sys
+
+import flax.linen as nn
+from flax import nnx
+import jax
+from jax import lax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite import diagnostics
+
+from helpers import ROOT
+
+F16, BF16, F32, F64 = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16),
+                       np.dtype(jnp.float32), np.dtype(jnp.float64))
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+COUNTS = ("zeros", "nonfinite", "f16_underflow", "f16_subnormal",
+          "f16_overflow", "bf16_underflow", "bf16_overflow")
+JIT = pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+
+
+def maybe_jit(fn, use_jit):
+  return jax.jit(fn) if use_jit else fn
+
+
+def counts(stats):
+  return {field: int(getattr(stats, field)) for field in COUNTS}
+
+
+def below(value, dtype=np.float32):
+  """The largest ``dtype`` number below ``value``."""
+  return np.nextafter(dtype(value), dtype(-np.inf))
+
+
+def above(value, dtype=np.float32):
+  return np.nextafter(dtype(value), dtype(np.inf))
+
+
+def reference(x, scale):
+  """The statistics computed in float64 numpy (exact for float32 inputs and
+  scales that keep ``|x| * scale`` inside float64's range)."""
+  a = np.abs(np.asarray(x, np.float64))
+  finite = np.isfinite(a)
+  nonzero = finite & (a != 0)
+  v = a * scale
+  exps = np.floor(np.log2(np.where(nonzero, v, 1.0))).astype(int)
+  hist = np.zeros(len(diagnostics.HISTOGRAM_EXPONENTS), int)
+  np.add.at(hist, np.clip(exps[nonzero], -150, 149) + 150, 1)
+  return dict(
+      zeros=int(np.sum(a == 0)),
+      nonfinite=int(np.sum(~finite)),
+      f16_underflow=int(np.sum(nonzero & (v < 2.0**-24))),
+      f16_subnormal=int(np.sum(nonzero & (v < 2.0**-14))),
+      f16_overflow=int(np.sum(finite & (v > 65504))),
+      bf16_underflow=int(np.sum(nonzero & (v < 2.0**-133))),
+      bf16_overflow=int(np.sum(finite & (v > BF16_MAX))),
+  ), hist, float(np.max(np.where(finite, a, 0), initial=0))
+
+
+# ---------------------------------------------------------------------------
+# Hand-computed statistics on constructed arrays.
+# ---------------------------------------------------------------------------
+
+
+@JIT
+def test_float32_thresholds_exactly(use_jit):
+  x = np.array([
+      0.0, -0.0,                           # zeros
+      2.0**-24, below(2.0**-24),           # f16 smallest subnormal: on / under
+      -(2.0**-14), below(2.0**-14),        # f16 smallest normal: on / under
+      65504.0, above(65504.0), -65520.0,   # f16 max: on / over / over
+      2.0**-133, below(2.0**-133),         # bf16 smallest subnormal (f32 subnormals)
+      2.0**-149,                           # f32's smallest subnormal
+      BF16_MAX, above(BF16_MAX),           # bf16 max: on / over
+      np.inf, -np.inf, np.nan, 1.0,
+  ], np.float32)
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(jnp.asarray(x))
+  assert counts(stats) == dict(
+      zeros=2, nonfinite=3,
+      f16_underflow=4,    # below(2^-24), 2^-133, below(2^-133), 2^-149
+      f16_subnormal=6,    # ... and 2^-24, below(2^-14)
+      f16_overflow=4,     # above(65504), 65520, BF16_MAX, above(BF16_MAX)
+      bf16_underflow=2,   # below(2^-133), 2^-149
+      bf16_overflow=1,
+  )
+  assert int(stats.size) == x.size
+  assert float(stats.max_abs) == float(above(BF16_MAX))
+  assert int(jnp.sum(stats.histogram)) == x.size - 2 - 3
+  hist = dict(zip(diagnostics.HISTOGRAM_EXPONENTS.tolist(),
+                  np.asarray(stats.histogram).tolist()))
+  assert hist[-24] == 1 and hist[-25] == 1 and hist[-15] == 1
+  assert hist[15] == 3 and hist[-149] == 1 and hist[127] == 2
+  assert hist[-133] == 1 and hist[-134] == 1
+
+
+@JIT
+def test_float16_inputs_subnormals_and_max(use_jit):
+  x = jnp.array([0.0, 2.0**-24, 3 * 2.0**-24, 2.0**-15, 2.0**-14, 65504.0,
+                 -65504.0, jnp.inf, 1.0], F16)
+  assert float(x[1]) == 2.0**-24  # a float16 subnormal, kept exactly
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x)
+  assert counts(stats) == dict(
+      zeros=1, nonfinite=1, f16_underflow=0, f16_subnormal=3,
+      f16_overflow=0, bf16_underflow=0, bf16_overflow=0)
+  assert stats.max_abs.dtype == F32 and float(stats.max_abs) == 65504.0
+  # At a loss scale of 2: the subnormals move up, the max overflows.
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x, 2.0)
+  assert counts(stats)["f16_overflow"] == 2
+  assert counts(stats)["f16_subnormal"] == 2
+  assert float(stats.max_abs) == 65504.0  # max_abs is of the values themselves
+
+
+@JIT
+def test_bfloat16_inputs_subnormals_and_max(use_jit):
+  x = jnp.array([2.0**-133, 2.0**-130, 2.0**-126, 1.0, BF16_MAX, -BF16_MAX],
+                BF16)
+  assert float(x[0]) == 2.0**-133  # bfloat16's smallest subnormal
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x)
+  assert counts(stats) == dict(
+      zeros=0, nonfinite=0, f16_underflow=3, f16_subnormal=3,
+      f16_overflow=2, bf16_underflow=0, bf16_overflow=0)
+  # Halved, the smallest subnormal underflows bfloat16.
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x, 0.5)
+  assert counts(stats)["bf16_underflow"] == 1
+  # Doubled, the max overflows it.
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x, 2.0)
+  assert counts(stats)["bf16_overflow"] == 2
+  assert int(stats.nonfinite) == 0  # overflow of the scaled value is not inf
+
+
+def test_float64_inputs():
+  with jax.enable_x64(True):
+    x = jnp.array([5e-324, 1e-300, 2.0**-24, 1e300, -np.inf, 0.0], F64)
+    stats = jax.jit(diagnostics.tensor_stats)(x)
+    assert counts(stats) == dict(
+        zeros=1, nonfinite=1, f16_underflow=2, f16_subnormal=3,
+        f16_overflow=1, bf16_underflow=2, bf16_overflow=1)
+    assert stats.max_abs.dtype == F64 and float(stats.max_abs) == 1e300
+    assert stats.zeros.dtype == np.int32 and stats.histogram.dtype == np.int32
+    hist = dict(zip(diagnostics.HISTOGRAM_EXPONENTS.tolist(),
+                    np.asarray(stats.histogram).tolist()))
+    assert hist[-150] == 2 and hist[-24] == 1 and hist[149] == 1  # clipped ends
+
+
+@JIT
+def test_non_power_of_two_scale_boundaries(use_jit):
+  scale = 2047 / 1024                  # 65504 == 32768 * scale exactly
+  x = jnp.array([
+      32768.0, above(32768.0),         # exactly 65504 / just over
+      1.5 * 2.0**-26,                  # * 1.5 ... with scale 1.5 below
+      1.75 * 2.0**-25,
+  ], F32)
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x[:2], scale)
+  assert int(stats.f16_overflow) == 1
+  # The mantissa product carries: 1.5 * 1.5 = 2.25.
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x[2:], 1.5)
+  assert int(stats.f16_underflow) == 1  # 0.5625 * 2^-24 < 2^-24; 1.3125 * 2^-24 is not
+  assert np.asarray(stats.histogram)[-25 + 150] == 1
+  assert np.asarray(stats.histogram)[-24 + 150] == 1
+
+
+@JIT
+def test_max_abs_is_exact_for_subnormals(use_jit):
+  x = jnp.array([2.0**-140, -(2.0**-145), 0.0], F32)
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x)
+  assert float(stats.max_abs) == 2.0**-140  # XLA:CPU flushes these in float ops
+  assert int(stats.zeros) == 1 and int(stats.bf16_underflow) == 2
+
+
+def test_histogram_clips_at_both_ends():
+  stats = diagnostics.tensor_stats(jnp.array([2.0**-149, 2.0**127], F32), 2.0**-20)
+  hist = np.asarray(stats.histogram)
+  assert hist[0] == 1 and hist[107 + 150] == 1
+  stats = diagnostics.tensor_stats(jnp.array([2.0**127], F32), 2.0**30)
+  assert np.asarray(stats.histogram)[-1] == 1 and int(stats.bf16_overflow) == 1
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
+@pytest.mark.parametrize("scale", [1.0, 2.0**15, 3.0, 0.7, 2.0**-20, 1e10])
+def test_matches_float64_reference_on_random_arrays(dtype, scale):
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal(3000) * np.exp2(rng.uniform(-150, 128, 3000))
+  x[:10] = 0.0
+  x[10:13] = [np.inf, -np.inf, np.nan]
+  with np.errstate(over="ignore"):
+    x = jnp.asarray(x.astype(np.float32)).astype(dtype)
+  stats = jax.jit(diagnostics.tensor_stats)(x, scale)
+  expected, hist, max_abs = reference(np.asarray(x.astype(F32)), scale)
+  assert counts(stats) == expected
+  np.testing.assert_array_equal(np.asarray(stats.histogram), hist)
+  assert float(stats.max_abs) == max_abs
+  assert int(jnp.sum(stats.histogram)) == x.size - expected["zeros"] - expected["nonfinite"]
+
+
+def test_empty_and_scalar_leaves():
+  stats = diagnostics.tensor_stats({"empty": jnp.zeros((0, 3)), "scalar": jnp.float32(2.0)})
+  assert int(stats["empty"].size) == 0 and float(stats["empty"].max_abs) == 0.0
+  assert stats["empty"].fraction("zeros") == 0.0
+  assert int(stats["scalar"].size) == 1 and float(stats["scalar"].max_abs) == 2.0
+
+
+def test_dtypes_of_the_statistics_are_fixed():
+  for dtype in (F16, BF16, F32):
+    stats = diagnostics.tensor_stats(jnp.ones(3, dtype), 2.0**15)
+    for field in ("size",) + COUNTS + ("histogram",):
+      assert getattr(stats, field).dtype == np.int32, field
+    assert stats.max_abs.dtype == F32 and stats.loss_scale.dtype == F32
+    assert stats.histogram.shape == (300,)
+
+
+# ---------------------------------------------------------------------------
+# Trees: non-float leaves, empty trees, loss scales, grouping, jit.
+# ---------------------------------------------------------------------------
+
+
+def test_non_float_leaves_are_skipped():
+  tree = {"w": jnp.ones(2), "count": jnp.array(3), "flag": jnp.array(True),
+          "lr": 0.1, "name": "dense", "none": None, "np": np.ones(2, np.float32)}
+  stats = diagnostics.tensor_stats(tree)
+  assert isinstance(stats["w"], diagnostics.TensorStats)
+  assert isinstance(stats["np"], diagnostics.TensorStats)
+  for key in ("count", "flag", "lr", "name", "none"):
+    assert stats[key] is None, key
+  assert list(diagnostics.group_stats(stats)) == ["np", "w"]
+
+
+@JIT
+def test_empty_tree(use_jit):
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)({})
+  assert stats == {}
+  assert diagnostics.group_stats(stats) == {}
+  assert diagnostics.tensor_stats({"a": [1, 2]}) == {"a": [None, None]}
+  assert diagnostics.group_stats(diagnostics.tensor_stats({"a": [1, 2]})) == {}
+  assert diagnostics.format_table({}) == "(no floating-point leaves)"
+
+
+def test_a_bare_array_gives_one_stats():
+  stats = diagnostics.tensor_stats(jnp.ones(4))
+  assert isinstance(stats, diagnostics.TensorStats)
+  assert list(diagnostics.group_stats(stats)) == [diagnostics.ROOT_NAME]
+
+
+def test_loss_scale_objects_and_traced_scales():
+  x = {"w": jnp.array([2.0**-30, 1.0, 3.0])}
+  by_number = diagnostics.tensor_stats(x, 2.0**15)
+  for scale in (jmp_lite.StaticLossScale(2.0**15),
+                jmp_lite.DynamicLossScale(2.0**15),
+                jnp.float32(2.0**15), jnp.float16(2.0**15), np.float64(2.0**15),
+                2**15):
+    stats = diagnostics.tensor_stats(x, scale)
+    assert counts(stats["w"]) == counts(by_number["w"]), scale
+  assert counts(diagnostics.tensor_stats(x, jmp_lite.NoOpLossScale())["w"]) == \
+      counts(diagnostics.tensor_stats(x)["w"])
+  traced = jax.jit(diagnostics.tensor_stats)(x, jnp.float32(2.0**15))
+  assert counts(traced["w"]) == counts(by_number["w"])
+  assert int(by_number["w"].f16_overflow) == 1   # 3 * 2^15 > 65504 > 2^15
+  assert int(by_number["w"].f16_subnormal) == 1  # 2^-30 * 2^15 = 2^-15
+
+
+def test_no_recompilation_for_a_new_scale():
+  fn = jax.jit(lambda x, scale: diagnostics.tensor_stats(x, scale))
+  x = {"w": jnp.ones(3)}
+  fn(x, jnp.float32(1.0))
+  fn(x, jnp.float32(4.0))
+  assert fn._cache_size() == 1
+
+
+@JIT
+def test_group_stats_by_prefix_suffix_and_function(use_jit):
+  grads = {"params": {"Dense_0": {"kernel": jnp.array([0.0, 1.0, 1e6]),
+                                  "bias": jnp.array([0.0])},
+                      "Dense_1": {"kernel": jnp.array([2.0, 2.0**-30])}}}
+
+  def grouped(by):
+    return maybe_jit(lambda g: diagnostics.group_stats(
+        diagnostics.tensor_stats(g), by), use_jit)(grads)
+
+  per_leaf = grouped(None)
+  assert list(per_leaf) == ["params/Dense_0/bias", "params/Dense_0/kernel",
+                            "params/Dense_1/kernel"]
+  modules = grouped(-1)
+  assert list(modules) == ["params/Dense_0", "params/Dense_1"]
+  dense0 = modules["params/Dense_0"]
+  assert int(dense0.size) == 4 and int(dense0.zeros) == 2
+  assert int(dense0.f16_overflow) == 1 and float(dense0.max_abs) == 1e6
+  np.testing.assert_array_equal(
+      dense0.histogram, per_leaf["params/Dense_0/kernel"].histogram
+      + per_leaf["params/Dense_0/bias"].histogram)
+  assert list(grouped(1)) == ["params"]
+  assert int(grouped(1)["params"].size) == 6
+  assert list(grouped(2)) == ["params/Dense_0", "params/Dense_1"]
+  assert list(grouped(-5)) == ["params"]   # never drops the first component
+  assert list(grouped(lambda p: p.split("/")[-1])) == ["bias", "kernel"]
+  # Grouping grouped statistics again works on the path strings.
+  assert list(diagnostics.group_stats(modules, by=1)) == ["params"]
+
+
+def test_group_stats_mixed_float32_float64_leaves():
+  with jax.enable_x64(True):
+    stats = diagnostics.tensor_stats({"a": jnp.ones(2, F32), "b": jnp.full(2, 3.0, F64)})
+    total = diagnostics.group_stats(stats, by=lambda _: "all")["all"]
+    assert total.max_abs.dtype == F64 and float(total.max_abs) == 3.0
+
+
+def test_fraction_under_jit_and_on_host():
+  x = jnp.array([0.0, 1.0, 2.0, 2.0**-30])
+  stats = diagnostics.tensor_stats(x)
+  assert stats.fraction("zeros") == 0.25
+  assert stats.fractions()["f16_underflow"] == 0.25
+  traced = jax.jit(lambda x: diagnostics.tensor_stats(x).fraction("zeros"))(x)
+  assert traced.dtype == F32 and float(traced) == 0.25
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan, -2**15])
+def test_non_positive_or_non_finite_scale_is_a_value_error(scale):
+  with pytest.raises(ValueError, match=r"loss_scale must be positive and finite"
+                     r".*1\.0 for unscaled"):
+    diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
+  with pytest.raises(ValueError, match="loss_scale must be positive"):
+    diagnostics.scale_check_update(diagnostics.scale_check_init(), jnp.ones(2), scale)
+
+
+@pytest.mark.parametrize("scale", ["2", True, np.bool_(True), 1 + 2j, [2.0], object()],
+                         ids=["str", "bool", "np_bool", "complex", "list", "object"])
+def test_wrong_scale_type_is_a_type_error(scale):
+  with pytest.raises(TypeError, match="tensor_stats: loss_scale must be"):
+    diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
+
+
+@pytest.mark.parametrize("scale", [1e300, 1e-50])
+def test_scale_outside_float32_is_a_value_error(scale):
+  with pytest.raises(ValueError, match="representable in float32"):
+    diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
+
+
+def test_non_scalar_scale_is_a_value_error():
+  with pytest.raises(ValueError, match=r"must be a scalar, got shape \(2,\)"):
+    diagnostics.tensor_stats({"w": jnp.ones(2)}, jnp.ones(2))
+
+
+@pytest.mark.parametrize("by", [0, "params", 1.5, True])
+def test_bad_grouping_is_a_type_error(by):
+  with pytest.raises(TypeError, match="group_stats: by must be"):
+    diagnostics.group_stats(diagnostics.tensor_stats({"w": jnp.ones(2)}), by)
+
+
+def test_grouping_function_must_return_a_string():
+  with pytest.raises(TypeError, match="must return a string"):
+    diagnostics.group_stats(diagnostics.tensor_stats({"w": jnp.ones(2)}), len)
+
+
+def test_group_stats_of_arrays_is_a_type_error_naming_the_fix():
+  with pytest.raises(TypeError, match=r"got a float32 array at 'w'.*tensor_stats"):
+    diagnostics.group_stats({"w": jnp.ones(2)})
+
+
+def test_unknown_fraction_field():
+  with pytest.raises(ValueError, match="unknown field 'size'"):
+    diagnostics.tensor_stats(jnp.ones(2)).fraction("size")
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(headroom=0.5), ValueError, "headroom must be a finite number >= 1"),
+    (dict(headroom=math.inf), ValueError, "headroom"),
+    (dict(headroom="8"), TypeError, "headroom must be a number"),
+    (dict(max_underflow=1.5), ValueError, r"max_underflow .* \[0, 1\]"),
+    (dict(max_underflow=None), TypeError, "max_underflow must be a number"),
+    (dict(keep_f32_underflow=0.0), ValueError, r"keep_f32_underflow .* \(0, 1\]"),
+])
+def test_bad_advice_settings(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    diagnostics.advise({"w": jnp.ones(2)}, **kwargs)
+
+
+def test_host_functions_refuse_traced_statistics():
+  def inside(g):
+    diagnostics.advise(diagnostics.tensor_stats(g))
+    return g
+
+  with pytest.raises(TypeError, match="outside jax.jit"):
+    jax.jit(inside)(jnp.ones(2))
+
+
+def test_mixed_stats_and_arrays_is_a_type_error():
+  tree = {"a": diagnostics.tensor_stats(jnp.ones(2)), "b": jnp.ones(2)}
+  with pytest.raises(TypeError, match="at 'b'"):
+    diagnostics.advise(tree)
+
+
+def test_scale_check_update_needs_a_scale_check():
+  with pytest.raises(TypeError, match="scale_check_init"):
+    diagnostics.scale_check_update({"x": 1}, jnp.ones(2), 1.0)
+
+
+# ---------------------------------------------------------------------------
+# Advice.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_abs,headroom,exponent", [
+    (1.0, 8, 12),                         # 2^12 * 8 = 32768 <= 65504 < 65536
+    (1.0, 1, 15),
+    (65504 / (8 * 2.0**12), 8, 12),       # exactly on the limit
+    (float(above(65504 / (8 * 2.0**12))), 8, 11),
+    (2.0**-20, 2, 34),
+    (1e5, 8, -4),                         # a scale below 1
+])
+def test_loss_scale_is_the_largest_power_of_two_with_headroom(max_abs, headroom, exponent):
+  grads = {"w": jnp.array([max_abs, max_abs / 4], F32)}
+  advice = diagnostics.advise(grads, headroom=headroom)
+  assert advice.f16_loss_scale == 2.0**exponent
+  assert advice.max_abs == float(np.float32(max_abs))
+  assert advice.max_abs * advice.f16_loss_scale * headroom <= 65504
+  assert advice.max_abs * advice.f16_loss_scale * 2 * headroom > 65504
+
+
+def test_advice_float16_when_a_scale_fits_both_ends():
+  grads = {"w": jnp.array([2.0**-30, 2.0**-25, 2.0**-10, 0.0])}
+  advice = diagnostics.advise(grads)
+  assert advice.dtype == "float16" and advice.loss_scale == 2.0**22
+  assert advice.f16_underflow == 0.0
+  assert advice.unscaled_f16_underflow == 0.5
+  assert advice.keep_f32 == ()
+  assert "2^22" in advice.reasons[0] and "50.0% would" in advice.reasons[0]
+
+
+def test_advice_bfloat16_when_the_gradients_span_more_than_float16():
+  # 2^-40 ... 2^2: 43 binades; with headroom 8 the scale is 2^10 and the
+  # smallest quarter stays below 2^-24.
+  grads = {"w": jnp.array([2.0**-40, 2.0**-30, 2.0**-2, 2.0**2])}
+  advice = diagnostics.advise(grads)
+  assert advice.f16_loss_scale == 2.0**10
+  assert advice.f16_underflow == 0.25
+  assert advice.dtype == "bfloat16" and advice.loss_scale == 1.0
+  assert "bfloat16" in advice.reasons[0] and "span" in advice.reasons[0]
+  # A looser limit accepts float16.
+  assert diagnostics.advise(grads, max_underflow=0.25).dtype == "float16"
+
+
+def test_advice_is_the_same_whatever_scale_the_stats_were_measured_at():
+  rng = np.random.default_rng(1)
+  grads = {"a": jnp.asarray(rng.standard_normal(500) * 1e-6, F32),
+           "b": jnp.asarray(rng.standard_normal(50) * 1e-9, F32)}
+  ref = diagnostics.advise(diagnostics.tensor_stats(grads))
+  for scale in (2.0**10, 2.0**-5):
+    # Stats of unscaled gradients measured at another scale.
+    other = diagnostics.advise(diagnostics.tensor_stats(grads, scale))
+    assert other.f16_loss_scale == ref.f16_loss_scale
+    assert other.f16_underflow == ref.f16_underflow
+    assert other.unscaled_f16_underflow == ref.unscaled_f16_underflow
+
+
+def test_advice_keeps_underflowing_gradients_and_overflowing_activations_in_f32():
+  grads = {"params": {"big": {"w": jnp.array([1.0, 0.5] * 150)},
+                      "tiny": {"w": jnp.array([1e-15, 2e-15])}}}
+  acts = {"big": jnp.array([1.0, 7e4]), "fine": jnp.array([3.0, 0.25]),
+          "small": jnp.full(4, 1e-9)}
+  advice = diagnostics.advise(grads, acts, by=-1)
+  assert advice.dtype == "float16" and advice.loss_scale == 2.0**12
+  assert advice.keep_f32 == ("params/tiny", "big", "small")
+  text = "\n".join(advice.reasons)
+  assert "Keep params/tiny in float32: 100.0% of its gradient entries underflow" in text
+  assert "Keep big in float32: its activations overflow float16 (1 of 2" in text
+  # Per leaf rather than per module.
+  assert diagnostics.advise(grads, by=None).keep_f32 == ("params/tiny/w",)
+
+
+def test_advice_keeps_bfloat16_overflow_in_f32_even_for_bfloat16():
+  grads = {"w": jnp.array([2.0**-40, 2.0**-2])}
+  acts = {"huge": jnp.array([3.4e38], F32), "ok": jnp.array([1.0])}
+  advice = diagnostics.advise(grads, acts)
+  assert advice.dtype == "bfloat16" and advice.keep_f32 == ("huge",)
+
+
+def test_advice_on_empty_zero_and_non_finite_gradients():
+  empty = diagnostics.advise({})
+  assert empty.dtype is None and empty.loss_scale is None and empty.keep_f32 == ()
+  assert "No floating-point gradient leaves" in empty.reasons[0]
+  zeros = diagnostics.advise({"w": jnp.zeros(3), "n": jnp.array(1)})
+  assert zeros.dtype is None and "zero or non-finite" in zeros.reasons[0]
+  nan = diagnostics.advise({"w": jnp.array([1.0, jnp.nan])})
+  assert nan.dtype == "float16" and "inf/NaN" in nan.reasons[-1]
+
+
+def test_advice_str_is_a_table_and_the_reasons():
+  advice = diagnostics.advise({"w": jnp.array([1e-7, 1e-3])})
+  text = str(advice)
+  assert text.startswith("| advice | |\n|---|---|\n| dtype | float16 |")
+  assert "| static loss scale | 2^22 |" in text
+  assert "\n- float16 with a static loss scale of 2^22" in text
+
+
+# ---------------------------------------------------------------------------
+# Table, plot and report.
+# ---------------------------------------------------------------------------
+
+
+def test_format_table_rows_and_all():
+  stats = diagnostics.tensor_stats(
+      {"a": jnp.array([0.0, 1.0]), "b": jnp.array([1e-9, 1e5, 2.0, 3.0])}, 1.0)
+  table = diagnostics.format_table(stats, title="grad")
+  lines = table.splitlines()
+  assert lines[0].startswith("| grad | entries | max abs | loss scale | zero % |")
+  assert len(lines) == 5
+  assert lines[2] == "| a | 2 | 1 | 1 | 50.0 | 0 | 0 | 0 | 0 | 0 | 0 |"
+  assert lines[3] == "| b | 4 | 1e+05 | 1 | 0 | 25.0 | 25.0 | 25.0 | 0 | 0 | 0 |"
+  assert lines[4].startswith("| all | 6 | 1e+05 |")
+  tiny = diagnostics.format_table({"w": jnp.concatenate([jnp.zeros(1), jnp.ones(9999)])})
+  assert "| <0.1 |" in tiny
+  assert "| 2^15 |" in diagnostics.format_table(diagnostics.tensor_stats(jnp.ones(2), 2.0**15))
+
+
+def assert_png(path):
+  data = open(path, "rb").read()
+  assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1_000
+
+
+def test_report_prints_the_tables_and_advice_and_writes_a_png(tmp_path):
+  grads = {"dense": {"w": jnp.asarray(np.random.default_rng(0).standard_normal(256) * 1e-6, F32),
+                     "b": jnp.zeros(4)}}
+  acts = {"dense_out": jnp.array([1.0, 1e5])}
+  out = io.StringIO()
+  path = tmp_path / "report.png"
+  advice = diagnostics.report(diagnostics.tensor_stats(grads), str(path),
+                              activation_stats=acts, title="my model", file=out)
+  text = out.getvalue()
+  assert text.startswith("my model\n\nGradients:\n\n| leaf |")
+  assert "| dense/b | 4 |" in text and "| dense/w | 256 |" in text
+  assert "Activations:\n\n| leaf |" in text and "| dense_out | 2 |" in text
+  assert str(advice) in text
+  assert f"Wrote {path}" in text
+  assert advice.keep_f32 == ("dense_out",)
+  assert_png(path)
+
+
+def test_report_without_a_path_writes_nothing(tmp_path):
+  out = io.StringIO()
+  diagnostics.report({"w": jnp.ones(3)}, file=out)
+  assert "Wrote" not in out.getvalue()
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_report_of_an_empty_tree(tmp_path):
+  out = io.StringIO()
+  advice = diagnostics.report({}, str(tmp_path / "empty.png"), file=out)
+  assert advice.dtype is None
+  assert "(no floating-point leaves)" in out.getvalue()
+  assert_png(tmp_path / "empty.png")
+
+
+def test_plot_grouped_activations_only_rows(tmp_path):
+  stats = diagnostics.tensor_stats({"m": {"a": jnp.ones(3), "b": jnp.full(2, 1e-30)}})
+  path = diagnostics.plot_histograms(stats, str(tmp_path / "g.png"), by=1)
+  assert path == str(tmp_path / "g.png")
+  assert_png(tmp_path / "g.png")
+
+
+def test_import_stays_light():
+  """jmp_lite and jmp_lite.diagnostics import neither matplotlib nor flax."""
+  code = (
+      "import sys, jmp_lite, jmp_lite.diagnostics\n"
+      "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+      "('matplotlib', 'flax'))\n"
+      "assert not heavy, heavy\n"
+  )
+  env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr
+
+
+# ---------------------------------------------------------------------------
+# Inside a train step; activations from Flax models.
+# ---------------------------------------------------------------------------
+
+
+def test_every_n_steps_with_lax_cond_in_a_jitted_train_step():
+  params = {"w": jnp.full((3, 2), 0.5, F32), "b": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.01), jmp_lite.StaticLossScale(2.0**10))
+
+  def loss_fn(p, x):
+    return jnp.sum((x.astype(jnp.float16) @ p["w"].astype(jnp.float16)
+                    + p["b"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+
+  @jax.jit
+  def train_step(params, state, x, step):
+    loss_scale = jmp_lite.get_loss_scale(state)
+    _, grads = jmp_lite.scaled_value_and_grad(loss_fn, loss_scale)(params, x)
+
+    def collect(g):  # the unscaled gradients, measured at this step's scale
+      return diagnostics.tensor_stats(loss_scale.unscale(g), loss_scale)
+
+    stats = lax.cond(step % 3 == 0, collect,
+                     lambda g: jax.tree.map(jnp.zeros_like, collect(g)), grads)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, stats
+
+  state = opt.init(params)
+  x = jnp.array([[1.0, 2.0, 3.0]])
+  seen = []
+  for step in range(4):
+    before = params
+    params, state, stats = train_step(params, state, x, jnp.int32(step))
+    seen.append(stats)
+    if step % 3 == 0:
+      _, grads = jax.value_and_grad(loss_fn)(before, x)
+      direct = diagnostics.tensor_stats(grads, 2.0**10)
+      assert float(stats["w"].loss_scale) == 2.0**10
+      assert float(stats["w"].max_abs) == float(direct["w"].max_abs)
+      assert counts(stats["w"]) == counts(direct["w"])
+      assert int(stats["w"].size) == 6 and int(stats["w"].nonfinite) == 0
+    else:
+      assert int(stats["w"].size) == 0
+  assert train_step._cache_size() == 1
+
+
+class OverflowingMLP(nn.Module):
+  """A linen MLP whose second layer's output exceeds float16's range."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(8, name="hidden")(x))
+    x = nn.Dense(8, name="huge", kernel_init=nn.initializers.constant(1e6))(x)
+    return nn.Dense(2, name="out", kernel_init=nn.initializers.constant(1e-6))(x)
+
+
+def test_linen_activations_via_capture_intermediates(tmp_path):
+  model = OverflowingMLP()
+  x = jnp.ones((4, 3))
+  variables = model.init(jax.random.key(0), x)
+
+  @jax.jit
+  def activation_stats(variables, x):
+    _, state = model.apply(variables, x, capture_intermediates=True,
+                           mutable=["intermediates"])
+    return diagnostics.tensor_stats(state["intermediates"])
+
+  stats = activation_stats(variables, x)
+  layers = diagnostics.group_stats(stats, by=-2)   # drop "__call__/0"
+  # The model's own output ("__call__/0") keeps its first component.
+  assert list(layers) == ["__call__", "hidden", "huge", "out"]
+  assert int(layers["huge"].f16_overflow) > 0
+  assert int(layers["hidden"].f16_overflow) == 0
+  grads = {"params": {"hidden": {"kernel": jnp.full((3, 8), 1e-3)}}}
+  out = io.StringIO()
+  advice = diagnostics.report(grads, str(tmp_path / "linen.png"),
+                              activation_stats=stats, by=-2, file=out)
+  assert "huge" in advice.keep_f32 and "hidden" not in advice.keep_f32
+  assert "| huge |" in out.getvalue()
+  assert_png(tmp_path / "linen.png")
+
+
+class SowingMLP(nnx.Module):
+  """An NNX MLP that sows each layer's output as an ``nnx.Intermediate``."""
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(3, 8, rngs=rngs)
+    self.huge = nnx.Linear(8, 8, kernel_init=nnx.initializers.constant(1e6), rngs=rngs)
+
+  def __call__(self, x):
+    h = nnx.relu(self.hidden(x))
+    self.sow(nnx.Intermediate, "hidden_out", h)
+    y = self.huge(h)
+    self.sow(nnx.Intermediate, "huge_out", y)
+    return y
+
+
+def _nnx_capture(model, x, **kwargs):
+  """The model's output and its sown ``nnx.Intermediate`` values: with
+  ``nnx.capture`` (Flax >= 0.12.8), else ``nnx.pop`` after the call."""
+  if hasattr(nnx, "capture"):
+    return nnx.capture(model, nnx.Intermediate, **kwargs)(x)
+  if kwargs:
+    pytest.skip("method_outputs needs nnx.capture")
+  y = model(x)
+  return y, nnx.pop(model, nnx.Intermediate)
+
+
+def test_nnx_activations_via_sow():
+  model = SowingMLP(nnx.Rngs(0))
+
+  @nnx.jit
+  def activation_stats(model, x):
+    _, intermediates = _nnx_capture(model, x)
+    return diagnostics.tensor_stats(intermediates)
+
+  stats = activation_stats(model, jnp.ones((4, 3)))
+  layers = diagnostics.group_stats(stats, by=-2)   # drop "value/0"
+  assert list(layers) == ["hidden_out", "huge_out"]
+  assert int(layers["huge_out"].f16_overflow) > 0
+  assert int(layers["hidden_out"].f16_overflow) == 0
+  advice = diagnostics.advise({"w": jnp.array([1e-3, 1.0])}, stats, by=-2)
+  assert advice.keep_f32 == ("huge_out",)
+
+
+def test_nnx_every_layer_output_via_capture_method_outputs():
+  model = SowingMLP(nnx.Rngs(0))
+  _, intermediates = _nnx_capture(model, jnp.ones((4, 3)),
+                                  method_outputs=nnx.Intermediate)
+  layers = diagnostics.group_stats(diagnostics.tensor_stats(intermediates), by=-3)
+  assert {"hidden", "huge", "__call__"} <= set(layers)   # each module's __call__
+  assert int(layers["huge"].f16_overflow) > 0
+
+
+# ---------------------------------------------------------------------------
+# Catching gradients that were never scaled.
+# ---------------------------------------------------------------------------
+
+
+def _softmax_regression_data():
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (256, 16))
+  y = jnp.argmax(x @ jax.random.normal(kw, (16, 10)), axis=-1)
+  return x, y
+
+
+def _train(loss_scale, scale_the_loss, steps):
+  """SGD on softmax regression with loss_scaling, the check in the loop."""
+  x, y = _softmax_regression_data()
+  params = {"w": jnp.zeros((16, 10)), "b": jnp.zeros(10)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.5), loss_scale)
+
+  def loss_fn(p):
+    logits = x @ p["w"] + p["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @jax.jit
+  def step(params, state, check):
+    scale = jmp_lite.get_loss_scale(state)
+    if scale_the_loss:
+      _, grads = jmp_lite.scaled_value_and_grad(loss_fn, scale)(params)
+    else:  # the mistake: gradients of the unscaled loss
+      grads = jax.grad(loss_fn)(params)
+    check = diagnostics.scale_check_update(check, grads, scale)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, check
+
+  state, check = opt.init(params), diagnostics.scale_check_init()
+  for _ in range(steps):
+    params, state, check = step(params, state, check)
+  return float(loss_fn(params)), check
+
+
+def test_unscaled_gradients_with_a_static_scale_stall_and_are_flagged():
+  scale = jmp_lite.StaticLossScale(2.0**15)
+  good_loss, good = _train(scale, True, 60)
+  bad_loss, bad = _train(scale, False, 60)
+  assert good_loss < 0.5 * bad_loss  # the mistake stalls training silently
+  assert bad_loss > 0.95 * math.log(10)
+  assert bool(bad.looks_unscaled()) and int(bad.suspect_steps) == 60
+  assert not bool(good.looks_unscaled()) and int(good.suspect_steps) == 0
+  assert math.isnan(float(good.response_ratio))  # a static scale never moves
+
+
+def test_unscaled_gradients_with_a_dynamic_scale_do_not_follow_it():
+  scale = jmp_lite.DynamicLossScale(2.0**4, period=3)
+  _, good = _train(scale, True, 40)
+  _, bad = _train(scale, False, 40)
+  assert float(bad.scale_change) >= 10 and float(good.scale_change) >= 10
+  assert abs(float(bad.response_ratio)) < 0.2
+  assert abs(float(good.response_ratio) - 1) < 0.2
+  assert bool(bad.looks_unscaled())
+  assert not bool(good.looks_unscaled())
+
+
+def test_a_scale_too_small_is_suspect_until_the_response_clears_it():
+  """Correctly scaled but tiny gradients (the digits demo's setting) fail the
+  headroom test; once a dynamic scale has moved, the response clears them."""
+  check = diagnostics.scale_check_init()
+  rng = np.random.default_rng(0)
+  g = jnp.asarray(rng.standard_normal(1000) * 1e-7, F32)
+  update = jax.jit(diagnostics.scale_check_update)
+  scale = 2.0**4
+  for i in range(30):
+    check = update(check, g * rng.uniform(0.9, 1.1) * scale, scale)
+    if i == 19:  # 20 suspect steps, the scale has moved by one binade
+      assert int(check.suspect_steps) == 20
+      assert float(check.scale_change) == 1.0
+      assert bool(check.looks_unscaled())
+    if i % 10 == 9:
+      scale *= 2
+  assert float(check.scale_change) == 2.0
+  assert abs(float(check.response_ratio) - 1) < 0.2
+  assert not bool(check.looks_unscaled())
+
+
+def test_non_finite_and_zero_steps_leave_the_check_unchanged():
+  check = diagnostics.scale_check_update(
+      diagnostics.scale_check_init(), jnp.array([1.0]), 2.0**15)
+  for grads in (jnp.array([jnp.inf, 1.0]), jnp.zeros(2), {"n": jnp.array(3)}):
+    same = diagnostics.scale_check_update(check, grads, 2.0**14)
+    for a, b in zip(same, check):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_scale_check_record_matches_update():
+  check = diagnostics.scale_check_init()
+  by_update, by_record = check, check
+  for scale, grads in ((2.0**10, jnp.array([0.5, -3.0])), (2.0**11, jnp.array([1.0, 6.0])),
+                       (2.0**11, jnp.array([jnp.nan, 1.0])), (2.0**12, jnp.array([2.0, 12.0]))):
+    by_update = diagnostics.scale_check_update(by_update, grads, scale)
+    largest = jnp.max(jnp.where(jnp.isnan(grads), jnp.inf, jnp.abs(grads)))
+    by_record = jax.jit(diagnostics.scale_check_record)(by_record, largest, scale)
+  for a, b in zip(by_update, by_record):
+    np.testing.assert_array_equal(a, b)
+  assert float(by_record.response_ratio) == pytest.approx(1.0, abs=1e-6)
+  with pytest.raises(ValueError, match="largest must be a scalar"):
+    diagnostics.scale_check_record(check, jnp.ones(2), 1.0)
+  with pytest.raises(TypeError, match="scale_check_record: check must be"):
+    diagnostics.scale_check_record(None, 1.0, 1.0)
+
+
+def test_largest_magnitude():
+  assert float(diagnostics.largest_magnitude({})) == 0.0
+  tree = {"a": jnp.array([1.0, -5.0], BF16), "b": jnp.array([jnp.nan, 2.0]),
+          "i": jnp.array([7])}
+  assert float(jax.jit(diagnostics.largest_magnitude)(tree)) == 5.0
+  # Python numbers are not arrays (outside jit): skipped, like ints.
+  assert float(diagnostics.largest_magnitude(dict(tree, c=9.0))) == 5.0
+
+
+# ---------------------------------------------------------------------------
+# The public surface.
+# ---------------------------------------------------------------------------
+
+
+def test_public_names_are_documented_with_examples():
+  source = inspect.getsource(inspect.getmodule(diagnostics.TensorStats))
+  for name in diagnostics.__all__:
+    obj = getattr(diagnostics, name)
+    if callable(obj):
+      doc = inspect.getdoc(obj) or ""
+      assert "Example" in doc and ">>>" in doc, name
+      if inspect.isclass(obj):
+        for attr, value in vars(obj).items():
+          if not attr.startswith("_") and inspect.isfunction(value):
+            assert ">>>" in (inspect.getdoc(value) or ""), f"{name}.{attr}"
+    else:
+      assert re.search(rf"^#:.*\n(#:.*\n)*{name} = ", source, re.MULTILINE), name
+
+
+def test_stats_are_a_pytree_of_arrays_that_jit_returns():
+  stats = jax.jit(diagnostics.tensor_stats)({"w": jnp.ones(3, F16)})
+  leaves = jax.tree_util.tree_leaves(stats)
+  assert len(leaves) == len(diagnostics.TensorStats._fields)
+  assert all(isinstance(leaf, jax.Array) for leaf in leaves)
