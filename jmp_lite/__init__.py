@@ -12,6 +12,7 @@ Example:
 
 from jmp_lite._src.autocast import autocast
 from jmp_lite._src.autocast import autocast_disabled
+from jmp_lite._src.autocast import in_float32
 from jmp_lite._src.autocast import op_dtypes
 from jmp_lite._src.dtypes import half_dtype
 from jmp_lite._src.loss_scale import DynamicLossScale
@@ -62,6 +63,7 @@ __all__ = (
     "get_master_params",
     "get_policy",
     "half_dtype",
+    "in_float32",
     "loss_scaling",
     "master_weights",
     "op_dtypes",

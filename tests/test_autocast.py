@@ -30,6 +30,7 @@ from jmp_lite.autocast_rules import RuleContext
 from helpers import all_eqns
 
 F32 = np.dtype(jnp.float32)
+F16 = np.dtype(jnp.float16)
 HALF_DTYPES = [np.dtype(jnp.float16), np.dtype(jnp.bfloat16)]
 # Relative gradient error allowed per compute dtype (10 and 7 mantissa bits).
 GRAD_TOL = {np.dtype(jnp.float16): 1e-2, np.dtype(jnp.bfloat16): 6e-2}
@@ -692,21 +693,37 @@ def test_python_arguments_are_static():
 # -- policies ------------------------------------------------------------------
 
 
-def test_policy_output_dtype_is_applied():
+def test_outputs_keep_fn_dtypes_whether_given_a_dtype_or_a_policy():
+  """One rule for both entry points: autocast never changes fn's interface.
+  A policy contributes its compute dtype (here: the matmuls' inputs)."""
   fn = lambda w, x: (x @ w, jnp.arange(3))
-  out, ints = autocast(fn, "p=f32,c=f16,o=f16")(W, X)
-  assert out.dtype == jnp.float16 and ints.dtype == jnp.int32
-  out, _ = autocast(fn, "mixed_bfloat16")(W, X)
-  assert out.dtype == F32
+  for precision in ("p=f32,c=f16,o=f16", "params=f32,compute=f16",
+                    "mixed_float16", jnp.float16, "f16"):
+    jaxpr = jax.make_jaxpr(autocast(fn, precision))(W, X)
+    assert_dots_in(jaxpr, F16)
+    assert [a.dtype for a in jaxpr.out_avals] == [F32, jnp.int32], precision
   policy = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16)
   jaxpr = jax.make_jaxpr(autocast(fn, policy))(W, X)
   assert_dots_in(jaxpr, np.dtype(jnp.bfloat16))
-  assert jaxpr.out_avals[0].dtype == jnp.bfloat16
+  assert jaxpr.out_avals[0].dtype == F32
 
 
 def test_dtype_names_are_compute_dtypes_not_policies():
   out = autocast(lambda w, x: x @ w, "bf16")(W, X)
   assert out.dtype == F32  # A bare dtype keeps the original output dtype.
+
+
+def test_policy_matmul_precision_applies_to_every_matmul():
+  def fn(w, x):
+    h = jax.jit(lambda a: a @ w)(x)
+    return lax.scan(lambda c, row: (c + row @ w, None), jnp.zeros(W.shape[1]), h)[0]
+
+  for spec, marker in (("tf32", "HIGH"), ("c=f32,m=bf16_bf16_f32_x3", "algorithm")):
+    text = jax.jit(autocast(fn, spec)).lower(W, X).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) == 2 and all(marker in line for line in dots), dots
+  plain = jax.jit(autocast(fn, "f32")).lower(W, X).as_text()
+  assert "HIGH" not in plain and "algorithm" not in plain
 
 
 # -- Flax and optax ------------------------------------------------------------

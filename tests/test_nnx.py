@@ -276,7 +276,7 @@ def test_call_method_and_module_policies():
   assert policies == {
       "": "p=full,c=bf16,o=full",
       "dense": "p=full,c=bf16,o=bf16",
-      "norm": "p=full,c=full,o=bf16",
+      "norm": "p=full,c=full,o=bf16,m=f32",
       "head": "p=full,c=bf16,o=bf16",
   }
 
@@ -284,7 +284,7 @@ def test_call_method_and_module_policies():
 def test_a_rule_matching_the_model_itself_keeps_the_output_dtype():
   model = jnnx.apply_policy(nnx.LayerNorm(4, rngs=nnx.Rngs(0)), "mixed_bfloat16")
   assert model(_x((2, 4))).dtype == F32
-  assert str(model.module_policies()[""]) == "p=full,c=full,o=bf16"
+  assert str(model.module_policies()[""]) == "p=full,c=full,o=bf16,m=f32"
 
 
 # ---------------------------------------------------------------------------
@@ -360,7 +360,7 @@ def test_override_by_path_with_list_indices():
       (F16, F16), (F32, F32), (F16, F16), (F16, F16)
   ]
   policies = model.module_policies()
-  assert str(policies["blocks/1/dense"]) == "p=full,c=full,o=full"  # inherited
+  assert str(policies["blocks/1/dense"]) == "p=full,c=full,o=full,m=f32"  # inherited
   assert str(policies["blocks/0/dense"]) == "p=full,c=f16,o=f16"
 
 

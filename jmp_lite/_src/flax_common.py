@@ -37,7 +37,8 @@ class FullPrecision:
   """A rule's policy: keep the matched modules in float32, hand back compute dtype.
 
   Matched modules store their params in float32, receive float32 inputs and
-  compute in float32 (statistics, scale and bias of a norm layer included);
+  compute in float32 (statistics, scale and bias of a norm layer included;
+  matmuls and convolutions in full float32, not TF32);
   their outputs go back in the compute dtype of the surrounding policy, so the
   layers after them keep running in half precision. float64 stays float64.
   It is what the default rules use for normalisation layers; use it for any
@@ -47,7 +48,7 @@ class FullPrecision:
     >>> import flax.linen as nn, jmp_lite, jmp_lite.linen as jlinen
     >>> rules = jlinen.PolicyRules((nn.LayerNorm, jlinen.FullPrecision()))
     >>> jlinen.FullPrecision().resolve(jmp_lite.get_policy("mixed_bfloat16"))
-    Policy('p=full,c=full,o=bf16')
+    Policy('p=full,c=full,o=bf16,m=f32')
   """
 
   def resolve(self, outer: policy_lib.Policy) -> policy_lib.Policy:
@@ -58,7 +59,8 @@ class FullPrecision:
 
     Returns:
       ``Policy(param=at least f32, compute=at least f32,
-      output=outer.compute_dtype)``.
+      output=outer.compute_dtype)``, with float32 matmul precision when the
+      compute dtype is float32.
 
     Raises:
       TypeError: if ``outer`` is not a ``Policy``.
@@ -69,10 +71,13 @@ class FullPrecision:
           f"matched module, got {type(outer).__name__}: {outer!r}. Pass e.g. "
           "jmp_lite.get_policy('mixed_bfloat16')."
       )
+    compute = dtypes.at_least_f32(outer.compute_dtype)
     return policy_lib.Policy(
         dtypes.at_least_f32(outer.param_dtype),
-        dtypes.at_least_f32(outer.compute_dtype),
+        compute,
         outer.compute_dtype,
+        # Full float32 matmuls too: JAX's GPU default for float32 is TF32.
+        matmul_precision="f32" if compute == dtypes.FLOAT32 else None,
     )
 
 

@@ -142,7 +142,8 @@ def _boundary_interceptor(
         args, kwargs = tree_lib.cast_floating((args, kwargs), compute)
         return next_fun(*args, **kwargs)
       args, kwargs = policy.cast_to_compute((args, kwargs))
-      return policy.cast_to_output(next_fun(*args, **kwargs))
+      with policy.matmul_context():
+        return policy.cast_to_output(next_fun(*args, **kwargs))
     finally:
       active.pop()
 
@@ -323,7 +324,8 @@ class PolicyModel:
       )
       run_variables = _replace_collection(variables, "params", params)
     seen: set[Path] = set()
-    with nn.intercept_methods(_boundary_interceptor(resolver, seen)):
+    with (nn.intercept_methods(_boundary_interceptor(resolver, seen)),
+          self.policy.matmul_context()):
       out = self.module.apply(run_variables, *args, **call_kwargs)
     known = seen | set(classes)
     if params is not None:
@@ -362,7 +364,7 @@ class PolicyModel:
       >>> variables = model.init(jax.random.key(0), jnp.ones((2, 4)))
       >>> {k: str(v) for k, v in model.module_policies(variables, jnp.ones((2, 4))).items()}
       {'': 'p=full,c=f16,o=full', 'layers_0': 'p=full,c=f16,o=f16',
-       'layers_1': 'p=full,c=full,o=f16'}
+       'layers_1': 'p=full,c=full,o=f16,m=f32'}
     """
     kwargs.setdefault("mutable", False)
     classes = self._discover(variables, args, kwargs)

@@ -107,7 +107,8 @@ def _cast(tree: Any, dtype: np.dtype) -> Any:
 
 def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs):
   args, kwargs = _cast((args, kwargs), policy.compute_dtype)
-  return _cast(fn(*args, **kwargs), policy.output_dtype)
+  with policy.matmul_context():
+    return _cast(fn(*args, **kwargs), policy.output_dtype)
 
 
 def _is_policy_method(name: str) -> bool:
@@ -338,7 +339,7 @@ class PolicyModule(nnx.Module):
       >>> import jmp_lite.nnx as jnnx
       >>> model = jnnx.apply_policy(nnx.LayerNorm(3, rngs=nnx.Rngs(0)), "mixed_float16")
       >>> str(model.module_policies()[""])
-      'p=full,c=full,o=f16'
+      'p=full,c=full,o=f16,m=f32'
     """
     resolver = self._resolver()
     return {

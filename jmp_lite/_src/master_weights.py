@@ -414,15 +414,6 @@ def with_state_dtype(
       dtype, f"{owner}'s dtype", "jnp.bfloat16 or jnp.float32"
   )
 
-  def upcast(tree):
-    return jax.tree_util.tree_map(
-        lambda x: x.astype(dtypes.at_least_f32(x.dtype))
-        if tree_lib.is_float_array(x)
-        and x.dtype != dtypes.at_least_f32(x.dtype)
-        else x,
-        tree,
-    )
-
   def store(state):
     return jax.tree_util.tree_map(
         lambda x: x.astype(store_dtype)
@@ -447,7 +438,8 @@ def with_state_dtype(
     # The moments, the other floating leaves, the gradients and the params,
     # all in float32 (or wider): the math runs there, strict-promotion clean.
     new_updates, new_state = inner.update(
-        upcast(updates), upcast(state), upcast(params), **extra_args
+        tree_lib.widen_floating(updates), tree_lib.widen_floating(state),
+        tree_lib.widen_floating(params), **extra_args
     )
 
     def keep_dtype(new, old):

@@ -317,13 +317,7 @@ def loss_scaling(
     shared = extra_args.pop("loss_scale", None)
     current = _scale_for_update(state.loss_scale, shared)
     # Unscale in f32 (or wider) and keep that precision for the inner update.
-    wide = jax.tree_util.tree_map(
-        lambda g: g.astype(dtypes.at_least_f32(g.dtype))
-        if tree_lib.is_float_array(g)
-        else g,
-        updates,
-    )
-    grads = current.unscale(wide)
+    grads = current.unscale(tree_lib.widen_floating(updates))
     finite = tree_lib.all_finite(grads, axis_name=axis_name)
     if k == 1:
       step_ends, ok, fields = True, finite, {}

@@ -1,11 +1,14 @@
-"""Precision policies: which dtype params are stored in, computed in, returned in."""
+"""Precision policies: which dtype params are stored in, computed in, returned
+in, and how precisely matmuls run."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, TypeVar
 
+import jax
 import numpy as np
 
 from jmp_lite._src import dtypes
@@ -20,14 +23,80 @@ _KEYS = {
     "compute": "compute_dtype",
     "o": "output_dtype",
     "output": "output_dtype",
+    "m": "matmul_precision",
+    "matmul": "matmul_precision",
 }
 
-#: Named presets accepted by :func:`get_policy` (Keras-style names).
+#: Named presets accepted by :func:`get_policy` (Keras-style names; ``tf32``:
+#: float32 everywhere, matmuls and convolutions in TensorFloat-32).
 PRESETS: dict[str, str] = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
     "mixed_half": "p=f32,c=half,o=f32",
+    "tf32": "p=f32,c=f32,o=f32,m=tf32",
 }
+
+# Matmul precisions a policy may name: ours (aliases -> canonical name) and
+# every jax.lax.DotAlgorithmPreset but DEFAULT, by lowercase name. Each maps to
+# the value of jax.default_matmul_precision that applies it.
+_PRECISION_ALIASES = {
+    "tf32": "tf32", "tensorfloat32": "tf32",
+    "f32": "f32", "float32": "f32", "highest": "f32",
+    "bf16": "bf16", "bfloat16": "bf16",
+}
+_JAX_PRECISION = {"tf32": "tensorfloat32", "f32": "highest", "bf16": "bfloat16"}
+_PRESETS_BY_NAME = {
+    preset.name.lower(): preset
+    for preset in jax.lax.DotAlgorithmPreset
+    if preset.name != "DEFAULT"
+}
+
+#: Every matmul precision name a policy accepts (``m=...``), canonical forms.
+MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "f32", "bf16", *_PRESETS_BY_NAME)
+
+
+def _matmul_precision(value: Any, compute_dtype: Any) -> str | None:
+  """Validates a matmul precision for a compute dtype; its canonical name."""
+  if value is None:
+    return None
+  if isinstance(value, jax.lax.DotAlgorithmPreset):
+    value = value.name
+  if not isinstance(value, str):
+    raise TypeError(
+        "matmul_precision must be a name such as 'tf32' or "
+        "'bf16_bf16_f32_x3', or a jax.lax.DotAlgorithmPreset, got "
+        f"{type(value).__name__}: {value!r}."
+    )
+  name = value.strip().lower()
+  if name == "default":
+    return None
+  name = _PRECISION_ALIASES.get(name, name)
+  compute = np.dtype(compute_dtype)
+  if name in _JAX_PRECISION:
+    if compute != dtypes.FLOAT32:
+      raise ValueError(
+          f"matmul_precision {value!r} sets how float32 matmuls run, but the "
+          f"policy computes in {compute.name}. Use a float32 compute dtype "
+          "(e.g. get_policy('tf32') or 'p=f32,c=f32,o=f32,m=tf32'), or leave "
+          "the matmul precision unset for half-precision compute."
+      )
+    return name
+  preset = _PRESETS_BY_NAME.get(name)
+  if preset is None:
+    raise ValueError(
+        f"Unknown matmul precision {value!r}. Valid: {', '.join(MATMUL_PRECISIONS)}"
+        " (tf32/f32/bf16 for float32 compute; the others are "
+        "jax.lax.DotAlgorithmPreset names), or 'default'."
+    )
+  supported = preset.supported_lhs_types or ()
+  if not any(np.dtype(t) == compute for t in supported):
+    allowed = ", ".join(np.dtype(t).name for t in supported) or "float8"
+    raise ValueError(
+        f"matmul_precision {value!r} ({preset.name}) takes {allowed} inputs, "
+        f"but the policy computes in {compute.name}. Choose a preset for "
+        f"{compute.name} inputs or change the compute dtype."
+    )
+  return name
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -43,11 +112,25 @@ class Policy:
   dict keys). A float64 policy needs ``jax.config.update("jax_enable_x64",
   True)`` to give float64 JAX arrays.
 
+  An optional ``matmul_precision`` says how matmuls and convolutions run where
+  the policy applies (``with_policy``, the Flax policies, ``autocast``):
+  ``"tf32"`` (TensorFloat-32), ``"f32"`` (full float32) or ``"bf16"`` (one
+  bfloat16 pass) for float32 compute, or a ``jax.lax.DotAlgorithmPreset``
+  name such as ``"bf16_bf16_f32_x3"`` or ``"f16_f16_f32"``. It is applied with
+  ``jax.default_matmul_precision`` while the function is traced.
+
   Args:
     param_dtype: dtype parameters are stored in (usually float32).
     compute_dtype: dtype the computation runs in (float16/bfloat16 for mixed
       precision).
     output_dtype: dtype outputs are returned in.
+    matmul_precision: optional matmul precision (see above); ``None`` leaves
+      it to JAX's default.
+
+  Raises:
+    TypeError: if a dtype is ``None`` or not dtype-like.
+    ValueError: for a non-floating dtype, an unknown matmul precision, or one
+      that does not apply to the compute dtype (TF32 with float16 compute).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -58,19 +141,32 @@ class Policy:
     True
     >>> policy.cast_to_compute({"w": jnp.ones(2)})["w"].dtype
     dtype('float16')
+    >>> str(jmp_lite.get_policy("tf32"))
+    'p=full,c=full,o=full,m=tf32'
   """
 
   param_dtype: type
   compute_dtype: type
   output_dtype: type
+  matmul_precision: str | None = None
 
-  def __init__(self, param_dtype: Any, compute_dtype: Any, output_dtype: Any):
+  def __init__(
+      self,
+      param_dtype: Any,
+      compute_dtype: Any,
+      output_dtype: Any,
+      *,
+      matmul_precision: Any = None,
+  ):
     for field, value in (
         ("param_dtype", param_dtype),
         ("compute_dtype", compute_dtype),
         ("output_dtype", output_dtype),
     ):
       object.__setattr__(self, field, dtypes.scalar_type(value, f"Policy's {field}"))
+    object.__setattr__(
+        self, "matmul_precision",
+        _matmul_precision(matmul_precision, self.compute_dtype))
 
   def cast_to_param(self, x: T) -> T:
     """Casts the floating leaves of ``x`` to the param dtype."""
@@ -86,22 +182,40 @@ class Policy:
 
   def with_param_dtype(self, param_dtype: Any) -> "Policy":
     """Returns a copy with another param dtype (a dtype or a dtype name)."""
-    return Policy(param_dtype, self.compute_dtype, self.output_dtype)
+    return dataclasses.replace(self, param_dtype=param_dtype)
 
   def with_compute_dtype(self, compute_dtype: Any) -> "Policy":
     """Returns a copy with another compute dtype (a dtype or a dtype name)."""
-    return Policy(self.param_dtype, compute_dtype, self.output_dtype)
+    return dataclasses.replace(self, compute_dtype=compute_dtype)
 
   def with_output_dtype(self, output_dtype: Any) -> "Policy":
     """Returns a copy with another output dtype (a dtype or a dtype name)."""
-    return Policy(self.param_dtype, self.compute_dtype, output_dtype)
+    return dataclasses.replace(self, output_dtype=output_dtype)
+
+  def with_matmul_precision(self, matmul_precision: Any) -> "Policy":
+    """Returns a copy with another matmul precision (``None``: JAX's default)."""
+    return dataclasses.replace(self, matmul_precision=matmul_precision)
+
+  def matmul_context(self) -> contextlib.AbstractContextManager:
+    """A context applying the matmul precision to what is traced inside it.
+
+    ``jax.default_matmul_precision`` with this policy's precision, or a
+    context that changes nothing when the policy has none (an enclosing
+    policy's precision then stays in force).
+    """
+    if self.matmul_precision is None:
+      return contextlib.nullcontext()
+    name = _JAX_PRECISION.get(self.matmul_precision,
+                              self.matmul_precision.upper())
+    return jax.default_matmul_precision(name)
 
   def __str__(self) -> str:
-    return "p={},c={},o={}".format(
+    text = "p={},c={},o={}".format(
         dtypes.dtype_name(self.param_dtype),
         dtypes.dtype_name(self.compute_dtype),
         dtypes.dtype_name(self.output_dtype),
     )
+    return text if self.matmul_precision is None else f"{text},m={self.matmul_precision}"
 
   def __repr__(self) -> str:
     return f"Policy({str(self)!r})"
@@ -111,24 +225,68 @@ def _spec_error(spec: str, problem: str) -> ValueError:
   return ValueError(
       f"Invalid policy spec {spec!r}: {problem}. A spec is a dtype name "
       "(e.g. 'bf16'), a preset "
-      f"({', '.join(repr(p) for p in PRESETS)}), or comma-separated key=dtype "
-      "pairs with keys p/params, c/compute, o/output, e.g. "
-      "'params=f32,compute=f16,output=f32'. Valid dtype names: "
-      f"{', '.join(dtypes.DTYPE_NAMES)}."
+      f"({', '.join(repr(p) for p in PRESETS)}), or comma-separated key=value "
+      "pairs with keys p/params, c/compute, o/output (dtypes) and m/matmul "
+      "(matmul precision), e.g. 'params=f32,compute=f16,output=f32'. Valid "
+      f"dtype names: {', '.join(dtypes.DTYPE_NAMES)}."
   )
 
 
+def _parse_pairs(spec: str, text: str) -> dict[str, tuple[str, str]]:
+  """``"p=f32,c=f16"`` -> ``{"param_dtype": ("p", "f32"), ...}`` (key, value)."""
+  chosen: dict[str, tuple[str, str]] = {}
+  for raw_part in text.split(","):
+    part = raw_part.strip()
+    if not part:
+      raise _spec_error(spec, "it has an empty entry (a stray comma?)")
+    if part.count("=") != 1:
+      raise _spec_error(spec, f"entry {part!r} is not a single key=value pair")
+    key, value = (s.strip() for s in part.split("="))
+    if key not in _KEYS:
+      raise _spec_error(spec, f"unknown key {key!r} (valid keys: {', '.join(_KEYS)})")
+    field = _KEYS[key]
+    if field in chosen:
+      raise _spec_error(
+          spec, f"key {key!r} sets {field} which {chosen[field][0]!r} already set")
+    if not value:
+      raise _spec_error(spec, f"key {key!r} has no value")
+    chosen[field] = (key, value)
+  return chosen
+
+
+def _parse_dtype(spec: str, value: str, problem: str) -> np.dtype:
+  try:
+    return dtypes.parse_dtype(value)
+  except ValueError:
+    raise _spec_error(spec, problem) from None
+
+
+def _dtype_of(spec: str, chosen: dict[str, tuple[str, str]], field: str,
+              default: np.dtype) -> np.dtype:
+  if field not in chosen:
+    return default
+  key, value = chosen[field]
+  return _parse_dtype(spec, value, f"Unknown dtype {value!r} for key {key!r}")
+
+
 def get_policy(spec: str | Policy) -> Policy:
-  """Parses a policy spec, with jmp's grammar plus presets.
+  """Parses a policy spec, with jmp's grammar plus presets and a matmul key.
 
   Grammar (case and whitespace are ignored):
 
   * ``"p=f32,c=f16,o=f32"`` or ``"params=f32,compute=f16,output=f32"``: explicit
     dtypes. Missing keys default in a cascade: params to float32, compute to
-    params, output to compute (``"c=f16"`` means ``p=f32,c=f16,o=f16``).
+    params, output to compute (``"c=f16"`` means ``p=f32,c=f16,o=f16``: jmp's
+    rule, so outputs -- and a loss computed from them -- are float16 unless
+    you say ``o=f32`` or use a ``mixed_*`` preset).
   * ``"f16"``, ``"bf16"``, ``"half"``, ``"full"``...: a bare dtype sets all three.
   * presets: ``"mixed_float16"`` (``p=f32,c=f16,o=f32``), ``"mixed_bfloat16"``
-    (``p=f32,c=bf16,o=f32``), ``"mixed_half"`` (half is f16, or bf16 on TPU).
+    (``p=f32,c=bf16,o=f32``), ``"mixed_half"`` (half is f16, or bf16 on TPU),
+    ``"tf32"`` (``p=f32,c=f32,o=f32,m=tf32``).
+  * ``m=...`` / ``matmul=...`` (optional): the matmul precision, e.g.
+    ``"p=f32,c=f32,o=f32,m=tf32"`` or ``"c=f32,m=bf16_bf16_f32_x3"``; see
+    :class:`Policy`. ``str(policy)`` prints it only when set, so jmp's specs
+    and strings are unchanged.
 
   ``get_policy(str(policy)) == policy`` for every policy; a ``Policy`` is
   returned unchanged.
@@ -141,8 +299,9 @@ def get_policy(spec: str | Policy) -> Policy:
 
   Raises:
     TypeError: if ``spec`` is neither a string nor a ``Policy``.
-    ValueError: for an empty spec, an unknown key or dtype, a duplicated key or
-      a malformed pair; the message names the bad token and the valid choices.
+    ValueError: for an empty spec, an unknown key, dtype or matmul precision,
+      a duplicated key or a malformed pair; the message names the bad token
+      and the valid choices.
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -151,6 +310,8 @@ def get_policy(spec: str | Policy) -> Policy:
     p=full,c=f16,o=f16
     >>> jmp_lite.get_policy("mixed_bfloat16").compute_dtype is jnp.bfloat16
     True
+    >>> print(jmp_lite.get_policy("c=f32, matmul=TF32"))
+    p=full,c=full,o=full,m=tf32
   """
   if isinstance(spec, Policy):
     return spec
@@ -164,46 +325,18 @@ def get_policy(spec: str | Policy) -> Policy:
     raise _spec_error(spec, "it is empty")
   if text in PRESETS:
     return get_policy(PRESETS[text])
-
   if "=" not in text:
-    try:
-      dtype = dtypes.parse_dtype(text)
-    except ValueError:
-      raise _spec_error(spec, f"Unknown dtype or preset {text!r}") from None
+    dtype = _parse_dtype(spec, text, f"Unknown dtype or preset {text!r}")
     return Policy(dtype, dtype, dtype)
-
-  chosen: dict[str, np.dtype] = {}
-  seen_token: dict[str, str] = {}
-  for raw_part in text.split(","):
-    part = raw_part.strip()
-    if not part:
-      raise _spec_error(spec, "it has an empty entry (a stray comma?)")
-    if part.count("=") != 1:
-      raise _spec_error(spec, f"entry {part!r} is not a single key=dtype pair")
-    key, value = (s.strip() for s in part.split("="))
-    if key not in _KEYS:
-      raise _spec_error(
-          spec,
-          f"unknown key {key!r} (valid keys: {', '.join(_KEYS)})",
-      )
-    field = _KEYS[key]
-    if field in chosen:
-      raise _spec_error(
-          spec,
-          f"key {key!r} sets {field} which {seen_token[field]!r} already set",
-      )
-    if not value:
-      raise _spec_error(spec, f"key {key!r} has no dtype")
-    try:
-      chosen[field] = dtypes.parse_dtype(value)
-    except ValueError:
-      raise _spec_error(spec, f"Unknown dtype {value!r} for key {key!r}") from None
-    seen_token[field] = key
-
-  param = chosen.get("param_dtype", dtypes.FLOAT32)
-  compute = chosen.get("compute_dtype", param)
-  output = chosen.get("output_dtype", compute)
-  return Policy(param, compute, output)
+  chosen = _parse_pairs(spec, text)
+  param = _dtype_of(spec, chosen, "param_dtype", dtypes.FLOAT32)
+  compute = _dtype_of(spec, chosen, "compute_dtype", param)
+  output = _dtype_of(spec, chosen, "output_dtype", compute)
+  _, matmul = chosen.get("matmul_precision", (None, None))
+  try:
+    return Policy(param, compute, output, matmul_precision=matmul)
+  except ValueError as err:
+    raise ValueError(f"Invalid policy spec {spec!r}: {err}") from None
 
 
 def cast_to_full(tree: T) -> T:
@@ -232,8 +365,9 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
   """Wraps a function so it runs under ``policy``: a functional apply.
 
   The wrapper casts every floating leaf of its positional and keyword arguments
-  (params, inputs) to the compute dtype, calls ``fn`` and casts the floating
-  leaves of the result to the output dtype. Integer inputs (labels, token ids),
+  (params, inputs) to the compute dtype, calls ``fn`` (under the policy's
+  matmul precision, if it has one) and casts the floating leaves of the result
+  to the output dtype. Integer inputs (labels, token ids),
   ``None`` and other objects pass through. Keep params stored in the param
   dtype outside; gradients with respect to them come back in that dtype.
 
@@ -265,7 +399,9 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     args, kwargs = policy.cast_to_compute((args, kwargs))
-    return policy.cast_to_output(fn(*args, **kwargs))
+    with policy.matmul_context():
+      out = fn(*args, **kwargs)
+    return policy.cast_to_output(out)
 
   wrapped.policy = policy  # type: ignore[attr-defined]
   return wrapped

@@ -86,6 +86,22 @@ def cast_floating(tree: T, dtype: Any) -> T:
   return jax.tree_util.tree_map(cast, tree)
 
 
+def widen_floating(tree: T) -> T:
+  """Casts floating leaves narrower than float32 to float32 (float64 stays).
+
+  The precision jmp_lite computes loss-scale and optimizer arithmetic in;
+  other leaves pass through.
+  """
+
+  def widen(x):
+    if is_float_array(x):
+      wide = dtypes.at_least_f32(x.dtype)
+      return x if x.dtype == wide else x.astype(wide)
+    return x
+
+  return jax.tree_util.tree_map(widen, tree)
+
+
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   """Returns a scalar boolean array: are all floating leaves of ``tree`` finite?
 

@@ -17,6 +17,7 @@ higher-order primitives), ``table`` (the default table, user rules), ``api``.
 from jmp_lite._src.autocast.api import autocast
 from jmp_lite._src.autocast.api import op_dtypes
 from jmp_lite._src.autocast.interpreter import autocast_disabled
+from jmp_lite._src.autocast.interpreter import in_float32
 from jmp_lite._src.autocast.rules import RULE_NAMES
 from jmp_lite._src.autocast.rules import RuleContext
 from jmp_lite._src.autocast.table import DEFAULT_RULES
@@ -27,5 +28,6 @@ __all__ = (
     "RuleContext",
     "autocast",
     "autocast_disabled",
+    "in_float32",
     "op_dtypes",
 )

@@ -24,28 +24,33 @@ _TRACING_ERRORS = (
 )
 
 
-def _resolve_precision(policy_or_dtype: Any) -> tuple[np.dtype, np.dtype | None]:
-  """Returns ``(compute_dtype, output_dtype or None)``."""
+def _resolve_policy(policy_or_dtype: Any) -> policy_lib.Policy:
+  """The policy whose compute dtype and matmul precision autocast applies.
+
+  A bare compute dtype (``jnp.float16``, ``"bf16"``) is the mixed policy with
+  that compute dtype, like the ``mixed_float16`` / ``mixed_bfloat16`` presets.
+  """
   if policy_or_dtype is None:
     raise TypeError(
         "autocast needs a compute dtype (e.g. jnp.float16, jnp.bfloat16, 'bf16')"
         " or a Policy / policy spec (e.g. 'mixed_bfloat16'); got None."
     )
   if isinstance(policy_or_dtype, policy_lib.Policy):
-    return policy_or_dtype.compute_dtype, policy_or_dtype.output_dtype
+    return policy_or_dtype
   if isinstance(policy_or_dtype, str):
     text = policy_or_dtype.strip().lower()
     if "=" in text or text in policy_lib.PRESETS:
-      policy = policy_lib.get_policy(policy_or_dtype)
-      return policy.compute_dtype, policy.output_dtype
+      return policy_lib.get_policy(policy_or_dtype)
   try:
-    return dtypes.canonical_dtype(policy_or_dtype, "compute dtype"), None
+    compute = dtypes.canonical_dtype(policy_or_dtype, "compute dtype")
   except (TypeError, ValueError) as err:
     raise type(err)(
         "autocast needs a floating compute dtype (float16, bfloat16, float32 "
         "or float64, or a name such as 'f16' / 'bf16'), a Policy, or a policy "
         f"spec such as 'mixed_bfloat16'; got {policy_or_dtype!r}. {err}"
     ) from None
+  wide = dtypes.at_least_f32(compute)
+  return policy_lib.Policy(wide, compute, wide)
 
 
 def _is_dynamic(leaf: Any) -> bool:
@@ -74,11 +79,16 @@ def autocast(
   too. The default tables and their differences from ``torch.autocast`` are in
   ``docs/autocast.md``; ``jmp_lite.autocast_rules`` holds them.
 
-  Inputs are not cast (cast params with a ``Policy`` if you store them in
-  half). Outputs keep the dtypes ``fn`` returns, so the autocast function can
-  replace ``fn`` in a train step; with a ``Policy`` (or policy spec), floating
-  outputs are cast to its ``output_dtype`` instead. Gradients with respect to
-  the inputs come back in the inputs' dtypes.
+  autocast changes what happens inside ``fn``, never its interface, whether
+  given a dtype or a policy: inputs are not cast (cast params with a
+  ``Policy`` if you store them in half), and floating outputs leave in the
+  dtypes ``fn`` returns them in -- a float32 loss stays a float32 loss, an
+  explicit ``.astype(jnp.bfloat16)`` on an output is kept -- so the autocast
+  function can replace ``fn`` in a train step. Of a policy, autocast uses the
+  compute dtype and the matmul precision (``"p=f32,c=f32,o=f32,m=tf32"``
+  applies to every matmul and convolution of ``fn``); its param and output
+  dtypes concern the casts ``with_policy`` makes at a function's boundary.
+  Gradients with respect to the inputs come back in the inputs' dtypes.
 
   Array leaves of the arguments (JAX/numpy arrays, tracers) are traced; every
   other leaf (Python scalars, strings, ``None``, callables such as Flax's
@@ -88,10 +98,9 @@ def autocast(
   Args:
     fn: a function of pytrees of arrays that ``jax.jit`` could trace (a Flax
       ``model.apply``, a loss function...).
-    policy_or_dtype: the compute dtype (``jnp.float16``, ``"bf16"``, ...); or a
-      ``Policy`` / policy spec (``"mixed_bfloat16"``, ``"p=f32,c=f16,o=f32"``)
-      whose ``compute_dtype`` is used and whose ``output_dtype`` the floating
-      outputs are cast to.
+    policy_or_dtype: the compute dtype (``jnp.float16``, ``"bf16"``, ...);
+      or a ``Policy`` / policy spec (``"mixed_bfloat16"``, ``"tf32"``) whose
+      compute dtype and matmul precision apply.
     rules: optional ``{primitive: rule}`` overrides merged over
       ``DEFAULT_RULES``; a rule is ``"lower"``, ``"f32"``, ``"promote"``,
       ``"passthrough"``, ``"recurse"`` (higher-order primitives only) or a
@@ -125,7 +134,7 @@ def autocast(
         f"autocast expects a callable (e.g. model.apply or a loss function), "
         f"got {type(fn).__name__}: {fn!r}."
     )
-  compute_dtype, output_dtype = _resolve_precision(policy_or_dtype)
+  policy = _resolve_policy(policy_or_dtype)
   if not isinstance(enabled, bool):
     raise TypeError(f"autocast's enabled must be a bool, got {enabled!r}.")
   if enabled:
@@ -142,14 +151,15 @@ def autocast(
 
     return passthrough
 
-  interp = interpreter_lib.Interpreter(compute_dtype, table)
+  interp = interpreter_lib.Interpreter(policy.compute_dtype, table)
   name = getattr(fn, "__qualname__", None) or repr(fn)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     flat_fn, dynamic = _split_static(fn, args, kwargs)
     try:
-      closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+      with policy.matmul_context():
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
     except _TRACING_ERRORS as err:
       raise TypeError(
           f"autocast could not trace {name}: it must be traceable by jax.jit "
@@ -161,7 +171,7 @@ def autocast(
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     outs = interp.eval_closed(closed, dynamic)
     targets = [
-        (output_dtype or np.dtype(s.dtype)) if rules_lib.is_float_value(s) else None
+        np.dtype(s.dtype) if rules_lib.is_float_value(s) else None
         for s in out_leaves
     ]
     outs = interpreter_lib.cast_all(outs, targets)

@@ -35,12 +35,16 @@ Equations traced inside :func:`autocast_disabled` run with the
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
 from jax import lax
 import numpy as np
 
+from jmp_lite._src import dtypes
+from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.autocast import compat
 from jmp_lite._src.autocast import rules as rules_lib
 
@@ -72,6 +76,60 @@ def autocast_disabled():
     [('dot_general', ('float16', 'float16')), ('dot_general', ('float32', 'float32'))]
   """
   return jax.named_scope(DISABLED_SCOPE)
+
+
+def in_float32(
+    fn: Callable[..., Any], *, matmul_precision: str = "f32"
+) -> Callable[..., Any]:
+  """Runs ``fn`` as a float32 island inside a half-precision computation.
+
+  The JAX counterpart of torch's ``custom_fwd(cast_inputs=torch.float32)`` and
+  MaxText's ``logits_dot_in_fp32``: the wrapper casts the floating leaves of
+  the arguments that are narrower than float32 to float32 (float64 stays),
+  and calls ``fn`` inside :func:`autocast_disabled` (so ``autocast`` leaves it
+  as traced, in float32) with full float32 matmuls (not TF32, JAX's GPU
+  default for float32). Outputs stay float32; gradients with respect to the
+  arguments come back in the arguments' dtypes. Works inside ``with_policy``,
+  the Flax policies (call it in a module's code) and ``autocast`` alike.
+
+  Args:
+    fn: the function to run in float32 (e.g. the logits matmul).
+    matmul_precision: the matmul precision inside: ``"f32"`` (default, full
+      float32), ``"tf32"``, ``"bf16"`` or a float32
+      ``jax.lax.DotAlgorithmPreset`` name such as ``"bf16_bf16_f32_x3"``.
+
+  Returns:
+    The wrapped function (``functools.wraps`` keeps ``fn``'s name and doc).
+
+  Raises:
+    TypeError: if ``fn`` is not callable.
+    ValueError: if ``matmul_precision`` is unknown or not for float32 inputs.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> logits = jmp_lite.in_float32(lambda h, w: h @ w)
+    >>> h, w = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 8))
+    >>> logits(h, w).dtype
+    dtype('float32')
+    >>> f = jmp_lite.autocast(lambda w, x: logits(x @ w, w), "bf16")
+    >>> [d for op, d in jmp_lite.op_dtypes(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    ...  if op == "dot_general"]
+    [('bfloat16', 'bfloat16'), ('float32', 'float32')]
+  """
+  if not callable(fn):
+    raise TypeError(
+        f"in_float32 expects a callable, got {type(fn).__name__}: {fn!r}."
+    )
+  f32 = dtypes.FLOAT32
+  inside = policy_lib.Policy(f32, f32, f32, matmul_precision=matmul_precision)
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    args, kwargs = tree_lib.widen_floating((args, kwargs))
+    with autocast_disabled(), inside.matmul_context():
+      return fn(*args, **kwargs)
+
+  return wrapped
 
 
 def _is_disabled(eqn: Any) -> bool:

@@ -1,0 +1,274 @@
+"""Matmul precision in the policy (TF32, DotAlgorithmPresets) and float32 islands.
+
+Checked on the lowered HLO (``jax.jit(f).lower(...).as_text()``): the policy's
+precision reaches every ``dot_general``/``convolution`` it covers, under
+``with_policy``, the linen and NNX policies (per-module rules too) and
+``autocast``; ``in_float32`` regions run in float32 inside half-precision code.
+"""
+
+import re
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite
+import jmp_lite.linen as jlinen
+import jmp_lite.nnx as jnnx
+
+F32 = np.dtype(jnp.float32)
+F16 = np.dtype(jnp.float16)
+BF16 = np.dtype(jnp.bfloat16)
+
+
+def _dots(fn, *args):
+  """The dot_general / convolution lines of fn's lowered StableHLO."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return [line for line in text.splitlines()
+          if "dot_general" in line or "convolution" in line]
+
+
+def _precision(line):
+  """'HIGH', 'HIGHEST', 'DEFAULT', or the algorithm's lhs precision type."""
+  algorithm = re.search(r"lhs_precision_type = (\w+)", line)
+  if algorithm:
+    return f"algorithm:{algorithm.group(1)}"
+  found = re.search(r"precision = \[(\w+), \w+\]", line)
+  return found.group(1) if found else "DEFAULT"
+
+
+# -- the grammar ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("tf32", "p=full,c=full,o=full,m=tf32"),
+    ("p=f32,c=f32,o=f32,m=tf32", "p=full,c=full,o=full,m=tf32"),
+    ("c=f32, MATMUL = TensorFloat32", "p=full,c=full,o=full,m=tf32"),
+    ("c=f32,m=highest", "p=full,c=full,o=full,m=f32"),
+    ("c=f32,m=bf16_bf16_f32_x3", "p=full,c=full,o=full,m=bf16_bf16_f32_x3"),
+    ("c=f16,m=F16_F16_F32", "p=full,c=f16,o=f16,m=f16_f16_f32"),
+    ("c=bf16,o=f32,m=bf16_bf16_f32", "p=full,c=bf16,o=full,m=bf16_bf16_f32"),
+    ("c=f32,m=default", "p=full,c=full,o=full"),
+])
+def test_matmul_precision_round_trips(spec, expected):
+  policy = jmp_lite.get_policy(spec)
+  assert str(policy) == expected
+  assert jmp_lite.get_policy(str(policy)) == policy
+  assert hash(jmp_lite.get_policy(str(policy))) == hash(policy)
+
+
+def test_jmp_strings_are_unchanged_without_a_matmul_precision():
+  policy = jmp_lite.get_policy("params=f32,compute=f16")
+  assert str(policy) == "p=full,c=f16,o=f16"
+  assert policy.matmul_precision is None
+  assert policy == jmp_lite.Policy(jnp.float32, jnp.float16, jnp.float16)
+
+
+def test_policy_constructor_and_copies():
+  preset = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+  policy = jmp_lite.Policy("f32", "f32", "f32", matmul_precision=preset)
+  assert policy.matmul_precision == "bf16_bf16_f32_x3"
+  assert policy.with_matmul_precision("tf32").matmul_precision == "tf32"
+  assert policy.with_matmul_precision(None).matmul_precision is None
+  assert policy.with_output_dtype("f16").matmul_precision == "bf16_bf16_f32_x3"
+
+
+@pytest.mark.parametrize("make,error,words", [
+    (lambda: jmp_lite.get_policy("c=f16,m=tf32"), ValueError,
+     ["'tf32'", "float16", "float32 compute"]),
+    (lambda: jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision("tf32"),
+     ValueError, ["'tf32'", "bfloat16"]),
+    (lambda: jmp_lite.get_policy("c=f32,m=tf33"), ValueError,
+     ["tf33", "tf32", "bf16_bf16_f32_x3"]),
+    (lambda: jmp_lite.get_policy("c=bf16,m=f16_f16_f32"), ValueError,
+     ["F16_F16_F32", "float16 inputs", "bfloat16"]),
+    (lambda: jmp_lite.get_policy("c=f32,m=any_f8_any_f8_f32"), ValueError,
+     ["float8"]),
+    (lambda: jmp_lite.get_policy("c=f32,m=tf32,matmul=f32"), ValueError,
+     ["'matmul'", "'m'"]),
+    (lambda: jmp_lite.get_policy("c=f32,m="), ValueError, ["'m'", "no value"]),
+    (lambda: jmp_lite.Policy("f32", "f32", "f32", matmul_precision=3),
+     TypeError, ["matmul_precision", "3"]),
+    (lambda: jmp_lite.in_float32(lambda x: x, matmul_precision="tf16"),
+     ValueError, ["tf16"]),
+    (lambda: jmp_lite.in_float32(3), TypeError, ["callable", "int"]),
+])
+def test_bad_matmul_precisions_are_named(make, error, words):
+  with pytest.raises(error) as info:
+    make()
+  for word in words:
+    assert word in str(info.value), (word, str(info.value))
+
+
+# -- with_policy -----------------------------------------------------------------
+
+
+def _mlp(params, x):
+  h = jax.nn.relu(x @ params["w1"])
+  return h @ params["w2"]
+
+
+PARAMS = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 4))}
+X = jnp.ones((2, 8))
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("tf32", "HIGH"),
+    ("c=f32,m=f32", "HIGHEST"),
+    ("c=f32,m=bf16_bf16_f32_x3", "algorithm:bf16"),
+    ("mixed_float16", "DEFAULT"),
+])
+def test_with_policy_applies_the_precision_to_every_matmul(spec, want):
+  dots = _dots(jmp_lite.with_policy(_mlp, spec), PARAMS, X)
+  assert len(dots) == 2
+  assert [_precision(d) for d in dots] == [want, want], dots
+
+
+def test_presets_for_half_inputs_reach_the_jaxpr():
+  # XLA:CPU cannot lower F16_F16_F32 (GPUs can): check the traced dots.
+  f = jmp_lite.with_policy(_mlp, "c=f16,m=f16_f16_f32")
+  jaxpr = jax.make_jaxpr(f)(PARAMS, X)
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive is jax.lax.dot_general_p]
+  want = jax.lax.DotAlgorithmPreset.F16_F16_F32
+  assert len(dots) == 2 and all(e.params["precision"] == want for e in dots)
+
+
+def test_the_precision_is_scoped_to_the_wrapped_function():
+  inner = jmp_lite.with_policy(lambda p, x: x @ p["w1"], "tf32")
+
+  def fn(params, x):
+    return inner(params, x) @ params["w2"]   # outside the policy
+
+  assert [_precision(d) for d in _dots(fn, PARAMS, X)] == ["HIGH", "DEFAULT"]
+
+
+def test_tf32_policy_keeps_float32_values():
+  out = jax.jit(jmp_lite.with_policy(_mlp, "tf32"))(PARAMS, X)
+  assert out.dtype == F32
+  np.testing.assert_allclose(out, _mlp(PARAMS, X), rtol=1e-6)
+
+
+# -- Flax ------------------------------------------------------------------------
+
+
+class _LinenNet(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16, name="body")(x)
+    h = nn.LayerNorm(name="norm")(h)
+    return nn.Dense(4, name="head")(h)
+
+
+def test_linen_policy_precision_and_per_module_rules():
+  rules = jlinen.PolicyRules(("head", "p=f32,c=f32,o=f32,m=bf16_bf16_f32_x3"))
+  model = jlinen.apply_policy(_LinenNet(), "tf32", rules)
+  variables = model.init(jax.random.key(0), X)
+  dots = _dots(lambda v, x: model.apply(v, x), variables, X)
+  assert [_precision(d) for d in dots] == ["HIGH", "algorithm:bf16"], dots
+
+
+@pytest.mark.standard_promotion  # Flax's LayerNorm on bfloat16 inputs
+def test_full_precision_modules_run_full_float32_matmuls():
+  rules = jlinen.PolicyRules((nn.Dense, jlinen.FullPrecision()))
+  model = jlinen.apply_policy(_LinenNet(), "mixed_bfloat16", rules)
+  variables = model.init(jax.random.key(0), X)
+  dots = _dots(lambda v, x: model.apply(v, x), variables, X)
+  assert [_precision(d) for d in dots] == ["HIGHEST", "HIGHEST"], dots
+  policies = model.module_policies(variables, X)
+  assert str(policies["head"]) == "p=full,c=full,o=bf16,m=f32"
+
+
+class _NnxNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.body = nnx.Linear(8, 16, rngs=rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(jax.nn.relu(self.body(x)))
+
+
+def test_nnx_policy_precision_and_per_module_rules():
+  rules = jnnx.PolicyRules(("head", "p=f32,c=f32,o=f32,m=f32"))
+  model = jnnx.apply_policy(_NnxNet(nnx.Rngs(0)), "tf32", rules)
+  graphdef, state = nnx.split(model)
+
+  def run(state, x):
+    return nnx.merge(graphdef, state)(x)
+
+  dots = _dots(run, state, X)
+  assert [_precision(d) for d in dots] == ["HIGH", "HIGHEST"], dots
+
+
+# -- float32 islands -----------------------------------------------------------------
+
+
+def _dot_operand_dtypes(fn, *args):
+  return [d for op, d in jmp_lite.op_dtypes(fn, *args) if op == "dot_general"]
+
+
+def test_in_float32_inside_with_policy():
+  logits = jmp_lite.in_float32(lambda h, w: h @ w)
+
+  def model(params, x):
+    h = jax.nn.relu(x @ params["w1"])          # compute dtype
+    return logits(h, params["w2"])             # float32 island
+
+  f = jmp_lite.with_policy(model, "p=f32,c=f16,o=f16")
+  assert _dot_operand_dtypes(f, PARAMS, X) == [("float16", "float16"),
+                                               ("float32", "float32")]
+  assert [_precision(d) for d in _dots(f, PARAMS, X)] == ["DEFAULT", "HIGHEST"]
+  # The island's float32 output is cast by the policy at the boundary.
+  assert f(PARAMS, X).dtype == F16
+
+
+def test_in_float32_inside_autocast_and_its_gradients():
+  logits = jmp_lite.in_float32(lambda h, w: h @ w, matmul_precision="tf32")
+
+  def loss(params, x):
+    return jnp.sum(logits(jax.nn.relu(x @ params["w1"]), params["w2"]))
+
+  f = jmp_lite.autocast(loss, jnp.bfloat16)
+  assert _dot_operand_dtypes(f, PARAMS, X) == [("bfloat16", "bfloat16"),
+                                               ("float32", "float32")]
+  grads = jax.jit(jax.grad(f))(PARAMS, X)
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {F32}
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_in_float32_inside_a_linen_module():
+
+  class Head(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      kernel = self.param("kernel", nn.initializers.ones, (x.shape[-1], 3))
+      return jmp_lite.in_float32(lambda a, k: a @ k)(x, kernel)
+
+  class Net(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return Head()(nn.Dense(8)(x))
+
+  model = jlinen.apply_policy(Net(), "p=f32,c=bf16,o=bf16")
+  variables = model.init(jax.random.key(0), X)
+  dtypes = _dot_operand_dtypes(lambda v, x: model.apply(v, x), variables, X)
+  assert dtypes == [("bfloat16", "bfloat16"), ("float32", "float32")]
+
+
+def test_in_float32_keeps_float64_and_non_floats():
+  seen = {}
+
+  def fn(a, n, flag):
+    seen.update(a=a.dtype, n=n.dtype)
+    return a * 2, n, flag
+
+  with jax.numpy_dtype_promotion("standard"):
+    out = jmp_lite.in_float32(fn)(jnp.ones(2, jnp.float16), jnp.arange(2), "x")
+  assert seen == {"a": F32, "n": np.dtype(jnp.int32)}
+  assert out[0].dtype == F32 and out[2] == "x"
