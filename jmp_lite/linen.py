@@ -17,6 +17,11 @@ Example:
   dtype('float32')
 """
 
+from jmp_lite._src.flax_common import require_flax
+
+require_flax("jmp_lite.linen")
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from jmp_lite._src.flax_linen import apply_policy
 from jmp_lite._src.flax_linen import DEFAULT_RULES
 from jmp_lite._src.flax_linen import FullPrecision

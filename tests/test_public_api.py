@@ -117,6 +117,24 @@ def test_import_does_not_import_flax():
   assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.parametrize("module", ["jmp_lite.linen", "jmp_lite.nnx"])
+def test_flax_modules_without_flax_name_the_extra(module):
+  code = (
+      "import sys\n"
+      "sys.modules['flax'] = None  # as if Flax were not installed\n"
+      "import jmp_lite\n"
+      "jmp_lite.get_policy('mixed_float16')\n"
+      f"import {module}\n"
+  )
+  result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          check=False)
+  assert result.returncode != 0
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("ImportError: "), last
+  assert f"{module} needs Flax" in last and "jmp_lite[flax]" in last, last
+
+
 # ---------------------------------------------------------------------------
 # Doctests: every docstring example in the library runs.
 # ---------------------------------------------------------------------------

@@ -31,6 +31,25 @@ from jmp_lite._src import policy as policy_lib
 
 Path = tuple[Any, ...]
 
+#: The oldest Flax jmp_lite supports (Variable.get_value), as in pyproject.toml.
+FLAX_FLOOR = "0.12.1"
+
+
+def require_flax(module: str) -> None:
+  """Raises an ImportError naming the extra to install if Flax is missing.
+
+  Args:
+    module: the public module being imported, e.g. ``"jmp_lite.linen"``.
+  """
+  try:
+    import flax  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as err:
+    raise ImportError(
+        f"{module} needs Flax, which is not installed: pip install "
+        f"'jmp_lite[flax]' (or pip install 'flax>={FLAX_FLOOR}'). The rest of "
+        "jmp_lite (policies, loss scaling, autocast) works without it."
+    ) from err
+
 
 @dataclasses.dataclass(frozen=True)
 class FullPrecision:
