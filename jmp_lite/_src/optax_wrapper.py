@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jmp_lite._src import dtypes
@@ -109,14 +111,18 @@ def _check_config(
     on_max_skips: Any,
 ) -> None:
   """Validates loss_scaling's options (each error names the option)."""
-  for name, value, low in (("accumulation_steps", accumulation_steps, 1),
-                           ("max_consecutive_skips", max_consecutive_skips, 1)):
+  for name, value in (("accumulation_steps", accumulation_steps),
+                      ("max_consecutive_skips", max_consecutive_skips)):
     if value is None and name == "max_consecutive_skips":
       continue
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-      raise (TypeError if not isinstance(value, int) or isinstance(value, bool)
-             else ValueError)(
-          f"loss_scaling: {name} must be an int >= {low}, got {value!r}."
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+      raise TypeError(
+          f"loss_scaling: {name} must be an int >= 1, got "
+          f"{type(value).__name__}: {value!r}."
+      )
+    if not 1 <= value < 2**31:
+      raise ValueError(
+          f"loss_scaling: {name} must be an int >= 1 (and < 2**31), got {value!r}."
       )
   if on_max_skips not in ON_MAX_SKIPS:
     raise ValueError(
@@ -269,7 +275,7 @@ def loss_scaling(
   if axis_name is not None:
     tree_lib.check_axis_name(axis_name)
   inner = optax.with_extra_args_support(inner)
-  k = accumulation_steps
+  k = int(accumulation_steps)
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -291,7 +297,7 @@ def loss_scaling(
         skipped_steps=jnp.zeros([], jnp.int32),
         consecutive_skips=jnp.zeros([], jnp.int32),
         max_consecutive_skips=None if max_consecutive_skips is None
-        else jnp.asarray(max_consecutive_skips, jnp.int32),
+        else jnp.asarray(int(max_consecutive_skips), jnp.int32),
         **accumulating,
     )
 
@@ -301,7 +307,7 @@ def loss_scaling(
         grads, state.inner_state, params, **extra_args
     )
     # Keep the state's dtypes stable across steps (as its init made them).
-    new_inner = optax.tree.cast_like(new_inner, state.inner_state)
+    new_inner = tree_lib.cast_like(new_inner, state.inner_state)
     zeros = jax.tree_util.tree_map(
         lambda u: jnp.zeros_like(u) if tree_lib.is_array(u) else u, new_updates
     )
@@ -360,8 +366,9 @@ def loss_scaling(
         **fields,
     )
     if on_max_skips == "raise":
+      scale_now = current if new_scale is None else new_scale
       jax.debug.callback(_gave_up, consecutive, state.max_consecutive_skips,
-                         current.loss_scale)
+                         scale_now.loss_scale)
     return out_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

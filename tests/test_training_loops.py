@@ -1,0 +1,1336 @@
+"""Training-loop semantics of loss scaling (DESIGN.md, "Training-loop semantics").
+
+What tests/test_loss_scale.py and tests/test_optax.py do not cover:
+
+* the ``DynamicLossScale`` options added for torch/Flax/Megatron users
+  (``growth_factor``, ``backoff_factor``, ``hysteresis``) against a
+  pure-Python reference model, eager, jitted and under ``lax.scan``, with the
+  [2**-126, 2**126] clamps and ``min_loss_scale=0``;
+* fault sequences (inf/nan gradients injected at chosen steps) through every
+  composition: plain, accumulation, several optimizers sharing one scale,
+  clipping, ``inject_hyperparams``, ``multi_transform`` and ``master_weights``
+  inside the wrapper. Each run is compared with the inner optimizer alone run
+  on the finite steps (windows) only;
+* the issue's measured scenarios as regression tests (``MultiSteps``, drift of
+  two scales, clipping outside the wrapper, the float32 range of scales);
+* giving up after ``max_consecutive_skips``; bad values of every new option;
+  no recompilation and stable state dtypes;
+* the documented pattern for several losses with separate scales
+  (``docs/training_loops.md``);
+* smoke runs of ``examples/accumulation.py`` and
+  ``benchmarks/accumulation_overhead.py`` (marked ``slow``).
+
+**Bitwise comparisons.** The fault-sequence runs compare the wrapper with the
+inner optimizer alone *eagerly* (op by op), where both execute the same float32
+operations in the same order, so the final params must be bit-identical. The
+accumulated mean is computed on the device (``jnp``) in the reference too:
+XLA:CPU divides as ``x * (1 / k)``, which differs from numpy's correctly
+rounded ``x / k`` by one ulp for about a third of the values when ``k = 3``.
+Under ``jax.jit`` the wrapper and the reference are two different XLA programs
+(different fusions, FMA contraction), so they agree to a few ulps per step,
+compounding: those runs are compared with ``rtol=RTOL_JIT``. Skipped steps are
+bit-identical in both modes (the old state is selected, not recomputed).
+"""
+
+import functools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from helpers import assert_exited_cleanly
+from helpers import assert_is_png
+from helpers import is_finite_number
+from helpers import ROOT
+from helpers import run_example
+
+F16 = np.dtype(jnp.float16)
+BF16 = np.dtype(jnp.bfloat16)
+F32 = np.dtype(jnp.float32)
+I32 = np.dtype(jnp.int32)
+HALF_AND_FULL = [F16, BF16, F32]
+SCALE_MIN = 2.0**-126
+SCALE_MAX = 2.0**126
+#: Relative tolerance between a jitted wrapper run and the jitted reference
+#: (a few ulps per step, see the module docstring; measured <= 8e-7).
+RTOL_JIT = 4e-6
+
+standard_promotion = pytest.mark.standard_promotion
+slow = pytest.mark.slow
+
+
+def _dtypes(tree):
+  return jax.tree_util.tree_map(lambda x: np.dtype(x.dtype), tree)
+
+
+def _assert_bit_identical(a, b):
+  a_leaves, a_def = jax.tree_util.tree_flatten(a)
+  b_leaves, b_def = jax.tree_util.tree_flatten(b)
+  assert a_def == b_def
+  for x, y in zip(a_leaves, b_leaves):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes(), (x, y)
+
+
+def _assert_all_finite(tree):
+  for leaf in jax.tree_util.tree_leaves(tree):
+    assert np.all(np.isfinite(np.asarray(leaf, np.float64))), leaf
+
+
+def _scale_value(loss_scale):
+  return float(loss_scale.loss_scale)
+
+
+# ---------------------------------------------------------------------------
+# DynamicLossScale's new options against a pure-Python reference.
+# ---------------------------------------------------------------------------
+
+
+def reference_dynamic(config, flags):
+  """Pure-Python model of ``DynamicLossScale.adjust`` with every option.
+
+  * finite step: pending non-finite steps are forgotten; the streak of finite
+    steps grows by one; on the ``period``-th the scale is multiplied by the
+    growth factor (capped at ``max_loss_scale`` and at 2**126) and the counter
+    returns to 0;
+  * non-finite step: one more pending non-finite step; on the
+    ``hysteresis``-th in a row the scale is multiplied by the back-off factor
+    (``1 / factor`` unless given; floored at ``max(min_loss_scale,
+    2**-126)``) and the counter returns to 0; before that the counter holds
+    minus the number of pending steps.
+
+  The scale is rounded to float32 after each step (products in float64, which
+  are exact for the factors used here, then rounded once).
+
+  Args:
+    config: the keyword arguments of ``DynamicLossScale``.
+    flags: sequence of bools, True for a finite step.
+
+  Returns:
+    (scales, counters): float32 and int32 arrays, the state after each step.
+  """
+  factor = config.get("growth_factor") or config.get("factor", 2.0)
+  backoff = config.get("backoff_factor") or 1.0 / factor
+  period = config.get("period", 2000)
+  hysteresis = config.get("hysteresis", 1)
+  floor = max(config.get("min_loss_scale", 1.0), SCALE_MIN)
+  cap = min(config.get("max_loss_scale") or SCALE_MAX, SCALE_MAX)
+  scale = float(np.float32(config["loss_scale"]))
+  streak, pending = 0, 0
+  scales, counters = [], []
+  for finite in flags:
+    if finite:
+      pending = 0
+      streak += 1
+      if streak == period:
+        scale = float(np.float32(min(scale * factor, cap)))
+        streak = 0
+      counter = streak
+    else:
+      streak = 0
+      pending += 1
+      if pending == hysteresis:
+        scale = float(np.float32(max(scale * backoff, floor)))
+        pending = 0
+      counter = -pending
+    scales.append(scale)
+    counters.append(counter)
+  return np.asarray(scales, F32), np.asarray(counters, I32)
+
+
+#: (id, DynamicLossScale kwargs, whether every factor is a power of two).
+NEW_OPTION_CONFIGS = [
+    ("torch_h2", dict(loss_scale=2.0**15, period=3, growth_factor=2.0,
+                      backoff_factor=0.5, hysteresis=2), True),
+    ("megatron_h3", dict(loss_scale=2.0**9, period=2, hysteresis=3,
+                         min_loss_scale=2.0**8), True),
+    ("asymmetric_pow2", dict(loss_scale=2.0**10, period=2, factor=4.0,
+                             backoff_factor=0.125, hysteresis=1,
+                             max_loss_scale=2.0**14), True),
+    ("non_pow2", dict(loss_scale=1000.0, period=2, growth_factor=1.5,
+                      backoff_factor=0.7, hysteresis=1,
+                      max_loss_scale=1500.0), False),
+    ("non_pow2_h2", dict(loss_scale=3.0, period=1, factor=3.0,
+                         backoff_factor=0.3, hysteresis=2,
+                         min_loss_scale=0.5), False),
+    # Grows into the float32 ceiling: the scale stops at 2**126.
+    ("ceiling_h3", dict(loss_scale=2.0**100, period=1, growth_factor=2.0**10,
+                        backoff_factor=0.5, hysteresis=3), True),
+    # min_loss_scale=0 (jmp's idiom): the scale stops at 2**-126, never 0.
+    ("zero_floor_h2", dict(loss_scale=2.0**-100, period=3, factor=2.0,
+                           backoff_factor=2.0**-12, hysteresis=2,
+                           min_loss_scale=0), True),
+]
+
+
+def _flags(seed, steps=48, p_finite=0.6):
+  return np.random.default_rng(seed).random(steps) < p_finite
+
+
+def _run_eager(ls, flags):
+  out = []
+  for finite in flags:
+    ls = ls.adjust(jnp.asarray(finite))
+    out.append((np.asarray(ls.loss_scale), np.asarray(ls.counter)))
+  scales, counters = zip(*out)
+  return np.asarray(scales), np.asarray(counters), ls
+
+
+def _run_jit(ls, flags):
+  adjust = jax.jit(lambda ls, f: ls.adjust(f))
+  out = []
+  for finite in flags:
+    ls = adjust(ls, jnp.asarray(finite))
+    out.append((np.asarray(ls.loss_scale), np.asarray(ls.counter)))
+  scales, counters = zip(*out)
+  return np.asarray(scales), np.asarray(counters), ls
+
+
+def _run_scan(ls, flags):
+  def body(ls, finite):
+    ls = ls.adjust(finite)
+    return ls, (ls.loss_scale, ls.counter)
+
+  ls, (scales, counters) = jax.jit(lambda ls, f: lax.scan(body, ls, f))(
+      ls, jnp.asarray(flags))
+  return np.asarray(scales), np.asarray(counters), ls
+
+
+RUNNERS = [pytest.param(_run_eager, id="eager"),
+           pytest.param(_run_jit, id="jit"),
+           pytest.param(_run_scan, id="scan")]
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("config,exact", [c[1:] for c in NEW_OPTION_CONFIGS],
+                         ids=[c[0] for c in NEW_OPTION_CONFIGS])
+def test_new_options_match_the_reference(config, exact, seed, runner):
+  """Scale and counter after every step, for random finite/non-finite runs."""
+  flags = _flags(seed)
+  ref_scales, ref_counters = reference_dynamic(config, flags)
+  ls = jmp_lite.DynamicLossScale(**config)
+  scales, counters, final = runner(ls, flags)
+
+  assert scales.dtype == F32 and counters.dtype == I32
+  np.testing.assert_array_equal(counters, ref_counters)
+  if exact:
+    np.testing.assert_array_equal(scales, ref_scales)
+  else:
+    # XLA multiplies in float32 step by step; the reference rounds a float64
+    # product: an ulp per change at most, compounding over the run.
+    np.testing.assert_allclose(scales, ref_scales, rtol=1e-5)
+  assert np.all((scales >= SCALE_MIN) & (scales <= SCALE_MAX))
+  # The leaves stay (loss_scale, counter); the config survives the run.
+  assert len(jax.tree_util.tree_leaves(final)) == 2
+  assert (final.period, final.factor, final.backoff_factor, final.hysteresis,
+          final.min_loss_scale, final.max_loss_scale) == (
+              ls.period, ls.factor, ls.backoff_factor, ls.hysteresis,
+              ls.min_loss_scale, ls.max_loss_scale)
+
+
+def test_reference_runs_reach_every_branch():
+  """The configs above exercise pending steps, back-off, growth and all four
+  clamps (floor, cap, 2**126, 2**-126): otherwise the comparison is weak."""
+  seen = set()
+  for _, config, _ in NEW_OPTION_CONFIGS:
+    for seed in (0, 1):
+      scales, counters = reference_dynamic(config, _flags(seed))
+      previous = np.concatenate([[np.float32(config["loss_scale"])],
+                                 scales[:-1]])
+      seen |= {"grew"} if np.any(scales > previous) else set()
+      seen |= {"backed_off"} if np.any(scales < previous) else set()
+      seen |= {"pending"} if np.any(counters < 0) else set()
+      seen |= {"streak"} if np.any(counters > 0) else set()
+      if config.get("max_loss_scale"):
+        seen |= {"cap"} if np.any(scales == np.float32(
+            config["max_loss_scale"])) else set()
+      floor = config.get("min_loss_scale", 1.0)
+      if floor:
+        seen |= {"floor"} if np.any(scales == np.float32(floor)) else set()
+      seen |= {"2**126"} if np.any(scales == np.float32(SCALE_MAX)) else set()
+      seen |= {"2**-126"} if np.any(scales == np.float32(SCALE_MIN)) else set()
+  assert seen == {"grew", "backed_off", "pending", "streak", "cap", "floor",
+                  "2**126", "2**-126"}, seen
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_hysteresis_counts_pending_steps_and_a_finite_step_clears_them(jit):
+  adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
+      lambda ls, f: ls.adjust(f))
+  ls = jmp_lite.DynamicLossScale(64.0, period=2, hysteresis=3)
+  seen = []
+  for finite in (False, False, True, False, False, False, True, True):
+    ls = adjust(ls, jnp.asarray(finite))
+    seen.append((float(ls.loss_scale), int(ls.counter)))
+  assert seen == [
+      (64.0, -1), (64.0, -2),   # two pending, scale kept
+      (64.0, 1),                # a finite step forgets them
+      (64.0, -1), (64.0, -2),
+      (32.0, 0),                # the third in a row backs off
+      (32.0, 1), (64.0, 0),     # growth as usual
+  ]
+
+
+def test_hysteresis_keeps_the_scale_but_every_non_finite_step_is_skipped():
+  params = {"w": jnp.ones(2, F32)}
+  opt = jmp_lite.loss_scaling(
+      optax.sgd(1.0), jmp_lite.DynamicLossScale(8.0, hysteresis=2))
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  bad = {"w": jnp.asarray([np.inf, 1.0], F32)}
+  updates, state = update(bad, state, params)
+  np.testing.assert_array_equal(updates["w"], np.zeros(2, F32))
+  assert (int(state.skipped_steps), _scale_value(state.loss_scale),
+          int(state.loss_scale.counter)) == (1, 8.0, -1)
+  updates, state = update(bad, state, params)
+  np.testing.assert_array_equal(updates["w"], np.zeros(2, F32))
+  assert (int(state.skipped_steps), _scale_value(state.loss_scale),
+          int(state.loss_scale.counter)) == (2, 4.0, 0)
+
+
+# ---------------------------------------------------------------------------
+# Fault sequences through every composition.
+# ---------------------------------------------------------------------------
+
+#: The scale every fault run starts from: growth after 2 finite optimizer
+#: steps, so the trajectory both grows and backs off. Powers of two keep
+#: unscaling exact.
+FAULT_SCALE = dict(loss_scale=2.0**6, period=2)
+#: Windows of every fault run: ``None`` is a finite window, otherwise the
+#: micro-batch position ("first", "middle", "last") and value of a bad one.
+#: Windows 3 and 4 are bad in a row (consecutive skips); window 5 has two.
+FAULT_WINDOWS = [None, ("first", np.inf), None, ("middle", np.nan),
+                 ("last", -np.inf), [("first", np.nan), ("last", np.inf)],
+                 None, None]
+
+
+def _position(name, k):
+  return {"first": 0, "middle": k // 2, "last": k - 1}[name]
+
+
+def _bad_micro_batches(k):
+  """``{micro-batch index: inf or nan}`` for FAULT_WINDOWS with ``k``."""
+  bad = {}
+  for w, spec in enumerate(FAULT_WINDOWS):
+    if spec is None:
+      continue
+    for name, value in spec if isinstance(spec, list) else [spec]:
+      bad[w * k + _position(name, k)] = value
+  return bad
+
+
+def _fault_params(dtype=F32, seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(size=(4, 3)), dtype),
+          "b": jnp.asarray(rng.normal(size=(3,)), dtype)}
+
+
+def _true_grads(n, dtype, seed=1, like=None):
+  """``n`` unscaled float32 gradients whose values are exact in ``dtype``,
+  so that scaling by a power of two and unscaling gives them back exactly."""
+  rng = np.random.default_rng(seed)
+  like = _fault_params() if like is None else like
+  return [jax.tree_util.tree_map(
+      lambda p: jnp.asarray(rng.normal(size=p.shape), dtype).astype(F32), like)
+          for _ in range(n)]
+
+
+def _scaled(grads, scale, dtype, bad=None):
+  """What the backward pass of a scaled loss hands to ``update``."""
+  out = jax.tree_util.tree_map(
+      lambda g: (g * np.float32(scale)).astype(dtype), grads)
+  if bad is not None:
+    out = dict(out)
+    out["w"] = out["w"].at[1, 2].set(bad)
+  return out
+
+
+def _window_flags(k, n):
+  bad = _bad_micro_batches(k)
+  return [not any(w * k + i in bad for i in range(k)) for w in range(n // k)]
+
+
+def run_fault_sequence(opt, params, grads, bad, dtype, k, jit):
+  """Feeds ``opt`` the scaled ``grads``, poisoning the micro-batches in ``bad``.
+
+  Checks after every update: params finite; the accumulator (if any) holds no
+  NaN/inf; the state dtypes and structure are unchanged; the scale is fixed
+  within a window; where no optimizer step is taken (inside a window, or a
+  skipped window) the updates are zeros, and the params and the inner state
+  are bit-identical to before.
+
+  Returns:
+    (final params, final state, the scale each window used and the counters
+    after each window).
+  """
+  update = jax.jit(opt.update) if jit else opt.update
+  state = opt.init(params)
+  dtypes, structure = _dtypes(state), jax.tree_util.tree_structure(state)
+  window_ok, history = True, []
+  for i, g in enumerate(grads):
+    scale = _scale_value(jmp_lite.get_loss_scale(state))
+    if i % k == 0:
+      window_scale = scale
+    assert scale == window_scale  # fixed within a window
+    updates, new_state = update(_scaled(g, scale, dtype, bad.get(i)), state,
+                                params)
+    new_params = optax.apply_updates(params, updates)
+    window_ok &= i not in bad
+    step_taken = (i % k == k - 1) and window_ok
+    _assert_all_finite(new_params)
+    if k > 1:
+      _assert_all_finite(new_state.accumulated)
+    assert _dtypes(new_state) == dtypes
+    assert jax.tree_util.tree_structure(new_state) == structure
+    if not step_taken:
+      for leaf in jax.tree_util.tree_leaves(updates):
+        np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
+      _assert_bit_identical(new_params, params)
+      _assert_bit_identical(new_state.inner_state, state.inner_state)
+    params, state = new_params, new_state
+    if i % k == k - 1:
+      history.append(dict(scale=window_scale,
+                          skipped=int(state.skipped_steps),
+                          consecutive=int(state.consecutive_skips),
+                          last_finite=bool(state.last_finite)))
+      window_ok = True
+  return params, state, history
+
+
+def run_reference(inner, params, grads, flags, k):
+  """``inner`` alone, eagerly, on the mean of each finite window.
+
+  The mean is accumulated in float32 in micro-batch order and divided on the
+  device, as the wrapper does.
+  """
+  state = inner.init(params)
+  for w, finite in enumerate(flags):
+    if not finite:
+      continue
+    window = grads[w * k:(w + 1) * k]
+    if k == 1:
+      mean = window[0]
+    else:
+      acc = jax.tree_util.tree_map(jnp.zeros_like, window[0])
+      for g in window:
+        acc = jax.tree_util.tree_map(jnp.add, acc, g)
+      mean = jax.tree_util.tree_map(lambda a: a / k, acc)
+    updates, state = inner.update(mean, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def check_fault_run(make_inner, dtype, k, jit, params=None):
+  """Runs FAULT_WINDOWS through ``loss_scaling(make_inner(), ...)`` and checks
+  the final params and the scale trajectory against the references."""
+  params = _fault_params() if params is None else params
+  n = k * len(FAULT_WINDOWS)
+  grads = _true_grads(n, dtype, like=params)
+  bad = _bad_micro_batches(k)
+  opt = jmp_lite.loss_scaling(
+      make_inner(), jmp_lite.DynamicLossScale(**FAULT_SCALE),
+      accumulation_steps=k)
+  final, state, history = run_fault_sequence(opt, params, grads, bad, dtype,
+                                             k, jit)
+  flags = _window_flags(k, n)
+  ref_params, _ = run_reference(make_inner(), params, grads, flags, k)
+  if jit:
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(
+            np.asarray(a, F32), np.asarray(b, F32), rtol=RTOL_JIT, atol=0),
+        final, ref_params)
+  else:
+    _assert_bit_identical(final, ref_params)
+  assert not np.allclose(final["w"], params["w"])  # It did train.
+
+  # The scale: backs off once per bad window, grows every 2 finite steps.
+  ref_scales, _ = reference_dynamic(FAULT_SCALE, flags)
+  used = [np.float32(FAULT_SCALE["loss_scale"])] + list(ref_scales[:-1])
+  assert [h["scale"] for h in history] == used
+  assert _scale_value(state.loss_scale) == ref_scales[-1]
+  assert [h["scale"] for h in history] == [64, 64, 32, 32, 16, 8, 4, 4]
+  assert [h["skipped"] for h in history] == [0, 1, 1, 2, 3, 4, 4, 4]
+  assert [h["consecutive"] for h in history] == [0, 1, 0, 1, 2, 3, 0, 0]
+  assert [h["last_finite"] for h in history] == flags
+  return final, state
+
+
+SGD_MOMENTUM = pytest.param(lambda: optax.sgd(0.1, momentum=0.9),
+                            id="sgd_momentum")
+ADAM = pytest.param(lambda: optax.adam(0.1), id="adam",
+                    marks=standard_promotion)
+JIT_IDS = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+DTYPES = pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=lambda d: d.name)
+
+
+@JIT_IDS
+@DTYPES
+@pytest.mark.parametrize("make_inner", [SGD_MOMENTUM, ADAM])
+def test_fault_sequence_plain(make_inner, dtype, jit):
+  check_fault_run(make_inner, dtype, 1, jit)
+
+
+@JIT_IDS
+@DTYPES
+@pytest.mark.parametrize("k", [2, 3])
+def test_fault_sequence_accumulation(k, dtype, jit):
+  """A bad micro-batch first, in the middle, last, or two in one window: the
+  whole window is skipped once; half gradients accumulate in float32."""
+  _, state = check_fault_run(lambda: optax.sgd(0.1, momentum=0.9), dtype, k,
+                             jit)
+  assert _dtypes(state.accumulated) == {"w": F32, "b": F32}
+  assert int(state.micro_step) == 0 and bool(state.window_finite)
+
+
+def _multi_transform():
+  return optax.multi_transform(
+      {"adam": optax.adam(0.1), "sgd": optax.sgd(0.1, momentum=0.9)},
+      {"w": "adam", "b": "sgd"})
+
+
+#: (inner optimizer, params and gradient dtype).
+COMPOSITIONS = [
+    pytest.param(lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                     optax.adam(0.1)), F32, id="clip_adam"),
+    pytest.param(lambda: optax.inject_hyperparams(optax.adam)(
+        learning_rate=0.1), F32, id="inject_hyperparams_adam"),
+    pytest.param(_multi_transform, F32, id="multi_transform"),
+    # Half params with a float32 master copy: the gradients are half too.
+    pytest.param(lambda: jmp_lite.master_weights(optax.adam(0.1)), BF16,
+                 id="master_weights_adam_bf16"),
+    pytest.param(lambda: jmp_lite.master_weights(optax.adam(0.1)), F16,
+                 id="master_weights_adam_f16"),
+]
+
+
+@standard_promotion
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("make_inner,dtype", COMPOSITIONS)
+def test_fault_sequence_through_compositions(make_inner, dtype, k):
+  """Eager, bitwise against the same inner optimizer alone."""
+  params = _fault_params(dtype)
+  final, state = check_fault_run(make_inner, dtype, k, jit=False,
+                                 params=params)
+  assert _dtypes(final) == _dtypes(params)
+  if dtype != F32:  # master_weights: the params are the master copy rounded.
+    master = jmp_lite.get_master_params(state)
+    assert _dtypes(master) == {"w": F32, "b": F32}
+    _assert_bit_identical(final, jax.tree_util.tree_map(
+        lambda m: m.astype(dtype), master))
+
+
+@standard_promotion
+@pytest.mark.parametrize("make_inner,dtype", COMPOSITIONS)
+def test_fault_sequence_through_compositions_jit(make_inner, dtype):
+  check_fault_run(make_inner, dtype, 3, jit=True,
+                  params=_fault_params(dtype))
+
+
+@standard_promotion
+def test_fault_sequence_keeps_inject_hyperparams_count_and_learning_rate():
+  """The skipped windows leave inject_hyperparams' state (count, the injected
+  learning rate) as it was: 4 optimizer steps out of 8 windows."""
+  _, state = check_fault_run(
+      lambda: optax.inject_hyperparams(optax.adam)(learning_rate=0.1), F32, 2,
+      jit=False)
+  inner = state.inner_state
+  assert int(inner.count) == 4
+  assert int(inner.inner_state[0].count) == 4
+  assert float(inner.hyperparams["learning_rate"]) == np.float32(0.1)
+
+
+# ---------------------------------------------------------------------------
+# Several optimizers sharing one scale.
+# ---------------------------------------------------------------------------
+
+
+def _shared_run(jit, steps, bad_a, bad_b, dtype=F16):
+  """Two optimizers (a GAN's two, say) on two param sets, one shared scale.
+
+  Each step scales both gradients with the shared scale; each optimizer skips
+  on its own non-finite gradients; the scale adjusts once, backing off if
+  either skipped.
+  """
+  params = {"a": _fault_params(seed=0), "b": _fault_params(seed=5)}
+  grads = {"a": _true_grads(steps, dtype, seed=1),
+           "b": _true_grads(steps, dtype, seed=2)}
+  make = {"a": lambda: optax.sgd(0.1, momentum=0.9),
+          "b": lambda: optax.sgd(0.05)}
+  opts = {name: jmp_lite.loss_scaling(make[name]()) for name in ("a", "b")}
+  updates_fn = {name: jax.jit(o.update) if jit else o.update
+                for name, o in opts.items()}
+  states = {name: o.init(params[name]) for name, o in opts.items()}
+  bad = {"a": bad_a, "b": bad_b}
+  scale = jmp_lite.DynamicLossScale(**FAULT_SCALE)
+  used = []
+  for i in range(steps):
+    used.append(_scale_value(scale))
+    for name in ("a", "b"):
+      old = (params[name], states[name])
+      g = _scaled(grads[name][i], scale.loss_scale, dtype,
+                  bad[name].get(i))
+      updates, states[name] = updates_fn[name](g, states[name], params[name],
+                                               loss_scale=scale)
+      params[name] = optax.apply_updates(params[name], updates)
+      assert states[name].loss_scale is None
+      if i in bad[name]:
+        _assert_bit_identical((params[name], states[name].inner_state),
+                              (old[0], old[1].inner_state))
+    scale = scale.adjust(states["a"].last_finite & states["b"].last_finite)
+  refs = {name: run_reference(make[name](), _fault_params(
+      seed={"a": 0, "b": 5}[name]), grads[name],
+                               [i not in bad[name] for i in range(steps)],
+                               1)[0] for name in ("a", "b")}
+  return params, states, scale, used, refs
+
+
+@JIT_IDS
+def test_shared_scale_each_optimizer_skips_on_its_own_gradients(jit):
+  """torch's one GradScaler for two optimizers: a's inf skips a only, b's nan
+  skips b only, both bad skips both; the scale backs off once per bad step."""
+  steps = 8
+  bad_a, bad_b = {1: np.inf, 4: np.inf}, {3: np.nan, 4: -np.inf}
+  params, states, scale, used, refs = _shared_run(jit, steps, bad_a, bad_b)
+  for name, bad in (("a", bad_a), ("b", bad_b)):
+    if jit:
+      jax.tree_util.tree_map(
+          lambda x, y: np.testing.assert_allclose(x, y, rtol=RTOL_JIT),
+          params[name], refs[name])
+    else:
+      _assert_bit_identical(params[name], refs[name])
+    assert int(states[name].skipped_steps) == len(bad)
+  flags = [i not in bad_a and i not in bad_b for i in range(steps)]
+  ref_scales, _ = reference_dynamic(FAULT_SCALE, flags)
+  assert used == [64.0] + list(ref_scales[:-1])
+  assert used == [64, 64, 32, 32, 16, 8, 8, 16]
+  assert _scale_value(scale) == ref_scales[-1]
+
+
+def test_shared_scale_state_holds_no_scale():
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1))
+  state = opt.init(_fault_params())
+  assert state.loss_scale is None
+  with pytest.raises(ValueError, match="shares a loss scale"):
+    jmp_lite.get_loss_scale(state)
+
+
+# ---------------------------------------------------------------------------
+# The issue's measured scenarios, as regression tests.
+# ---------------------------------------------------------------------------
+
+#: Scenario (a): the scaled gradients fed to the optimizer, one per update.
+ISSUE_GRADS = [1.0, 1.0, np.inf, 1.0, 1.0, 1.0]
+
+
+@standard_promotion  # optax.MultiSteps
+def test_issue_a_multi_steps_around_loss_scaling_stalls_and_is_refused():
+  """MultiSteps(loss_scaling(sgd(1), DynamicLossScale(128, period=1)), 2) on
+  scaled grads [1, 1, inf, 1, 1, 1]: its accumulator resets by multiplying
+  with 0, so the inf becomes NaN for good and windows 3 and later are skipped
+  too (measured below). Reading its scale is refused."""
+  params = {"w": jnp.zeros(2, F32)}
+  opt = optax.MultiSteps(
+      jmp_lite.loss_scaling(optax.sgd(1.0),
+                            jmp_lite.DynamicLossScale(128.0, period=1)), 2)
+  state = opt.init(params)
+  for g in ISSUE_GRADS:
+    updates, state = opt.update({"w": jnp.full(2, g, F32)}, state, params)
+    params = optax.apply_updates(params, updates)
+  # The stall the refusal prevents: window 3 ([1, 1]) was skipped as well.
+  assert np.all(np.isnan(np.asarray(state.acc_grads["w"])))
+  assert int(state.inner_opt_state.skipped_steps) == 2
+  np.testing.assert_array_equal(params["w"], np.full(2, -1 / 128, F32))
+  for read in (jmp_lite.get_loss_scale, jmp_lite.get_loss_scale_state,
+               lambda s: jmp_lite.scaled_value_and_grad(jnp.sum, s)):
+    with pytest.raises(TypeError, match="accumulation_steps=k"):
+      read(state)
+
+
+@JIT_IDS
+def test_issue_a_accumulation_steps_trains_windows_1_and_3(jit):
+  params = {"w": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(
+      optax.sgd(1.0), jmp_lite.DynamicLossScale(128.0, period=1),
+      accumulation_steps=2)
+  update = jax.jit(opt.update) if jit else opt.update
+  state = opt.init(params)
+  seen = []
+  for g in ISSUE_GRADS:
+    updates, state = update({"w": jnp.full(2, g, F32)}, state, params)
+    params = optax.apply_updates(params, updates)
+    seen.append((float(params["w"][0]), _scale_value(state.loss_scale),
+                 int(state.skipped_steps)))
+    _assert_all_finite(state.accumulated)
+  # Window 1 at scale 128 (-1/128), grows to 256; window 2 skipped once, the
+  # scale backs off to 128; window 3 trains at 128 (-1/128 more).
+  assert seen == [(0.0, 128.0, 0), (-1 / 128, 256.0, 0),
+                  (-1 / 128, 256.0, 0), (-1 / 128, 128.0, 1),
+                  (-1 / 128, 128.0, 1), (-2 / 128, 256.0, 1)]
+
+
+def test_issue_b_two_scales_drift_apart_one_shared_scale_cannot():
+  """Two wrappers with a scale each (the old way): an overflow in one
+  model's gradients backs off only its scale, and the two drift apart. Shared
+  mode keeps one scale, backed off once when either overflowed."""
+  params = _fault_params()
+  grads = _true_grads(6, F16)
+  bad_a = {1: np.inf, 3: np.inf}
+  own = [jmp_lite.loss_scaling(optax.sgd(0.1),
+                               jmp_lite.DynamicLossScale(**FAULT_SCALE))
+         for _ in range(2)]
+  own_states = [o.init(params) for o in own]
+  shared = [jmp_lite.loss_scaling(optax.sgd(0.1)) for _ in range(2)]
+  shared_states = [o.init(params) for o in shared]
+  scale = jmp_lite.DynamicLossScale(**FAULT_SCALE)
+  drift = []
+  for i, g in enumerate(grads):
+    for j in range(2):
+      bad = bad_a.get(i) if j == 0 else None
+      s = jmp_lite.get_loss_scale(own_states[j])
+      _, own_states[j] = own[j].update(_scaled(g, s.loss_scale, F16, bad),
+                                       own_states[j], params)
+      _, shared_states[j] = shared[j].update(
+          _scaled(g, scale.loss_scale, F16, bad), shared_states[j], params,
+          loss_scale=scale)
+    scale = scale.adjust(shared_states[0].last_finite
+                         & shared_states[1].last_finite)
+    drift.append(_scale_value(own_states[1].loss_scale)
+                 / _scale_value(own_states[0].loss_scale))
+  # b grows while a backs off: after two overflows of a, b's scale is 16x
+  # a's (64 -> 128 -> 256 against 64 -> 32 -> 16).
+  assert drift == [1.0, 4.0, 4.0, 16.0, 16.0, 16.0]
+  assert _scale_value(scale) == 32.0  # 64 -> 32 -> 32 -> 16 -> 16 -> 32
+  assert [int(s.skipped_steps) for s in shared_states] == [2, 0]
+
+
+def _regression_problem():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(32, 8)), F32)
+  y = x @ jnp.asarray(rng.normal(size=(8,)), F32)
+  loss = lambda w: jnp.mean(jnp.square(x @ w - y))
+  return loss, jnp.zeros(8, F32)
+
+
+def clipping_losses(steps=100, scale=2.0**15):
+  """Final loss of ``clip_by_global_norm(1) + sgd(0.1)`` on a least-squares
+  problem: unscaled float32, the clip inside ``loss_scaling`` and outside.
+
+  Returns:
+    dict of final losses (``initial``, ``f32``, ``inside``, ``outside``).
+  """
+  loss, w0 = _regression_problem()
+  clip_sgd = lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                 optax.sgd(0.1))
+  ls = lambda: jmp_lite.DynamicLossScale(scale)
+  runs = {
+      "f32": (clip_sgd(), lambda w, s: jax.grad(loss)(w)),
+      "inside": (jmp_lite.loss_scaling(clip_sgd(), ls()), None),
+      "outside": (optax.chain(optax.clip_by_global_norm(1.0),
+                              jmp_lite.loss_scaling(optax.sgd(0.1), ls())),
+                  None),
+  }
+  out = {"initial": float(loss(w0))}
+  for name, (opt, grad_fn) in runs.items():
+
+    @jax.jit
+    def step(w, state, opt=opt, grad_fn=grad_fn):
+      if grad_fn is None:
+        grads = jmp_lite.scaled_value_and_grad(loss, state)(w)[1]
+      else:
+        grads = grad_fn(w, state)
+      updates, state = opt.update(grads, state, w)
+      return optax.apply_updates(w, updates), state
+
+    w, state = w0, opt.init(w0)
+    for _ in range(steps):
+      w, state = step(w, state)
+    out[name] = float(loss(w))
+  return out
+
+
+def test_issue_c_clipping_belongs_inside_the_wrapper():
+  """Inside, the clip sees unscaled gradients: the run is the float32 run.
+  Outside, it clips the scaled gradients to norm 1, i.e. the true gradients to
+  norm 2**-15: after 100 steps the loss has barely moved."""
+  losses = clipping_losses()
+  assert losses["inside"] == pytest.approx(losses["f32"], rel=1e-5)
+  assert losses["f32"] < 1e-3 * losses["initial"]
+  assert losses["outside"] > 0.99 * losses["initial"]
+  assert losses["outside"] / losses["inside"] > 1e3
+
+
+@JIT_IDS
+def test_issue_d_scales_at_the_float32_limits_still_unscale_exactly(jit):
+  """Growth stops at 2**126 and a zero floor at 2**-126 inside the wrapper:
+  the steps there still train with the exact unscaled gradients."""
+  true = jnp.asarray([1.5, -2.0], F32)
+  # At 2**-126, scaled values below 1 are float32 subnormals, which XLA
+  # flushes to zero: the round trip is checked with 3.0 there.
+  for config, flag_seq, limit, x in (
+      (dict(loss_scale=2.0**125, period=1), [True] * 3, SCALE_MAX, 0.75),
+      (dict(loss_scale=2.0**-120, min_loss_scale=0, factor=16.0),
+       [False] * 3 + [True], SCALE_MIN, 3.0)):
+    opt = jmp_lite.loss_scaling(optax.sgd(1.0),
+                                jmp_lite.DynamicLossScale(**config))
+    update = jax.jit(opt.update) if jit else opt.update
+    params = {"w": jnp.zeros(2, F32)}
+    state = opt.init(params)
+    applied = 0
+    for finite in flag_seq:
+      ls = jmp_lite.get_loss_scale(state)
+      grads = {"w": ls.scale(true) if finite else jnp.full(2, jnp.inf, F32)}
+      updates, state = update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+      applied += finite
+      np.testing.assert_array_equal(params["w"], -applied * np.asarray(true))
+    ls = jmp_lite.get_loss_scale(state)
+    assert _scale_value(ls) == limit
+    assert float(ls.unscale(ls.scale(jnp.float32(x)))) == x
+    assert float(ls.unscale(ls.scale(x))) == x
+    assert _scale_value(ls) > 0 and math.isfinite(_scale_value(ls))
+  top = jmp_lite.DynamicLossScale(2.0**126)  # constructed at the ceiling
+  assert float(top.unscale(top.scale(jnp.float32(0.75)))) == 0.75
+
+
+# ---------------------------------------------------------------------------
+# Giving up after max_consecutive_skips.
+# ---------------------------------------------------------------------------
+
+
+def _inf(n=2):
+  return {"w": jnp.full(n, jnp.inf, F32)}
+
+
+def _ones(n=2):
+  return {"w": jnp.ones(n, F32)}
+
+
+@JIT_IDS
+def test_gave_up_flag_after_n_skips_and_reset_by_a_finite_step(jit):
+  params = {"w": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
+                              max_consecutive_skips=3)
+  update = jax.jit(opt.update) if jit else opt.update
+  state = opt.init(params)
+  assert not bool(state.gave_up)
+  seen = []
+  for grads in (_inf(), _inf(), _ones(), _inf(), _inf(), _inf(), _inf(),
+                _ones()):
+    _, state = update(grads, state, params)
+    seen.append((int(state.consecutive_skips), bool(state.gave_up)))
+  assert seen == [(1, False), (2, False), (0, False), (1, False), (2, False),
+                  (3, True), (4, True), (0, False)]
+  assert int(state.skipped_steps) == 6
+  assert state.gave_up.dtype == np.bool_
+
+
+def test_gave_up_is_false_without_a_limit():
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0))
+  params = {"w": jnp.zeros(2, F32)}
+  state = opt.init(params)
+  for _ in range(3):
+    _, state = opt.update(_inf(), state, params)
+  assert not bool(state.gave_up) and int(state.consecutive_skips) == 3
+
+
+@JIT_IDS
+def test_on_max_skips_raise(jit):
+  """The step that reaches the limit fails, naming it; the steps before do
+  not, and a finite step in between starts the count again."""
+  params = {"w": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
+                              max_consecutive_skips=2, on_max_skips="raise")
+  update = jax.jit(opt.update) if jit else opt.update
+  state = opt.init(params)
+  for grads in (_inf(), _ones(), _inf()):
+    _, state = update(grads, state, params)
+    jax.block_until_ready(state)
+  assert int(state.consecutive_skips) == 1
+  # Eagerly the callback's FloatingPointError surfaces as it is; under jit
+  # JAX reports it as a runtime error carrying the message.
+  with pytest.raises((FloatingPointError, RuntimeError),
+                     match=r"gave up.*max_consecutive_skips=2"):
+    _, state = update(_inf(), state, params)
+    jax.block_until_ready(state)
+
+
+def test_max_consecutive_skips_with_accumulation_counts_windows():
+  params = {"w": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
+                              accumulation_steps=3, max_consecutive_skips=2)
+  update = jax.jit(opt.update)
+  state = opt.init(params)
+  # Window 1: two bad micro-batches; window 2: the last one bad.
+  seen = []
+  for grads in (_inf(), _inf(), _ones(), _ones(), _ones(), _inf(), _ones()):
+    _, state = update(grads, state, params)
+    seen.append((int(state.skipped_steps), int(state.consecutive_skips),
+                 bool(state.gave_up)))
+  assert seen == [(0, 0, False), (0, 0, False), (1, 1, False),
+                  (1, 1, False), (1, 1, False), (2, 2, True), (2, 2, True)]
+  assert _scale_value(state.loss_scale) == 2.0  # backed off once per window
+
+
+def test_gave_up_message_reports_the_scale_the_state_now_holds():
+  params = {"w": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(128.0),
+                              max_consecutive_skips=2, on_max_skips="raise")
+  state = opt.init(params)
+  _, state = opt.update(_inf(), state, params)  # 128 -> 64
+  with pytest.raises(FloatingPointError) as excinfo:
+    opt.update(_inf(), state, params)  # 64 -> 32, and gives up
+  assert "loss scale is now 32" in str(excinfo.value), str(excinfo.value)
+
+
+@standard_promotion  # accumulation around adam
+def test_on_max_skips_raise_with_accumulation_raises_at_the_window_end():
+  params = {"w": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(optax.adam(0.1), jmp_lite.DynamicLossScale(8.0),
+                              accumulation_steps=2, max_consecutive_skips=1,
+                              on_max_skips="raise")
+  update = jax.jit(opt.update)
+  state = opt.init(params)
+  _, state = update(_inf(), state, params)  # mid-window: not yet
+  jax.block_until_ready(state)
+  with pytest.raises((FloatingPointError, RuntimeError), match="gave up"):
+    _, state = update(_ones(), state, params)
+    jax.block_until_ready(state)
+
+
+# ---------------------------------------------------------------------------
+# Bad values of every new option: the error type and a message naming it.
+# ---------------------------------------------------------------------------
+
+_DLS = jmp_lite.DynamicLossScale
+
+
+def _sgd_scaled(**kwargs):
+  return jmp_lite.loss_scaling(optax.sgd(0.1), _DLS(8.0), **kwargs)
+
+
+def test_integer_options_accept_numpy_integers():
+  # Config systems hand over numpy integers.
+  opt = _sgd_scaled(accumulation_steps=np.int64(2), max_consecutive_skips=np.int32(3))
+  state = opt.init({"w": jnp.zeros(2, F32)})
+  assert int(state.max_consecutive_skips) == 3 and int(state.micro_step) == 0
+
+
+def _update_shared_without_scale():
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1))
+  params = {"w": jnp.zeros(2, F32)}
+  opt.update(_ones(), opt.init(params), params)
+
+
+def _update_own_with_shared_scale():
+  opt = _sgd_scaled()
+  params = {"w": jnp.zeros(2, F32)}
+  opt.update(_ones(), opt.init(params), params, loss_scale=_DLS(8.0))
+
+
+def _update_shared_with_a_number():
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1))
+  params = {"w": jnp.zeros(2, F32)}
+  opt.update(_ones(), opt.init(params), params, loss_scale=8.0)
+
+
+def _nested():
+  opt = jmp_lite.loss_scaling(_sgd_scaled(), _DLS(8.0))
+  opt.init({"w": jnp.zeros(2, F32)})
+
+
+def _restored_without_target(read):
+  """A checkpoint restored without a target: the loss scale is a dict."""
+  opt = _sgd_scaled()
+  params = {"w": jnp.zeros(2, F32)}
+  state = opt.init(params)
+  state = state._replace(loss_scale={"loss_scale": jnp.float32(8.0),
+                                     "counter": jnp.int32(0)})
+  if read:
+    jmp_lite.get_loss_scale(state)
+  else:
+    opt.update(_ones(), state, params)
+
+
+BAD_OPTIONS = [
+    # loss_scaling's options.
+    ("accumulation_steps_0", lambda: _sgd_scaled(accumulation_steps=0),
+     ValueError, [r"accumulation_steps", r"\b0\b"]),
+    ("accumulation_steps_float", lambda: _sgd_scaled(accumulation_steps=1.5),
+     TypeError, [r"accumulation_steps", r"1\.5"]),
+    ("accumulation_steps_bool", lambda: _sgd_scaled(accumulation_steps=True),
+     TypeError, [r"accumulation_steps", r"True"]),
+    ("max_consecutive_skips_0", lambda: _sgd_scaled(max_consecutive_skips=0),
+     ValueError, [r"max_consecutive_skips", r"\b0\b"]),
+    ("max_consecutive_skips_str",
+     lambda: _sgd_scaled(max_consecutive_skips="3"),
+     TypeError, [r"max_consecutive_skips", r"'3'"]),
+    ("on_max_skips_x", lambda: _sgd_scaled(on_max_skips="x"),
+     ValueError, [r"on_max_skips", r"'x'", r"flag", r"raise"]),
+    ("raise_without_max", lambda: _sgd_scaled(on_max_skips="raise"),
+     ValueError, [r"on_max_skips", r"max_consecutive_skips"]),
+    ("shared_with_accumulation",
+     lambda: jmp_lite.loss_scaling(optax.sgd(0.1), accumulation_steps=2),
+     ValueError, [r"accumulation_steps", r"loss scale"]),
+    ("shared_update_without_loss_scale", _update_shared_without_scale,
+     TypeError, [r"loss_scale=scale", r"without a loss scale"]),
+    ("own_scale_update_with_loss_scale", _update_own_with_shared_scale,
+     TypeError, [r"loss_scale=", r"its own scale"]),
+    ("shared_update_with_a_number", _update_shared_with_a_number,
+     TypeError, [r"number 8\.0", r"DynamicLossScale"]),
+    ("loss_scale_class", lambda: jmp_lite.loss_scaling(optax.sgd(0.1), _DLS),
+     TypeError, [r"class DynamicLossScale", r"DynamicLossScale\(2\.0\*\*15\)"]),
+    ("nested_loss_scaling", _nested,
+     TypeError, [r"already contains loss_scaling", r"outermost"]),
+    ("dict_loss_scale_in_update", lambda: _restored_without_target(False),
+     TypeError, [r"plain dict", r"target"]),
+    ("dict_loss_scale_in_get_loss_scale",
+     lambda: _restored_without_target(True),
+     TypeError, [r"plain dict", r"target"]),
+    # DynamicLossScale's new options.
+    ("hysteresis_0", lambda: _DLS(8.0, hysteresis=0),
+     ValueError, [r"hysteresis", r"\b0\b"]),
+    ("hysteresis_float", lambda: _DLS(8.0, hysteresis=1.5),
+     ValueError, [r"hysteresis", r"1\.5"]),
+    ("hysteresis_bool", lambda: _DLS(8.0, hysteresis=True),
+     TypeError, [r"hysteresis", r"bool|True"]),
+    ("backoff_factor_1", lambda: _DLS(8.0, backoff_factor=1.0),
+     ValueError, [r"backoff_factor", r"1\.0", r"\(0, 1\)"]),
+    ("backoff_factor_0", lambda: _DLS(8.0, backoff_factor=0.0),
+     ValueError, [r"backoff_factor", r"\b0\.0\b"]),
+    ("backoff_factor_2", lambda: _DLS(8.0, backoff_factor=2.0),
+     ValueError, [r"backoff_factor", r"2\.0"]),
+    ("growth_factor_1", lambda: _DLS(8.0, growth_factor=1.0),
+     ValueError, [r"growth_factor", r"1\.0"]),
+    ("growth_factor_rounds_to_1", lambda: _DLS(8.0, growth_factor=1 + 1e-9),
+     ValueError, [r"growth_factor", r"rounds to 1"]),
+    ("growth_contradicts_factor", lambda: _DLS(8.0, factor=4.0,
+                                               growth_factor=3.0),
+     ValueError, [r"growth_factor=3", r"factor=4"]),
+    ("max_loss_scale_above_2_126", lambda: _DLS(8.0, max_loss_scale=2.0**127),
+     ValueError, [r"max_loss_scale", r"2\*\*126"]),
+    ("loss_scale_above_2_126", lambda: _DLS(2.0**127),
+     ValueError, [r"loss_scale", r"2\*\*126"]),
+    ("loss_scale_below_2_-126", lambda: _DLS(2.0**-127, min_loss_scale=0),
+     ValueError, [r"loss_scale", r"2\*\*-126"]),
+]
+
+
+@pytest.mark.parametrize("make,error,patterns",
+                         [case[1:] for case in BAD_OPTIONS],
+                         ids=[case[0] for case in BAD_OPTIONS])
+def test_bad_option_raises_naming_it(make, error, patterns):
+  with pytest.raises(error) as excinfo:
+    make()
+  message = str(excinfo.value)
+  for pattern in patterns:
+    assert re.search(pattern, message), (pattern, message)
+
+
+# ---------------------------------------------------------------------------
+# jit: one compilation, stable state dtypes.
+# ---------------------------------------------------------------------------
+
+
+def _half_loss(params, x):
+  pred = x.astype(F16) @ params["w"].astype(F16) + params["b"].astype(F16)
+  return jnp.mean(jnp.square(pred.astype(F32)))
+
+
+def _inputs(steps, bad_steps=(), seed=3):
+  xs = np.random.default_rng(seed).normal(size=(steps, 6, 4)).astype(F32)
+  for i in bad_steps:
+    xs[i, 0, 0] = np.inf
+  return jnp.asarray(xs)
+
+
+@standard_promotion  # adam
+def test_accumulation_train_step_compiles_once_and_keeps_state_dtypes():
+  opt = jmp_lite.loss_scaling(
+      optax.adamw(1e-2), jmp_lite.DynamicLossScale(2.0**10, period=1),
+      accumulation_steps=3)
+  traces = []
+
+  @jax.jit
+  def train_step(params, state, x):
+    traces.append(1)  # runs only while tracing
+    _, grads = jmp_lite.scaled_value_and_grad(_half_loss, state)(params, x)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params = _fault_params()
+  state = opt.init(params)
+  dtypes = _dtypes(state)
+  xs = _inputs(9, bad_steps=[4])
+  scales = []
+  for x in xs:
+    params, state = train_step(params, state, x)
+    assert _dtypes(state) == dtypes
+    scales.append(_scale_value(state.loss_scale))
+  assert len(traces) == 1
+  if hasattr(train_step, "_cache_size"):
+    assert train_step._cache_size() == 1
+  # The scale changed value (grew, backed off) without a retrace.
+  assert scales == [1024.0] * 2 + [2048.0] * 3 + [1024.0] * 3 + [2048.0]
+  assert int(state.skipped_steps) == 1
+  assert dtypes.accumulated == {"w": F32, "b": F32}
+  assert (dtypes.micro_step, dtypes.window_finite) == (I32, np.bool_)
+
+
+def test_shared_scale_train_step_compiles_once_and_keeps_state_dtypes():
+  opt_a = jmp_lite.loss_scaling(optax.sgd(0.1, momentum=0.9))
+  opt_b = jmp_lite.loss_scaling(optax.sgd(0.1))
+  traces = []
+
+  @jax.jit
+  def train_step(params, states, scale, x):
+    traces.append(1)
+    new_params, new_states = {}, {}
+    for name, opt in (("a", opt_a), ("b", opt_b)):
+      _, grads = jmp_lite.scaled_value_and_grad(_half_loss, scale)(
+          params[name], x if name == "a" else 2 * x)
+      updates, new_states[name] = opt.update(grads, states[name],
+                                             params[name], loss_scale=scale)
+      new_params[name] = optax.apply_updates(params[name], updates)
+    scale = scale.adjust(new_states["a"].last_finite
+                         & new_states["b"].last_finite)
+    return new_params, new_states, scale
+
+  params = {"a": _fault_params(seed=0), "b": _fault_params(seed=1)}
+  states = {"a": opt_a.init(params["a"]), "b": opt_b.init(params["b"])}
+  scale = jmp_lite.DynamicLossScale(2.0**10, period=2)
+  dtypes = (_dtypes(states), _dtypes(scale))
+  for x in _inputs(6, bad_steps=[2]):
+    params, states, scale = train_step(params, states, scale, x)
+    assert (_dtypes(states), _dtypes(scale)) == dtypes
+  assert len(traces) == 1
+  if hasattr(train_step, "_cache_size"):
+    assert train_step._cache_size() == 1
+  assert [int(states[n].skipped_steps) for n in "ab"] == [1, 1]
+  assert _scale_value(scale) == 2.0**11  # grew twice, backed off once
+  assert isinstance(scale, jmp_lite.DynamicLossScale) and scale.period == 2
+
+
+# ---------------------------------------------------------------------------
+# Several losses with separate scales (the pattern of docs/training_loops.md).
+# ---------------------------------------------------------------------------
+
+
+def separate_scales_step(params, opt_state, scales, batch, loss_fns,
+                         optimizer):
+  """One step of several losses, each scaled by its own loss scale.
+
+  Apex's ``num_losses``: each loss's gradients are unscaled with its own
+  scale, in float32; each scale adjusts on its own gradients' finiteness; the
+  sum goes to ``optimizer = loss_scaling(inner, NoOpLossScale())``, which
+  skips the step if any loss's gradients were not finite.
+  """
+  total, new_scales = None, []
+  for loss_fn, scale in zip(loss_fns, scales):
+    grads = jax.grad(lambda p: scale.scale(loss_fn(p, batch)))(params)
+    grads = scale.unscale(
+        jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads))
+    new_scales.append(scale.adjust(jmp_lite.all_finite(grads)))
+    total = grads if total is None else jax.tree_util.tree_map(
+        jnp.add, total, grads)
+  updates, opt_state = optimizer.update(total, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, tuple(new_scales)
+
+
+def _main_loss(p, batch):
+  """A float16 loss with small gradients (wants a large scale)."""
+  return 1e-3 * _half_loss(p, batch["x"])
+
+
+def _aux_loss(p, batch):
+  """A float16 auxiliary loss with large values (overflows at a large scale;
+  ``batch["big"]`` makes it overflow at any scale)."""
+  pred = batch["x"].astype(F16) @ p["w"].astype(F16) * batch["big"]
+  return jnp.mean(jnp.square(pred)).astype(F32)
+
+
+def test_separate_scales_pattern():
+  """An overflow in the auxiliary loss skips the step and backs off only its
+  scale; the main loss's scale keeps growing. The finite steps train exactly
+  like the inner optimizer on the summed float32 gradients."""
+  optimizer = jmp_lite.loss_scaling(optax.sgd(0.05), jmp_lite.NoOpLossScale())
+  step = jax.jit(functools.partial(separate_scales_step,
+                                   loss_fns=(_main_loss, _aux_loss),
+                                   optimizer=optimizer))
+  params = _fault_params()
+  opt_state = optimizer.init(params)
+  scales = (jmp_lite.DynamicLossScale(2.0**14, period=2),
+            jmp_lite.DynamicLossScale(2.0**4, period=2))
+  xs = _inputs(6)
+  bigs = [1.0, 1.0, 1e4, 1.0, 1.0, 1.0]  # step 2: the aux loss overflows
+  history, ref = [], params
+  ref_inner = optax.sgd(0.05)
+  ref_state = ref_inner.init(params)
+  for x, big in zip(xs, bigs):
+    batch = {"x": x, "big": jnp.asarray(big, F16)}
+    before = params
+    params, opt_state, scales = step(params, opt_state, scales, batch)
+    history.append(tuple(_scale_value(s) for s in scales))
+    _assert_all_finite(params)
+    if big != 1.0:
+      _assert_bit_identical(params, before)
+      continue
+    grads = jax.tree_util.tree_map(
+        jnp.add, jax.grad(_main_loss)(ref, batch),
+        jax.grad(_aux_loss)(ref, batch))
+    updates, ref_state = ref_inner.update(grads, ref_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  assert int(opt_state.skipped_steps) == 1
+  assert history == [(2.0**14, 2.0**4), (2.0**15, 2.0**5),
+                     (2.0**15, 2.0**4),  # the overflow: aux backs off alone
+                     (2.0**16, 2.0**4), (2.0**16, 2.0**5),
+                     (2.0**17, 2.0**5)]
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3), params, ref)
+
+
+# ---------------------------------------------------------------------------
+# docs/training_loops.md: every code block runs.
+# ---------------------------------------------------------------------------
+
+DOC = ROOT / "docs" / "training_loops.md"
+
+
+@standard_promotion  # the doc's examples use optax.adam
+def test_every_code_block_of_the_doc_runs():
+  """The ```python blocks of docs/training_loops.md run in order, in one
+  namespace, as a reader would paste them."""
+  blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+  assert len(blocks) >= 5
+  namespace = {}
+  for i, block in enumerate(blocks):
+    try:
+      exec(compile(block, f"{DOC.name} block {i}", "exec"), namespace)  # pylint: disable=exec-used
+    except Exception as e:  # pragma: no cover - the message names the block
+      raise AssertionError(f"block {i} of {DOC.name} failed:\n{block}") from e
+
+
+# ---------------------------------------------------------------------------
+# examples/accumulation.py and benchmarks/accumulation_overhead.py, end to end.
+# ---------------------------------------------------------------------------
+
+EXAMPLE = ROOT / "examples" / "accumulation.py"
+EXAMPLE_STEPS = 12
+EXAMPLE_OVERFLOW_WINDOW = 9
+
+
+@pytest.fixture(scope="module")
+def example_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("accumulation")
+  proc = run_example(EXAMPLE, "--steps", EXAMPLE_STEPS, "--overflow-window",
+                     EXAMPLE_OVERFLOW_WINDOW, "--out", out)
+  return proc, out
+
+
+@slow
+def test_example_skips_the_overflowing_windows_and_recovers(example_run):
+  proc, out = example_run
+  assert_exited_cleanly(proc)
+  assert "| run | policy |" in proc.stdout
+  assert_is_png(out / "accumulation.png")
+  assert "| window | loss scale used |" in (out / "accumulation.md").read_text()
+  data = json.loads((out / "accumulation.json").read_text())
+  assert data["config"]["steps"] == EXAMPLE_STEPS
+  runs = data["runs"]
+  assert tuple(runs) == ("f32_big_batch", "f32_accumulated", "f16_accumulated")
+  for name, run in runs.items():
+    assert len(run["loss_history"]) == EXAMPLE_STEPS, name
+    assert len(run["loss_scale_history"]) == EXAMPLE_STEPS, name
+    assert is_finite_number(run["test_accuracy"]), name
+    assert (run["optimizer_steps_taken"] + run["skipped_steps"]
+            == EXAMPLE_STEPS), name
+  f16 = runs["f16_accumulated"]
+  # The initial scale 2**24 overflows: the first windows are skipped, the
+  # scale halving once per window; then the corrupted window is skipped.
+  skipped = f16["skipped_at"]
+  assert skipped[0] == 0 and EXAMPLE_OVERFLOW_WINDOW in skipped
+  log2_scales = f16["loss_scale_log2_history"]
+  assert log2_scales[0] == 24
+  for w in skipped:
+    if w + 1 < EXAMPLE_STEPS:
+      assert log2_scales[w + 1] == log2_scales[w] - 1, (w, log2_scales)
+  assert EXAMPLE_OVERFLOW_WINDOW + 1 not in skipped  # it recovered
+  assert f16["accumulated_dtypes"] == ["float32"]
+  assert runs["f32_big_batch"]["skipped_steps"] == 0
+  assert data["checks"]["f32_accumulated_vs_big_batch_first_step_rel_diff"] < 1e-4
+
+
+@pytest.fixture(scope="module")
+def benchmark_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("accumulation_overhead")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one CPU device is enough
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.accumulation_overhead", "--quick",
+       "--out", str(out)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+      check=False)
+  return proc, out
+
+
+@slow
+def test_benchmark_quick_run_writes_its_figures(benchmark_run):
+  proc, out = benchmark_run
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "| workload | policy |" in proc.stdout
+  report = json.loads((out / "accumulation_overhead.json").read_text())
+  assert report["benchmark"] == "accumulation_overhead"
+  assert report["config"]["quick"] is True
+  assert "--quick" in report["command"]
+  assert {r["workload"] for r in report["results"]} == {"mlp-f16", "mlp-bf16"}
+  for result in report["results"]:
+    assert result["check"]["same"] is True, result["check"]
+    for variant in ("jmp_lite", "multisteps", "multisteps_if_finite"):
+      stats = result["step_time_s"][variant]
+      assert len(stats["values"]) == report["config"]["repeats"]
+      assert all(is_finite_number(v) and v > 0 for v in stats["values"])
+    for variant in ("jmp_lite", "multisteps_if_finite"):
+      ratio = result["ratio_to_multisteps"][variant]
+      assert is_finite_number(ratio["median"]) and ratio["median"] > 0
+  assert "accumulation_overhead.json" in (
+      out / "accumulation_overhead.md").read_text()
+
+
+# ---------------------------------------------------------------------------
+# Accumulation across devices.
+# ---------------------------------------------------------------------------
+
+
+def test_accumulation_under_pmap_skips_the_window_on_every_replica():
+  """One replica's bad micro-batch invalidates the window everywhere
+  (``axis_name``): the replicas keep one scale and the same params."""
+  n = 4
+  opt = jmp_lite.loss_scaling(
+      optax.sgd(1.0), jmp_lite.DynamicLossScale(8.0, period=1),
+      accumulation_steps=2, axis_name="i")
+  params = {"w": jnp.zeros(2, F32)}
+  stack = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), t)
+  params_r, state_r = stack(params), stack(opt.init(params))
+  update = jax.pmap(opt.update, axis_name="i", devices=jax.devices()[:n])
+  good = jnp.full((n, 2), 8.0, F32)
+  bad = good.at[2, 0].set(jnp.inf)  # replica 2 only, second window
+  for grads in (good, good, good, bad):
+    updates, state_r = update({"w": grads}, state_r, params_r)
+    params_r = optax.apply_updates(params_r, updates)
+    _assert_all_finite(state_r.accumulated)
+  np.testing.assert_array_equal(params_r["w"], np.full((n, 2), -1.0, F32))
+  np.testing.assert_array_equal(state_r.skipped_steps, np.ones(n, I32))
+  # 8 -> 16 after the first window (period 1), back to 8 after the second.
+  np.testing.assert_array_equal(state_r.loss_scale.loss_scale,
+                                np.full(n, 8.0, F32))
