@@ -133,6 +133,65 @@ def _describe_match(match: Matcher) -> str:
   return f"re.compile({match.pattern!r})"
 
 
+@dataclasses.dataclass(frozen=True)
+class Framework:
+  """What the shared code needs to know about one Flax API (linen or NNX).
+
+  Attributes:
+    name: the Flax API, for messages (``"flax.linen"``).
+    public_module: jmp_lite's public module for it (``"jmp_lite.linen"``).
+    module_base: its module base class (``flax.linen.Module``).
+    instance_example: how to make an instance of a class ``{cls}``, for hints
+      (``"{cls}(...)"``).
+    other: the other Flax API's name (``"flax.nnx"``); classes whose module
+      starts with it get a hint pointing there.
+    other_public_module: jmp_lite's public module for the other API.
+  """
+
+  name: str
+  public_module: str
+  module_base: type
+  instance_example: str
+  other: str
+  other_public_module: str
+
+  @property
+  def other_hint(self) -> str:
+    return (f"For {self.other} models use {self.other_public_module}.PolicyRules"
+            f" and {self.other_public_module}.apply_policy.")
+
+  def is_other(self, obj: Any) -> bool:
+    """Whether ``obj`` (a class or an instance) belongs to the other Flax API."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    return cls.__module__.startswith(self.other)
+
+  def check_module(self, module: Any) -> None:
+    """``apply_policy``'s check that it was given one of this API's modules."""
+    if isinstance(module, self.module_base):
+      return
+    hint = ""
+    if self.is_other(module):
+      hint = (f" For {self.other} modules use "
+              f"{self.other_public_module}.apply_policy.")
+    elif isinstance(module, type) and issubclass(module, self.module_base):
+      example = self.instance_example.format(cls=module.__name__)
+      hint = f" Pass an instance, e.g. {example}, not the class."
+    raise TypeError(
+        f"{self.public_module}.apply_policy expects a {self.name}.Module "
+        f"instance, got {type(module).__name__}: {module!r}.{hint}"
+    )
+
+
+def is_policy_method(name: str) -> bool:
+  """Methods whose calls are policy boundaries: ``__call__`` and public ones.
+
+  ``setup`` (linen's constructor hook) is not one.
+  """
+  if name == "__call__":
+    return True
+  return name.isidentifier() and not name.startswith("_") and name != "setup"
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class PolicyRulesBase:
   """Ordered, immutable, hashable per-module policy rules (framework-neutral).
@@ -143,15 +202,8 @@ class PolicyRulesBase:
 
   entries: tuple[tuple[Matcher, Override], ...]
 
-  #: Human-readable framework name, for messages.
-  framework: ClassVar[str] = "flax"
-  #: The public module holding the subclass, e.g. "jmp_lite.linen".
-  public_module: ClassVar[str] = "jmp_lite"
-  #: The framework's module base class (set by subclasses).
-  module_base: ClassVar[type] = object
-  #: Module-name prefix of the other Flax API's classes, and what to say then.
-  other_framework_module: ClassVar[str] = "\0"
-  other_framework_hint: ClassVar[str] = ""
+  #: The Flax API the rules are for (set by each subclass).
+  framework: ClassVar[Framework]
 
   def __init__(self, *entries: Any):
     normalised = tuple(
@@ -206,27 +258,26 @@ class PolicyRulesBase:
         "classes), by path pattern (e.g. 'decoder/*', fnmatch syntax) or by a "
         r"compiled regex (e.g. re.compile(r'block_\d+/attn'))."
     )
-    if isinstance(c, type) and issubclass(c, cls.module_base):
+    framework = cls.framework
+    if isinstance(c, type) and issubclass(c, framework.module_base):
       return
-    if isinstance(c, cls.module_base):
+    if isinstance(c, framework.module_base):
       raise TypeError(
           f"{where}: got a module instance ({type(c).__name__}(...)); rules "
           f"match by class, so pass the class {type(c).__name__} itself. "
           + allowed
       )
-    if isinstance(c, type) and c.__module__.startswith(
-        cls.other_framework_module
-    ):
+    if isinstance(c, type) and framework.is_other(c):
       raise TypeError(
-          f"{where}: {c.__module__}.{c.__qualname__} is not a {cls.framework} "
-          f"module class. {cls.other_framework_hint}"
+          f"{where}: {c.__module__}.{c.__qualname__} is not a {framework.name} "
+          f"module class. {framework.other_hint}"
       )
     shown = (
         f"{c.__module__}.{c.__qualname__}" if isinstance(c, type)
         else f"{type(c).__name__}: {c!r}"
     )
     raise TypeError(
-        f"{where}: {shown} is not a {cls.framework} module class. " + allowed
+        f"{where}: {shown} is not a {framework.name} module class. " + allowed
     )
 
   @classmethod
@@ -261,9 +312,10 @@ class PolicyRulesBase:
       return rules
     if isinstance(rules, PolicyRulesBase):
       raise TypeError(
-          f"{where}: got {rules.public_module}.PolicyRules "
-          f"({rules.framework} rules); {cls.framework} models need "
-          f"{cls.public_module}.PolicyRules. {cls.other_framework_hint}"
+          f"{where}: got {rules.framework.public_module}.PolicyRules "
+          f"({rules.framework.name} rules); {cls.framework.name} models need "
+          f"{cls.framework.public_module}.PolicyRules. "
+          f"{cls.framework.other_hint}"
       )
     if isinstance(rules, (tuple, list)):
       return cls(*rules)
@@ -305,7 +357,8 @@ class PolicyRulesBase:
       return NotImplemented
     if type(other) is not type(self):
       raise TypeError(
-          f"Cannot combine {self.framework} rules with {other.framework} rules."
+          f"Cannot combine {self.framework.name} rules with "
+          f"{other.framework.name} rules."
       )
     return type(self)(*self.entries, *other.entries)
 
@@ -432,7 +485,7 @@ def unmatched_message(
       "use fnmatch syntax on '/'-joined paths ('*' also matches '/'); regexes "
       "must match a whole path. Fix the pattern, or silence this with "
       "warnings.filterwarnings('ignore', category="
-      f"{rules.public_module}.UnmatchedRuleWarning)."
+      f"{rules.framework.public_module}.UnmatchedRuleWarning)."
   )
 
 
@@ -465,3 +518,28 @@ def narrow_params_error(
       "purpose, use a policy that says so, e.g. "
       "jmp_lite.get_policy('p=f16,c=f16,o=f16')."
   )
+
+
+def check_params(
+    leaves: Iterable[tuple[Path, Any]], resolver: Resolver, fix: str
+) -> None:
+  """Raises if a param is stored narrower than its module's param dtype.
+
+  Args:
+    leaves: ``(variable path, value)`` for every param; the owning module's
+      path is the variable path without its last key.
+    resolver: answers which policy each module runs under.
+    fix: how to fix it in this Flax API, for the message.
+
+  Raises:
+    ValueError: naming the first such param, its dtype, its policy and the fix.
+  """
+  bad = [
+      (path, np.dtype(value.dtype), resolver.effective(path[:-1]))
+      for path, value in leaves
+      if hasattr(value, "dtype") and dtypes.is_floating(value.dtype)
+      and not storable(value.dtype, resolver.effective(path[:-1]).param_dtype)
+  ]
+  if bad:
+    path, dtype, owner = bad[0]
+    raise narrow_params_error(path, dtype, owner, len(bad), fix=fix)

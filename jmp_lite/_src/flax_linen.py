@@ -33,7 +33,6 @@ import warnings
 import flax.linen as nn
 from flax.core import FrozenDict
 import jax
-import numpy as np
 
 from jmp_lite._src import flax_common as common
 from jmp_lite._src import policy as policy_lib
@@ -74,13 +73,13 @@ class PolicyRules(common.PolicyRulesBase):
     (3, True)
   """
 
-  framework = "flax.linen"
-  public_module = "jmp_lite.linen"
-  module_base = nn.Module
-  other_framework_module = "flax.nnx"
-  other_framework_hint = (
-      "For Flax NNX models use jmp_lite.nnx.PolicyRules and "
-      "jmp_lite.nnx.apply_policy."
+  framework = common.Framework(
+      name="flax.linen",
+      public_module="jmp_lite.linen",
+      module_base=nn.Module,
+      instance_example="{cls}(...)",
+      other="flax.nnx",
+      other_public_module="jmp_lite.nnx",
   )
 
 
@@ -92,13 +91,6 @@ DEFAULT_RULES = PolicyRules(
         FullPrecision(),
     ),
 )
-
-
-def _is_policy_method(name: str) -> bool:
-  """Methods whose calls are policy boundaries: ``__call__`` and public ones."""
-  if name == "__call__":
-    return True
-  return name.isidentifier() and not name.startswith("_") and name != "setup"
 
 
 def _recorder(classes: dict[Path, type]) -> Callable[..., Any]:
@@ -130,7 +122,7 @@ def _boundary_interceptor(
     seen.add(path)
     # A module's own methods calling each other (``__call__`` -> ``encode``)
     # stay inside it: no cast to the output dtype in the middle.
-    if not _is_policy_method(name) or path in active:
+    if not common.is_policy_method(name) or path in active:
       return next_fun(*args, **kwargs)
     policy = resolver.boundary(path)
     active.append(path)
@@ -172,33 +164,10 @@ def _leaf_paths(tree: Any, path: Path = ()) -> list[tuple[Path, Any]]:
   return out
 
 
-def _float_dtypes(node: Any) -> list[np.dtype]:
-  return [
-      np.dtype(x.dtype)
-      for x in jax.tree_util.tree_leaves(node)
-      if tree_lib.is_float_array(x)
-  ]
-
-
 def _replace_collection(variables: Any, name: str, value: Any) -> Any:
   out = dict(variables)
   out[name] = value
   return FrozenDict(out) if isinstance(variables, FrozenDict) else out
-
-
-def _cast_like(new: Any, old: Any) -> Any:
-  """Casts leaves of ``new`` to the dtype of the leaf at the same path in ``old``."""
-  if isinstance(new, Mapping):
-    if not isinstance(old, Mapping):
-      return new
-    out = {
-        k: (_cast_like(v, old[k]) if k in old else v) for k, v in new.items()
-    }
-    return FrozenDict(out) if isinstance(new, FrozenDict) else out
-  if tree_lib.is_float_array(new) and tree_lib.is_float_array(old):
-    if new.dtype != old.dtype:
-      return new.astype(old.dtype)
-  return new
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,7 +305,7 @@ class PolicyModel:
     if mutable is False:
       return self.policy.cast_to_output(out)
     y, updated = out
-    return self.policy.cast_to_output(y), _cast_like(updated, variables)
+    return self.policy.cast_to_output(y), tree_lib.cast_like(updated, variables)
 
   def module_policies(
       self, variables: Any, *args: Any, **kwargs: Any
@@ -391,26 +360,17 @@ class PolicyModel:
     return classes
 
   def _check_params(self, params: Any, resolver: common.Resolver) -> None:
-    bad = []
-    for leaf_path, leaf in _leaf_paths(params):
-      owner = resolver.effective(leaf_path[:-1])
-      for dtype in _float_dtypes(leaf):
-        if not common.storable(dtype, owner.param_dtype):
-          bad.append((leaf_path, dtype, owner))
-    if bad:
-      leaf_path, dtype, owner = bad[0]
-      raise common.narrow_params_error(
-          leaf_path,
-          dtype,
-          owner,
-          len(bad),
-          fix=(
-              "create the variables with policy_model.init(...) (it stores "
-              "params in the policy's param dtype), or cast yours first, e.g. "
-              "variables = {**variables, 'params': "
-              "jmp_lite.cast_to_full(variables['params'])}."
-          ),
-      )
+    common.check_params(
+        ((path, x) for path, leaf in _leaf_paths(params)
+         for x in jax.tree_util.tree_leaves(leaf)),
+        resolver,
+        fix=(
+            "create the variables with policy_model.init(...) (it stores "
+            "params in the policy's param dtype), or cast yours first, e.g. "
+            "variables = {**variables, 'params': "
+            "jmp_lite.cast_to_full(variables['params'])}."
+        ),
+    )
 
   def _warn_unmatched(self, paths: set[Path]) -> None:
     message = common.unmatched_message(
@@ -481,16 +441,7 @@ def apply_policy(
     >>> grads["Dense_0"]["kernel"].dtype
     dtype('float32')
   """
-  if not isinstance(module, nn.Module):
-    hint = ""
-    if type(module).__module__.startswith("flax.nnx"):
-      hint = " For Flax NNX modules use jmp_lite.nnx.apply_policy."
-    elif isinstance(module, type) and issubclass(module, nn.Module):
-      hint = f" Pass an instance, e.g. {module.__name__}(...), not the class."
-    raise TypeError(
-        "jmp_lite.linen.apply_policy expects a flax.linen.Module instance, got "
-        f"{type(module).__name__}: {module!r}.{hint}"
-    )
+  PolicyRules.framework.check_module(module)
   policy = policy_lib.get_policy(policy)
   rules = PolicyRules.coerce(rules, "jmp_lite.linen.apply_policy")
   return PolicyModel(module, policy, rules)

@@ -9,8 +9,8 @@ Mechanism (one call of a ``PolicyModule``):
    cast to the compute dtype of its owning module's effective policy, and a
    private copy is merged from the cast params and the rest. The user's
    module and its variables are never written to during the forward pass.
-3. In that copy, every module a rule matches is swapped, in the attribute or
-   container slot that holds it, for a small callable boundary that casts
+3. In that copy, every module a rule matches is swapped, in the slot that
+   holds it (found with ``nnx.iter_children``), for a small callable boundary that casts
    floating inputs to its compute dtype and outputs to its output dtype. The
    model's own inputs and outputs are cast with the model's policy.
 4. After the call the slots are restored and the non-param state the forward
@@ -28,7 +28,6 @@ from typing import Any, Callable
 import warnings
 
 from flax import nnx
-import jax
 import numpy as np
 
 from jmp_lite._src import flax_common as common
@@ -66,13 +65,13 @@ class PolicyRules(common.PolicyRulesBase):
     2
   """
 
-  framework = "flax.nnx"
-  public_module = "jmp_lite.nnx"
-  module_base = nnx.Module
-  other_framework_module = "flax.linen"
-  other_framework_hint = (
-      "For Flax linen models use jmp_lite.linen.PolicyRules and "
-      "jmp_lite.linen.apply_policy."
+  framework = common.Framework(
+      name="flax.nnx",
+      public_module="jmp_lite.nnx",
+      module_base=nnx.Module,
+      instance_example="{cls}(..., rngs=nnx.Rngs(0))",
+      other="flax.linen",
+      other_public_module="jmp_lite.linen",
   )
 
 
@@ -96,23 +95,13 @@ def _cast(tree: Any, dtype: np.dtype) -> Any:
   (Mapping ``tree_map`` over an ``nnx.Rngs`` argument would hand the model a
   copy, whose advanced RNG counters would then be lost.)
   """
-
-  def cast(x):
-    if tree_lib.is_float_array(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
-
-  return jax.tree_util.tree_map(cast, tree, is_leaf=_is_nnx_object)
+  return tree_lib.cast_floating(tree, dtype, is_leaf=_is_nnx_object)
 
 
 def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs):
   args, kwargs = _cast((args, kwargs), policy.compute_dtype)
   with policy.matmul_context():
     return _cast(fn(*args, **kwargs), policy.output_dtype)
-
-
-def _is_policy_method(name: str) -> bool:
-  return name == "__call__" or (name.isidentifier() and not name.startswith("_"))
 
 
 class _Boundary(nnx.Module):
@@ -139,7 +128,7 @@ class _Boundary(nnx.Module):
     if module is None or name.startswith("_"):
       raise AttributeError(name)
     attr = getattr(module, name)
-    if callable(attr) and _is_policy_method(name) and hasattr(attr, "__self__"):
+    if callable(attr) and common.is_policy_method(name) and hasattr(attr, "__self__"):
       policy = self.policy
 
       def method(*args, **kwargs):
@@ -149,87 +138,52 @@ class _Boundary(nnx.Module):
     return attr
 
 
+def _set_child(parent: nnx.Module, key: Any, child: nnx.Module) -> None:
+  """Puts ``child`` in ``parent``'s slot ``key`` (as ``nnx.iter_children`` names it).
+
+  ``nnx.List`` names its slots by int (items); other modules by attribute.
+  """
+  if isinstance(key, int):
+    parent[key] = child
+  else:
+    setattr(parent, key, child)
+
+
 def _install_boundaries(
     root: nnx.Module, targets: dict[int, _Boundary]
 ) -> list[tuple[Any, Any, Any]]:
   """Swaps every reference to a target module inside ``root`` for its boundary.
 
-  Walks module attributes (``nnx.List``/``nnx.Dict`` included) and plain
-  list/dict/tuple containers, so shared modules are swapped everywhere.
+  Walks the module graph with ``nnx.iter_children`` (``nnx.List`` and
+  ``nnx.Dict`` included); a module referenced from several places is swapped
+  in each of them.
 
   Returns:
-    ``(container, key, original)`` undo records, in the order applied.
+    ``(parent, key, original)`` undo records, in the order applied.
   """
   undo: list[tuple[Any, Any, Any]] = []
   visited: set[int] = set()
 
-  def visit_module(node: nnx.Module) -> None:
+  def visit(node: nnx.Module) -> None:
     if id(node) in visited:
       return
     visited.add(id(node))
-    # Attributes are read and written through the instance dict: nnx.List
-    # keys its items by int in flax 0.12.1 (by str later).
-    for name, value in list(vars(node).items()):
-      if isinstance(name, str) and name.startswith("_pytree__"):
-        continue
-      new = replace(value)
-      if new is not value:
-        undo.append((node, name, value))
-        vars(node)[name] = new
+    for key, child in list(nnx.iter_children(node)):
+      if not isinstance(child, nnx.Module):
+        continue  # a variable
+      visit(child)
+      boundary = targets.get(id(child))
+      if boundary is not None:
+        undo.append((node, key, child))
+        _set_child(node, key, boundary)
 
-  def replace(value: Any) -> Any:
-    if isinstance(value, nnx.Module):
-      visit_module(value)
-      return targets.get(id(value), value)
-    if isinstance(value, list):
-      for i, v in enumerate(value):
-        new = replace(v)
-        if new is not v:
-          undo.append((value, i, v))
-          value[i] = new
-      return value
-    if isinstance(value, dict):
-      for k, v in list(value.items()):
-        new = replace(v)
-        if new is not v:
-          undo.append((value, k, v))
-          value[k] = new
-      return value
-    if isinstance(value, tuple):
-      items = [replace(v) for v in value]
-      if any(a is not b for a, b in zip(items, value)):
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-      return value
-    return value
-
-  visit_module(root)
+  visit(root)
   return undo
 
 
 def _undo(records: list[tuple[Any, Any, Any]]) -> None:
-  for container, key, original in reversed(records):
-    if isinstance(container, nnx.Module):
-      vars(container)[key] = original
-    else:
-      container[key] = original
-
-
-def _restore_dtypes(new_state: Any, old_state: Any) -> Any:
-  """Casts each float variable of ``new_state`` to its dtype in ``old_state``."""
-  old = {path: var for path, var in nnx.to_flat_state(old_state)}
-  out = []
-  for path, var in nnx.to_flat_state(new_state):
-    before = old.get(path)
-    value = var.get_value()
-    if (
-        before is not None
-        and tree_lib.is_float_array(value)
-        and tree_lib.is_float_array(before.get_value())
-        and value.dtype != before.get_value().dtype
-    ):
-      var = var.replace(value.astype(before.get_value().dtype))
-    out.append((path, var))
-  return nnx.from_flat_state(out)
+  for parent, key, original in reversed(records):
+    _set_child(parent, key, original)
 
 
 class PolicyModule(nnx.Module):
@@ -320,7 +274,7 @@ class PolicyModule(nnx.Module):
     finally:
       _undo(undo)
     changed = nnx.state(copy, nnx.Not(nnx.Param))
-    nnx.update(self.module, _restore_dtypes(changed, rest))
+    nnx.update(self.module, tree_lib.cast_like(changed, rest))
     return out
 
   def module_policies(self) -> dict[str, policy_lib.Policy]:
@@ -380,27 +334,15 @@ def _boundaries(root: nnx.Module, resolver: common.Resolver) -> dict[int, _Bound
 
 
 def _check_params(params: Any, resolver: common.Resolver) -> None:
-  bad = []
-  for path, var in nnx.to_flat_state(params):
-    value = var.get_value()
-    owner = resolver.effective(path[:-1])
-    if tree_lib.is_float_array(value) and not common.storable(
-        value.dtype, owner.param_dtype
-    ):
-      bad.append((path, value.dtype, owner))
-  if bad:
-    path, dtype, owner = bad[0]
-    raise common.narrow_params_error(
-        path,
-        dtype,
-        owner,
-        len(bad),
-        fix=(
-            "build the module with param_dtype=jnp.float32 (Flax's default) "
-            "for its layers, or cast its params first, e.g. "
-            "nnx.update(model, jmp_lite.cast_to_full(nnx.state(model, nnx.Param)))."
-        ),
-    )
+  common.check_params(
+      ((path, var.get_value()) for path, var in nnx.to_flat_state(params)),
+      resolver,
+      fix=(
+          "build the module with param_dtype=jnp.float32 (Flax's default) "
+          "for its layers, or cast its params first, e.g. "
+          "nnx.update(model, jmp_lite.cast_to_full(nnx.state(model, nnx.Param)))."
+      ),
+  )
 
 
 def apply_policy(
@@ -467,16 +409,7 @@ def apply_policy(
         f"({module.policy}). Apply it to the plain module instead: "
         "apply_policy(policy_module.module, new_policy)."
     )
-  if not isinstance(module, nnx.Module):
-    hint = ""
-    if type(module).__module__.startswith("flax.linen"):
-      hint = " For Flax linen modules use jmp_lite.linen.apply_policy."
-    elif isinstance(module, type) and issubclass(module, nnx.Module):
-      hint = f" Pass an instance, e.g. {module.__name__}(..., rngs=nnx.Rngs(0))."
-    raise TypeError(
-        "jmp_lite.nnx.apply_policy expects a flax.nnx.Module instance, got "
-        f"{type(module).__name__}: {module!r}.{hint}"
-    )
+  PolicyRules.framework.check_module(module)
   policy = policy_lib.get_policy(policy)
   rules = PolicyRules.coerce(rules, "jmp_lite.nnx.apply_policy")
   wrapped = PolicyModule(module, policy, rules)

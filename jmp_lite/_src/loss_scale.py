@@ -397,8 +397,10 @@ class DynamicLossScale:
   * non-finite gradients: the scale is multiplied by ``backoff_factor``
     (divided by ``factor`` unless given), floored at ``min_loss_scale``, and
     ``counter`` returns to 0. With ``hysteresis=n`` the scale backs off only
-    on the ``n``-th non-finite step in a row (Megatron/DeepSpeed's option);
-    until then ``counter`` holds minus the number of such steps.
+    on the ``n``-th non-finite step in a row (DeepSpeed's ``hysteresis`` with
+    ``consecutive_hysteresis=True``; Megatron-LM restores its count only when
+    the scale grows); until then ``counter`` holds minus the number of such
+    steps.
 
   With the defaults this is jmp's rule, and torch's ``GradScaler`` and Flax's
   ``DynamicScale`` with ``growth_factor=2, backoff_factor=0.5``. The scale

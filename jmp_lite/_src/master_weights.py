@@ -442,17 +442,7 @@ def with_state_dtype(
         tree_lib.widen_floating(params), **extra_args
     )
 
-    def keep_dtype(new, old):
-      if _is_moment(new):
-        return new if new.dtype == store_dtype else new.astype(store_dtype)
-      if (
-          tree_lib.is_array(new)
-          and tree_lib.is_array(old)
-          and new.dtype != old.dtype
-      ):
-        return new.astype(old.dtype)
-      return new
-
-    return new_updates, jax.tree_util.tree_map(keep_dtype, new_state, state)
+    # Back to the stored dtypes: the moments' dtype, and each other leaf's own.
+    return new_updates, tree_lib.cast_like(new_state, state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -63,7 +63,7 @@ def find_nodes(tree: Any, node_type: type | tuple[type, ...]) -> list[Any]:
           if is_match(x)]
 
 
-def cast_floating(tree: T, dtype: Any) -> T:
+def cast_floating(tree: T, dtype: Any, is_leaf: Any = None) -> T:
   """Casts every floating array leaf of ``tree`` to ``dtype``.
 
   Leaves already in ``dtype`` are returned as they are (no op is added);
@@ -72,6 +72,9 @@ def cast_floating(tree: T, dtype: Any) -> T:
   Args:
     tree: any pytree.
     dtype: the target floating dtype.
+    is_leaf: optional, as for ``jax.tree_util.tree_map``: nodes it accepts are
+      handed over whole (a framework's stateful objects, say) and pass
+      through unless they are floating arrays.
 
   Returns:
     A tree of the same structure.
@@ -83,7 +86,37 @@ def cast_floating(tree: T, dtype: Any) -> T:
       return x.astype(dtype)
     return x
 
-  return jax.tree_util.tree_map(cast, tree)
+  return jax.tree_util.tree_map(cast, tree, is_leaf=is_leaf)
+
+
+def cast_like(tree: T, reference: Any) -> T:
+  """Casts floating leaves back to the dtype of their counterpart in ``reference``.
+
+  The counterpart is the leaf at the same path (``jax.tree_util`` key path).
+  Leaves without a floating counterpart -- keys a Flax mutable collection or
+  NNX state gained during a call, say -- pass through, as do non-floating
+  leaves. It is how a state keeps the dtypes it started with across updates.
+
+  Args:
+    tree: the new tree.
+    reference: the tree whose dtypes to restore.
+
+  Returns:
+    ``tree`` with those leaves cast.
+  """
+  dtypes_at = {
+      jax.tree_util.keystr(path): x.dtype
+      for path, x in jax.tree_util.tree_flatten_with_path(reference)[0]
+      if is_float_array(x)
+  }
+
+  def cast(path, x):
+    dtype = dtypes_at.get(jax.tree_util.keystr(path))
+    if dtype is not None and is_float_array(x) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+
+  return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 def widen_floating(tree: T) -> T:
