@@ -437,13 +437,26 @@ def test_override_by_path_is_inherited_by_submodules():
 
 
 def test_override_by_glob_and_regex():
-  glob = jlinen.PolicyRules(("*/inner", "f32")) + jlinen.DEFAULT_RULES
-  regex = jlinen.PolicyRules((re.compile(r"dec\w+/inner"), "f32")) + jlinen.DEFAULT_RULES
+  # Mid-model rules hand back the surrounding compute dtype (as FullPrecision).
+  inner = "p=f32,c=f32,o=bf16"
+  glob = jlinen.PolicyRules(("*/inner", inner)) + jlinen.DEFAULT_RULES
+  regex = jlinen.PolicyRules((re.compile(r"dec\w+/inner"), inner)) + jlinen.DEFAULT_RULES
   for rules in (glob, regex):
     model = jlinen.apply_policy(TwoTower(), "mixed_bfloat16", rules)
     assert _matmul_dtype_by_shape(model, _x()) == [
         (BF16, BF16), (F32, F32), (BF16, BF16)
     ]
+
+
+@pytest.mark.standard_promotion  # the next Dense mixes f32 inputs, bf16 kernel
+def test_a_rule_output_dtype_flows_on_as_in_nnx():
+  """Only boundaries cast (as in jmp_lite.nnx): a mid-model rule with float32
+  outputs makes the next layer compute in float32 too."""
+  rules = jlinen.PolicyRules(("*/inner", "f32")) + jlinen.DEFAULT_RULES
+  model = jlinen.apply_policy(TwoTower(), "mixed_bfloat16", rules)
+  assert _matmul_dtype_by_shape(model, _x()) == [
+      (BF16, BF16), (F32, F32), (F32, F32)
+  ]
 
 
 def test_override_by_class_and_first_match_wins():

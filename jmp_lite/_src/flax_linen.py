@@ -14,8 +14,8 @@ Mechanism (one call of ``PolicyModel.apply``):
 3. The model runs under ``flax.linen.intercept_methods`` with an interceptor
    that, at every boundary (the model itself and every module a rule
    matches), casts floating inputs to the compute dtype and outputs to the
-   output dtype; every other module's floating inputs are cast to its
-   effective compute dtype (its outputs are left as computed).
+   output dtype; every other module runs as written (as in
+   ``jmp_lite.nnx``).
 4. Mutable collections come back in the dtypes they went in with, so
    ``batch_stats`` stay float32 and a training step's state keeps its dtypes.
 
@@ -125,14 +125,10 @@ def _boundary_interceptor(
     if not common.is_policy_method(name) or path in active:
       return next_fun(*args, **kwargs)
     policy = resolver.boundary(path)
+    if policy is None:  # Not a boundary: the module runs as written.
+      return next_fun(*args, **kwargs)
     active.append(path)
     try:
-      if policy is None:
-        # Not a boundary: inputs still arrive in the compute dtype (a rule
-        # region upstream may hand back float32), outputs are left alone.
-        compute = resolver.effective(path).compute_dtype
-        args, kwargs = tree_lib.cast_floating((args, kwargs), compute)
-        return next_fun(*args, **kwargs)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       with policy.matmul_context():
         return policy.cast_to_output(next_fun(*args, **kwargs))
@@ -402,9 +398,11 @@ def apply_policy(
     gradients come back in the stored dtype;
   * the model's floating inputs are cast to the compute dtype and its outputs
     to the output dtype; every module a rule matches does the same with its
-    own policy; every other module gets its floating inputs in the compute
-    dtype it runs under (so a float32 output of a rule region does not pull
-    the next layer into float32);
+    own policy; every other module runs as written (the same semantics as
+    ``jmp_lite.nnx.apply_policy``). A matched module's outputs flow on in its
+    output dtype, so give a rule in the middle of a model an output dtype
+    equal to the surrounding compute dtype (as :class:`FullPrecision` does),
+    or the layers after it compute in that dtype too;
   * ``batch_stats`` and other mutable collections keep their dtypes (float32).
 
   Layers with an explicit ``dtype=`` keep computing in it. Works with

@@ -363,11 +363,11 @@ def apply_policy(
     policy;
   * keeps ``BatchStat`` and other non-param state in its dtypes (float32).
 
-  Unlike ``jmp_lite.linen`` (which also casts the inputs of every other
-  module), modules no rule matches are called as they are: NNX has no call
-  hook, and replacing every submodule would break code that inspects them.
-  So give a rule in the middle of a model an output dtype equal to the
-  surrounding compute dtype, as :class:`FullPrecision` does.
+  As in ``jmp_lite.linen``, modules no rule matches are called as they are,
+  and a matched module's outputs flow on in its output dtype: give a rule in
+  the middle of a model an output dtype equal to the surrounding compute
+  dtype, as :class:`FullPrecision` does, or the layers after it compute in
+  that dtype too.
 
   ``module`` itself is not modified: NNX params are created by your
   constructors, so they stay stored as they were built (float32 by default);
