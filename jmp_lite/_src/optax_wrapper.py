@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -274,11 +275,40 @@ def loss_scaling(
                 on_max_skips)
   if axis_name is not None:
     tree_lib.check_axis_name(axis_name)
-  inner = optax.with_extra_args_support(inner)
-  k = int(accumulation_steps)
+  wrapper = _LossScaling(
+      inner=optax.with_extra_args_support(inner),
+      loss_scale=loss_scale,
+      axis_name=axis_name,
+      k=int(accumulation_steps),
+      max_skips=None if max_consecutive_skips is None
+      else int(max_consecutive_skips),
+      raise_on_max_skips=on_max_skips == "raise",
+  )
+  return optax.GradientTransformationExtraArgs(wrapper.init, wrapper.update)
 
-  def init_fn(params):
-    inner_state = inner.init(params)
+
+class _Window(NamedTuple):
+  """What one update decides (see ``_LossScaling._window``)."""
+
+  grads: Any  # for the inner update: this micro-batch's, or the window's mean
+  step_ends: Any  # bool: this update is an optimizer step
+  finite: Any  # bool: the step's gradients (its whole window) were finite
+  fields: dict  # the accumulation fields of the next state
+
+
+@dataclasses.dataclass(frozen=True)
+class _LossScaling:
+  """The configuration of one :func:`loss_scaling` and its init/update."""
+
+  inner: optax.GradientTransformationExtraArgs
+  loss_scale: Any
+  axis_name: Any
+  k: int
+  max_skips: int | None
+  raise_on_max_skips: bool
+
+  def init(self, params: Any) -> LossScaleState:
+    inner_state = self.inner.init(params)
     _refuse_nesting(inner_state)
     accumulating = dict(
         accumulated=jax.tree_util.tree_map(
@@ -288,22 +318,81 @@ def loss_scaling(
         ),
         micro_step=jnp.zeros([], jnp.int32),
         window_finite=jnp.ones([], bool),
-    ) if k > 1 else {}
+    ) if self.k > 1 else {}
     return LossScaleState(
         inner_state=inner_state,
         # Fresh buffers on every init: a step that donates its state must not
         # delete the arrays of the loss scale this optimizer was built with.
-        loss_scale=jax.tree_util.tree_map(jnp.array, loss_scale),
+        loss_scale=jax.tree_util.tree_map(jnp.array, self.loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         consecutive_skips=jnp.zeros([], jnp.int32),
-        max_consecutive_skips=None if max_consecutive_skips is None
-        else jnp.asarray(int(max_consecutive_skips), jnp.int32),
+        max_consecutive_skips=None if self.max_skips is None
+        else jnp.asarray(self.max_skips, jnp.int32),
         **accumulating,
     )
 
-  def inner_step(grads, ok, state, params, extra_args):
+  def update(self, updates, state, params=None, **extra_args):
+    if not isinstance(state, LossScaleState):
+      raise TypeError(
+          "loss_scaling's update expects the LossScaleState made by its init, "
+          f"got {type(state).__name__}. Pass the state returned by opt.init."
+      )
+    current = _scale_for_update(state.loss_scale,
+                                extra_args.pop("loss_scale", None))
+    # Unscale in f32 (or wider) and keep that precision for the inner update.
+    grads = current.unscale(tree_lib.widen_floating(updates))
+    window = self._window(
+        grads, tree_lib.all_finite(grads, axis_name=self.axis_name), state)
+    out_updates, out_inner = self._inner_step(
+        window.grads, window.step_ends & window.finite, state, params,
+        extra_args)
+    skipped = window.step_ends & ~window.finite
+    consecutive = jnp.where(
+        skipped, optax.safe_increment(state.consecutive_skips),
+        jnp.where(window.step_ends, 0, state.consecutive_skips))
+    new_scale = state.loss_scale
+    if new_scale is not None:  # Shared scales are adjusted by their owner.
+      new_scale = tree_lib.select_tree(
+          jnp.asarray(window.step_ends), current.adjust(window.finite), current)
+    if self.raise_on_max_skips:
+      scale_now = current if new_scale is None else new_scale
+      jax.debug.callback(_gave_up, consecutive, state.max_consecutive_skips,
+                         scale_now.loss_scale)
+    return out_updates, state._replace(
+        inner_state=out_inner,
+        loss_scale=new_scale,
+        skipped_steps=jnp.where(
+            skipped, optax.safe_increment(state.skipped_steps),
+            state.skipped_steps),
+        consecutive_skips=consecutive,
+        **window.fields,
+    )
+
+  def _window(self, grads: Any, finite: Any, state: LossScaleState) -> _Window:
+    """Accumulation: where this micro-batch's unscaled gradients go."""
+    if self.k == 1:
+      return _Window(grads, jnp.ones([], bool), finite, {})
+    step_ends = state.micro_step == self.k - 1
+    window_ok = state.window_finite & finite
+    # A non-finite micro-batch is never added: no NaN enters the sum.
+    acc = jax.tree_util.tree_map(
+        lambda a, g: a + jnp.where(finite, g, jnp.zeros_like(g))
+        if tree_lib.is_float_array(a) else a,
+        state.accumulated, grads,
+    )
+    mean = jax.tree_util.tree_map(
+        lambda a, g: a / self.k if tree_lib.is_float_array(a) else g, acc, grads)
+    fields = dict(
+        accumulated=tree_lib.select_tree(
+            step_ends, optax.tree.zeros_like(acc), acc),
+        micro_step=jnp.where(step_ends, 0, state.micro_step + 1),
+        window_finite=step_ends | window_ok,
+    )
+    return _Window(mean, step_ends, window_ok, fields)
+
+  def _inner_step(self, grads, ok, state, params, extra_args):
     """The inner update where ``ok``; zero updates and the old state elsewhere."""
-    new_updates, new_inner = inner.update(
+    new_updates, new_inner = self.inner.update(
         grads, state.inner_state, params, **extra_args
     )
     # Keep the state's dtypes stable across steps (as its init made them).
@@ -313,65 +402,6 @@ def loss_scaling(
     )
     return (tree_lib.select_tree(ok, new_updates, zeros),
             tree_lib.select_tree(ok, new_inner, state.inner_state))
-
-  def update_fn(updates, state, params=None, **extra_args):
-    if not isinstance(state, LossScaleState):
-      raise TypeError(
-          "loss_scaling's update expects the LossScaleState made by its init, "
-          f"got {type(state).__name__}. Pass the state returned by opt.init."
-      )
-    shared = extra_args.pop("loss_scale", None)
-    current = _scale_for_update(state.loss_scale, shared)
-    # Unscale in f32 (or wider) and keep that precision for the inner update.
-    grads = current.unscale(tree_lib.widen_floating(updates))
-    finite = tree_lib.all_finite(grads, axis_name=axis_name)
-    if k == 1:
-      step_ends, ok, fields = True, finite, {}
-    else:
-      step_ends = state.micro_step == k - 1
-      window_ok = state.window_finite & finite
-      ok = step_ends & window_ok
-      # A non-finite micro-batch is never added: no NaN enters the sum.
-      acc = jax.tree_util.tree_map(
-          lambda a, g: a + jnp.where(finite, g, jnp.zeros_like(g))
-          if tree_lib.is_float_array(a) else a,
-          state.accumulated, grads,
-      )
-      grads = jax.tree_util.tree_map(
-          lambda a, g: a / k if tree_lib.is_float_array(a) else g, acc, grads
-      )
-      fields = dict(
-          accumulated=tree_lib.select_tree(
-              step_ends, optax.tree.zeros_like(acc), acc),
-          micro_step=jnp.where(step_ends, 0, state.micro_step + 1),
-          window_finite=step_ends | window_ok,
-      )
-      finite = window_ok  # What the scale and the counters judge.
-    out_updates, out_inner = inner_step(grads, ok, state, params, extra_args)
-    skipped = step_ends & ~finite
-    consecutive = jnp.where(
-        skipped, optax.safe_increment(state.consecutive_skips),
-        jnp.where(step_ends, 0, state.consecutive_skips))
-    new_scale = state.loss_scale
-    if state.loss_scale is not None:
-      new_scale = current.adjust(finite)
-      if k > 1:
-        new_scale = tree_lib.select_tree(step_ends, new_scale, current)
-    new_state = state._replace(
-        inner_state=out_inner,
-        loss_scale=new_scale,
-        skipped_steps=jnp.where(skipped, optax.safe_increment(state.skipped_steps),
-                                state.skipped_steps),
-        consecutive_skips=consecutive,
-        **fields,
-    )
-    if on_max_skips == "raise":
-      scale_now = current if new_scale is None else new_scale
-      jax.debug.callback(_gave_up, consecutive, state.max_consecutive_skips,
-                         scale_now.loss_scale)
-    return out_updates, new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _scale_for_update(own: Any, shared: Any) -> Any:
