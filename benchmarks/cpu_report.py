@@ -106,7 +106,7 @@ def residual_table(report: dict[str, Any]) -> list[str]:
       "see README). Half copies of the params count (they are memory the "
       "backward pass holds); *activations* leaves them out. Floor: "
       f"{targets['residual_ratio_floor']}x. Target for the example models "
-      f"(issue 3): activations <= {targets['residual_ratio_examples']}x f32's, "
+      f": activations <= {targets['residual_ratio_examples']}x f32's, "
       "under both bf16 and f16 (the *met* column).",
       "",
       "| model | method | f32 MB | bf16 MB | f16 MB | bf16/f32 | f16/f32 "
@@ -180,7 +180,7 @@ def flop_table(report: dict[str, Any]) -> list[str]:
 def autocast_table(report: dict[str, Any]) -> list[str]:
   targets = report["config"]["targets"]
   lines = [
-      "## 5. `autocast` vs the same model cast by hand with a policy (issue 4)",
+      "## 5. `autocast` vs the same model cast by hand with a policy",
       "",
       "bf16 compute (`p=f32,c=bf16,o=f32`), both in the same `loss_scaling` train "
       "step. Half share: FLOP share in half precision under autocast. Residuals: "

@@ -214,6 +214,13 @@ def plot_loss_scale_steps(ax, run: dict, color: str,
   skipped = run["skipped_at"]
   ax.plot(skipped, log2_scale[skipped], "x", color="tab:red",
           markersize=8, label=f"skipped steps ({len(skipped)})")
+  if "final_loss_scale" in run:
+    # The scale after the last step (the tables' "final loss scale"); the
+    # curve shows the scale each step used.
+    final = np.log2(run["final_loss_scale"])
+    ax.plot([len(log2_scale)], [final], "o", color=color,
+            label=f"after the last step: 2^{final:g}")
+    log2_scale = np.append(log2_scale, final)
   ax.set_xlabel("step")
   ax.set_ylabel("log2(loss scale)")
   if fit_ylim:
