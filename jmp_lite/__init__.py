@@ -19,6 +19,9 @@ from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.loss_scale import NoOpLossScale
 from jmp_lite._src.loss_scale import StaticLossScale
+from jmp_lite._src.grad_reduction import grouped_value_and_grad
+from jmp_lite._src.grad_reduction import pmean_f32
+from jmp_lite._src.grad_reduction import pmean_value_and_grad
 from jmp_lite._src.master_weights import get_master_params
 from jmp_lite._src.master_weights import master_weights
 from jmp_lite._src.master_weights import MasterWeightsState
@@ -62,11 +65,14 @@ __all__ = (
     "get_loss_scale_state",
     "get_master_params",
     "get_policy",
+    "grouped_value_and_grad",
     "half_dtype",
     "in_float32",
     "loss_scaling",
     "master_weights",
     "op_dtypes",
+    "pmean_f32",
+    "pmean_value_and_grad",
     "save_half_residuals",
     "scaled_value_and_grad",
     "select_tree",

@@ -1,0 +1,392 @@
+"""Cross-device gradient reduction in float32 (or wider).
+
+In data-parallel training every device computes the gradient of its share of
+the batch, and the gradients are averaged across devices (an all-reduce).
+With a half-precision compute dtype that all-reduce can run in half precision:
+
+* under ``jax.jit`` with a sharded batch, the SPMD partitioner inserts the
+  all-reduce right after the backward matmul that produces a device's partial
+  weight gradient, in that matmul's output dtype (float16/bfloat16), *before*
+  the cast back to the float32 param dtype;
+* under ``shard_map`` (with its default ``check_vma=True``), JAX itself sums
+  the gradient of a replicated param in the backward pass, where the param
+  (its half-precision copy) met the per-device data: in half precision again;
+* under ``pmap``, a user's ``lax.pmean(grads, axis)`` reduces in the dtype of
+  the gradients: float32 for float32 params, half for half-precision params.
+
+A half-precision sum of eight scaled float16 gradients overflows where the
+float32 one does not, and rounds each partial sum to 8 (bfloat16) or 11
+(float16) significant bits. The functions here make the reduction float32:
+
+* :func:`grouped_value_and_grad` for ``jax.jit`` + sharding: it computes one
+  gradient per device group with ``jax.vmap`` and averages the groups in
+  float32, so the all-reduce is float32;
+* :func:`pmean_value_and_grad` for ``pmap``/``shard_map``: per-device
+  gradients, averaged across the mapped axis in float32;
+* :func:`pmean_f32`: the collective itself (``lax.pmean`` in float32).
+
+All three return float32 (or wider) floating gradients, also for
+half-precision params: casting the average back to half would throw away what
+the float32 reduction kept, and :func:`jmp_lite.loss_scaling` and
+:func:`jmp_lite.master_weights` take float32 gradients anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import tree as tree_lib
+
+
+def _check_fn(fn: Any, caller: str) -> None:
+  if not callable(fn):
+    raise TypeError(
+        f"{caller} expects a value-and-grad function, such as "
+        "jax.value_and_grad(loss_fn) or jmp_lite.scaled_value_and_grad(loss_fn,"
+        f" opt_state), got {type(fn).__name__}: {fn!r}."
+    )
+
+
+def _check_int(value: Any, name: str, caller: str, low: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{caller}: {name} must be an int >= {low}, got {value!r}.")
+  if value < low:
+    raise ValueError(f"{caller}: {name} must be an int >= {low}, got {value!r}.")
+
+
+def _argnums_tuple(argnums: Any, name: str, caller: str) -> tuple[int, ...]:
+  nums = tuple(argnums) if isinstance(argnums, (tuple, list)) else (argnums,)
+  if not nums:
+    raise ValueError(f"{caller}: {name} must name at least one argument, got {argnums!r}.")
+  for n in nums:
+    _check_int(n, name, caller, 0)
+  if len(set(nums)) != len(nums):
+    raise ValueError(f"{caller}: {name} has duplicates: {argnums!r}.")
+  return tuple(int(n) for n in nums)
+
+
+def _check_in_range(nums: tuple[int, ...], name: str, nargs: int, caller: str) -> None:
+  bad = [n for n in nums if n >= nargs]
+  if bad:
+    raise ValueError(
+        f"{caller}: {name}={nums if len(nums) > 1 else nums[0]!r} but the "
+        f"function was called with {nargs} positional argument(s) (valid "
+        f"indices: 0..{nargs - 1}). Pass the batch positionally, or fix "
+        f"{name}."
+    )
+
+
+def _split_value(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any, Any]:
+  """``(loss, aux, grads)`` from a value-and-grad function's output."""
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(
+        f"{caller}: the value-and-grad function must return (value, grads) as "
+        f"jax.value_and_grad does, got {type(out).__name__}."
+    )
+  value, grads = out
+  if not has_aux:
+    if not tree_lib.is_array(value):
+      raise TypeError(
+          f"{caller}: the value must be the loss (an array), got "
+          f"{type(value).__name__}. If the function returns ((loss, aux), "
+          "grads), pass has_aux=True."
+      )
+    return value, None, grads
+  if not (isinstance(value, (tuple, list)) and len(value) == 2):
+    raise TypeError(
+        f"{caller}(has_aux=True): the value must be a pair (loss, aux), as "
+        "jax.value_and_grad(fn, has_aux=True) returns, got "
+        f"{type(value).__name__}. Without an aux output, pass has_aux=False."
+    )
+  return value[0], value[1], grads
+
+
+def _join(loss: Any, aux: Any, grads: Any, has_aux: bool) -> Any:
+  return ((loss, aux), grads) if has_aux else (loss, grads)
+
+
+def _mean_groups(x: Any) -> Any:
+  """The mean over the leading (group) axis, computed in float32 or wider."""
+  if tree_lib.is_float_array(x):
+    return jnp.mean(tree_lib.widen_floating(x), axis=0)
+  return x[0] if tree_lib.is_array(x) else x
+
+
+def grouped_value_and_grad(
+    value_and_grad_fn: Callable[..., Any],
+    num_groups: int,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+  """Makes the cross-device gradient reduction float32 under ``jax.jit``.
+
+  With a batch sharded over devices, ``jax.jit`` all-reduces each weight
+  gradient right after the backward matmul that produces it, in that matmul's
+  dtype: float16/bfloat16 under a half-precision compute dtype. The returned
+  function instead splits the batch into ``num_groups`` groups (its leading
+  axis reshaped to ``(num_groups, batch // num_groups, ...)``), computes one
+  gradient per group with ``jax.vmap`` — locally on the group's devices, and
+  converted to the params' dtype by the backward pass — and averages the
+  groups in float32. The all-reduce is that average: float32.
+
+  Use ``num_groups`` = the number of devices the batch is split over (the
+  data-parallel size), so each device computes exactly one group: with fewer
+  groups, each group spans several devices and its gradient is all-reduced
+  within the group in half precision again; on one device the grouping only
+  adds work. Works
+  whatever computes the loss (:func:`jmp_lite.with_policy`, the Flax
+  policies, :func:`jmp_lite.autocast`), and composes with
+  :func:`jmp_lite.scaled_value_and_grad` and ``has_aux``.
+
+  * The loss must be a **mean** over the examples: the result is the mean of
+    the group means, equal to the mean over the batch (groups have equal
+    sizes). It comes back in the loss's dtype.
+  * The gradients are the mean of the group gradients, in float32 (float64
+    stays float64), also for half-precision params.
+  * Anything computed from the whole batch becomes per group: **batch
+    statistics** (``BatchNorm`` in training mode) are those of each group, as
+    in PyTorch's DDP without ``SyncBatchNorm``.
+  * ``aux`` comes back per group, stacked on a new leading axis of size
+    ``num_groups`` (average updated batch statistics with
+    ``jax.tree.map(lambda s: s.mean(0), aux)``).
+
+  Args:
+    value_and_grad_fn: a function returning ``(loss, grads)``, or
+      ``((loss, aux), grads)`` with ``has_aux=True``, such as
+      ``jax.value_and_grad(loss_fn)`` or
+      ``jmp_lite.scaled_value_and_grad(loss_fn, opt_state)``.
+    num_groups: the number of groups (an int >= 1) the leading axis of the
+      batch is split into; it must divide the batch size.
+    batch_argnums: the positional argument(s) holding the batch (default 1:
+      ``fn(params, batch)``). Every array leaf of them with at least one
+      dimension is split along its leading axis; scalars and non-array leaves
+      go to every group unchanged, as do the other arguments and keyword
+      arguments.
+    has_aux: whether ``value_and_grad_fn`` returns ``((loss, aux), grads)``.
+
+  Returns:
+    A function with ``value_and_grad_fn``'s signature returning
+    ``(loss, grads)`` or ``((loss, aux), grads)``.
+
+  Raises:
+    TypeError: if ``value_and_grad_fn`` is not callable or an option has the
+      wrong type; at call time, if it does not return ``(value, grads)``.
+    ValueError: if ``num_groups < 1`` or ``batch_argnums`` is negative or
+      repeated; at call time, if ``batch_argnums`` is out of range or a batch
+      leaf's leading axis is not divisible by ``num_groups``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> def loss_fn(w, x):
+    ...   return jnp.mean((x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32) ** 2)
+    >>> grad_fn = jmp_lite.grouped_value_and_grad(jax.value_and_grad(loss_fn), num_groups=4)
+    >>> loss, grads = jax.jit(grad_fn)(jnp.ones((3, 2)), jnp.ones((8, 3)))
+    >>> float(loss), grads.dtype, grads.shape
+    (9.0, dtype('float32'), (3, 2))
+  """
+  caller = "grouped_value_and_grad"
+  _check_fn(value_and_grad_fn, caller)
+  _check_int(num_groups, "num_groups", caller, 1)
+  num_groups = int(num_groups)
+  batch_nums = _argnums_tuple(batch_argnums, "batch_argnums", caller)
+
+  def split_leaf(path, x):
+    if not tree_lib.is_array(x) or np.ndim(x) == 0:
+      return x, None
+    size = x.shape[0]
+    if size % num_groups:
+      where = jax.tree_util.keystr(path) or "<root>"
+      raise ValueError(
+          f"{caller}: num_groups={num_groups} does not divide the leading "
+          f"(batch) axis of batch leaf {where}, of size {size} (shape "
+          f"{tuple(x.shape)}). Use a batch size that is a multiple of "
+          f"num_groups (the data-parallel device count), e.g. "
+          f"{-(-size // num_groups) * num_groups}."
+      )
+    return x.reshape((num_groups, size // num_groups) + tuple(x.shape[1:])), 0
+
+  def split_batch(batch, argnum):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    out = [split_leaf((jax.tree_util.SequenceKey(argnum),) + p, x)
+           for p, x in leaves]
+    return (jax.tree_util.tree_unflatten(treedef, [x for x, _ in out]),
+            jax.tree_util.tree_unflatten(treedef, [a for _, a in out]))
+
+  def wrapped(*args, **kwargs):
+    _check_in_range(batch_nums, "batch_argnums", len(args), caller)
+    args = list(args)
+    in_axes: list[Any] = [None] * len(args)
+    for i in batch_nums:
+      args[i], in_axes[i] = split_batch(args[i], i)
+
+    def one_group(*group_args):
+      loss, aux, grads = _split_value(
+          value_and_grad_fn(*group_args, **kwargs), has_aux, caller)
+      return loss, aux, grads
+
+    loss, aux, grads = jax.vmap(one_group, in_axes=tuple(in_axes))(*args)
+    loss_dtype = loss.dtype
+    loss = jnp.mean(tree_lib.widen_floating(loss), axis=0).astype(loss_dtype)
+    grads = jax.tree_util.tree_map(_mean_groups, grads)
+    return _join(loss, aux, grads, has_aux)
+
+  return wrapped
+
+
+def pmean_f32(tree: Any, axis_name: Any) -> Any:
+  """``lax.pmean`` in float32: averages floating leaves across a mapped axis.
+
+  Each floating leaf is cast to float32 (float64 stays) *before* the
+  collective, so the all-reduce sums in float32 whatever the leaf's dtype, and
+  the average is returned in float32. A float16 sum of scaled gradients
+  overflows where the float32 one does not: eight devices holding 40000.0 in
+  float16 give ``inf`` with ``lax.pmean`` and 40000.0 here. Non-floating
+  leaves pass through unchanged.
+
+  Use it under ``pmap``, or ``shard_map(..., check_vma=False)``, on
+  per-device gradients. Under ``shard_map`` with its default
+  ``check_vma=True``, JAX has already summed (in half precision) the
+  gradient of a param that entered replicated, before this runs; use
+  :func:`pmean_value_and_grad`, which prevents that.
+
+  Args:
+    tree: any pytree, typically per-device gradients.
+    axis_name: the mapped axis name (a string, or a tuple of them) of
+      ``pmap``/``shard_map``.
+
+  Returns:
+    A tree of the same structure; floating leaves averaged, in float32 or
+    wider.
+
+  Raises:
+    TypeError: if ``axis_name`` is not a string or a tuple of strings.
+    ValueError: if the axis is not bound (called outside ``pmap`` /
+      ``shard_map`` over it).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> grads = jnp.full((8, 2), 40000.0, jnp.float16)     # one row per device
+    >>> jax.vmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")(grads)[0]
+    Array([inf, inf], dtype=float16)
+    >>> jax.vmap(lambda g: jmp_lite.pmean_f32(g, "i"), axis_name="i")(grads)[0]
+    Array([40000., 40000.], dtype=float32)
+  """
+  tree_lib.check_axis_name(axis_name)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  where = [i for i, x in enumerate(leaves) if tree_lib.is_float_array(x)]
+  if where:
+    try:
+      means = lax.pmean([tree_lib.widen_floating(leaves[i]) for i in where], axis_name)
+    except NameError as err:
+      raise ValueError(
+          f"pmean_f32(axis_name={axis_name!r}) must run inside jax.pmap or "
+          "jax.shard_map over that axis; here no such axis is bound. Under "
+          "jax.jit with a sharded batch, use jmp_lite.grouped_value_and_grad "
+          f"instead. ({err})"
+      ) from None
+    for i, m in zip(where, means):
+      leaves[i] = m
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _to_varying(x: Any, axis_name: Any) -> Any:
+  """``x`` marked as varying over ``axis_name`` (shard_map's ``check_vma``).
+
+  A no-op under ``pmap`` and ``shard_map(check_vma=False)``; values that are
+  already varying, and axes that are not shard_map axes (``vmap``'s), are
+  left as they are.
+  """
+  if not tree_lib.is_float_array(x):
+    return x
+  # Newer jax spells it lax.pcast(..., to="varying") (0.10, 0.12); jax 0.8 lax.pvary.
+  pcast = getattr(lax, "pcast", None)
+  try:
+    if pcast is not None:
+      return pcast(x, axis_name, to="varying")
+    return lax.pvary(x, axis_name)
+  except ValueError:
+    return x
+
+
+def pmean_value_and_grad(
+    value_and_grad_fn: Callable[..., Any],
+    axis_name: Any,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+  """Per-device gradients averaged across a ``pmap``/``shard_map`` axis in float32.
+
+  For data parallelism (params replicated across the axis): call the
+  returned function inside ``jax.pmap`` or ``jax.shard_map`` with each
+  device's share of the batch. It runs ``value_and_grad_fn`` on the
+  device's share and returns the loss and the gradients averaged across
+  ``axis_name`` with :func:`pmean_f32`: the all-reduce runs in float32 and the
+  gradients come back in float32 (float64 stays float64).
+
+  Under ``shard_map`` (default ``check_vma=True``) a param that enters
+  replicated is *invariant* across the axis, and ``jax.grad`` sums its
+  gradient across devices inside the backward pass, at the point where it met
+  per-device data — after the cast to the compute dtype, so in half
+  precision — and returns the gradient of the *sum* of the per-device losses.
+  This function first marks the differentiated arguments (``argnums``) as
+  varying (``lax.pcast(..., to="varying")``, ``lax.pvary`` in jax 0.8),
+  so the backward pass returns per-device gradients in the params' dtype and
+  the only reduction is the float32 average. Under ``pmap`` and
+  ``shard_map(check_vma=False)`` that marking changes nothing.
+
+  Args:
+    value_and_grad_fn: a function returning ``(loss, grads)`` or, with
+      ``has_aux=True``, ``((loss, aux), grads)``: ``jax.value_and_grad(...)``
+      or ``jmp_lite.scaled_value_and_grad(...)``.
+    axis_name: the mapped axis name (a string, or a tuple of them).
+    argnums: the positional argument(s) ``value_and_grad_fn`` differentiates
+      (as its own ``argnums``; default 0).
+    has_aux: whether ``value_and_grad_fn`` returns ``((loss, aux), grads)``.
+
+  Returns:
+    A function with ``value_and_grad_fn``'s signature returning the loss
+    averaged across the axis (in its own dtype) and the averaged gradients;
+    ``aux`` is returned as computed on each device (varying under
+    ``shard_map``: average it or give it a per-device ``out_specs``).
+
+  Raises:
+    TypeError: if ``value_and_grad_fn`` is not callable, ``axis_name`` is not
+      a string or a tuple of strings, or ``argnums`` is not an int or a
+      sequence of ints.
+    ValueError: for a negative or repeated ``argnums``; at call time, if
+      ``argnums`` is out of range or the axis is not bound.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jmp_lite
+    >>> def loss_fn(w, x):
+    ...   return jnp.mean((x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32))
+    >>> step = jmp_lite.pmean_value_and_grad(jax.value_and_grad(loss_fn), "i")
+    >>> w, xs = jnp.ones((3,), jnp.bfloat16), jnp.ones((4, 2, 3))   # 4 "devices"
+    >>> loss, grads = jax.vmap(step, in_axes=(None, 0), axis_name="i")(w, xs)
+    >>> float(loss[0]), grads.dtype
+    (3.0, dtype('float32'))
+  """
+  caller = "pmean_value_and_grad"
+  _check_fn(value_and_grad_fn, caller)
+  tree_lib.check_axis_name(axis_name)
+  nums = _argnums_tuple(argnums, "argnums", caller)
+
+  def wrapped(*args, **kwargs):
+    _check_in_range(nums, "argnums", len(args), caller)
+    args = list(args)
+    for i in nums:
+      args[i] = jax.tree_util.tree_map(lambda x: _to_varying(x, axis_name), args[i])
+    loss, aux, grads = _split_value(value_and_grad_fn(*args, **kwargs), has_aux,
+                                    caller)
+    loss_dtype = loss.dtype
+    loss = pmean_f32(loss, axis_name).astype(loss_dtype)
+    return _join(loss, aux, pmean_f32(grads, axis_name), has_aux)
+
+  return wrapped
