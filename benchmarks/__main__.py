@@ -19,6 +19,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       prog="python -m benchmarks",
       description="jmp_lite benchmark suite.")
   sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser("check", help="the suites' consistency checks (peak table, "
+                 "PyTorch vs JAX model parameters); exits 1 on a failure")
   run = sub.add_parser("run", help="run a suite and write its JSON and markdown")
   run.add_argument("--suite", choices=("cpu", "gpu", "all"), default="cpu",
                    help="cpu: ratios and static figures (any machine); gpu: throughput, "
@@ -57,6 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   run.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
   run.add_argument("--gpu-subprocess", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  if args.command == "check":
+    return args
   if args.repeats is None:
     args.repeats = 3 if args.quick else 31
   if args.repeats < 1 or args.compile_repeats < 1 or args.gpu_steps < 1:
@@ -111,6 +115,11 @@ def run_suite(name: str, args, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
+  if args.command == "check":
+    from benchmarks import gpu_suite  # pylint: disable=import-outside-toplevel
+    problems = gpu_suite.self_check()
+    print("\n".join(problems) or "All benchmark consistency checks passed.")
+    return 1 if problems else 0
   if args.suite in ("gpu", "all"):
     from benchmarks import gpu_suite
     problem = gpu_suite.check_gpu(args.dry_run)

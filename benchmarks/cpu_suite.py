@@ -240,7 +240,7 @@ def workload_static(workload: wl.Workload, seed: int) -> dict[str, Any]:
 def digits_cnn_static(quick: bool) -> dict[str, Any]:
   """``DigitsCNN`` under ``jmp_lite.linen.apply_policy``, training mode."""
   import jmp_lite.linen as jlinen
-  from examples.flax_models import DigitsCNN
+  from models.flax_models import DigitsCNN
 
   batch = 4 if quick else 64
   x = jax.random.normal(jax.random.PRNGKey(0), (batch, 8, 8, 1), jnp.float32)
@@ -268,7 +268,7 @@ def char_lm_static(quick: bool) -> dict[str, Any]:
   """``CharLM`` under ``jmp_lite.nnx.apply_policy``."""
   from flax import nnx
   import jmp_lite.nnx as jnnx
-  from examples.flax_models import CharLM
+  from models.flax_models import CharLM
 
   dims = (dict(d_model=16, num_heads=2, num_layers=1), 8, 2) if quick else (
       dict(d_model=128, num_heads=4, num_layers=2), 128, 16)

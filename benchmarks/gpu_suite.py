@@ -123,6 +123,51 @@ def peak_tflops(device_kind: str) -> dict[str, float] | None:
   return None
 
 
+# Device names the peak table must resolve, and what to: (name, kind, TFLOP/s),
+# None where MFU is omitted (a part whose peak the table does not hold).
+_PEAK_CHECKS = (
+    ("NVIDIA H100 80GB HBM3", "half", 989.0),
+    ("NVIDIA H200", "tf32", 494.0),
+    ("NVIDIA A100-SXM4-80GB", "f32", 19.5),
+    ("NVIDIA H100 PCIe", None, None),
+    ("cpu", None, None),
+)
+
+
+def self_check() -> list[str]:
+  """The suite's consistency checks, run by ``python -m benchmarks check``.
+
+  * the peak table resolves the device names above;
+  * every PyTorch workload has exactly the parameters of its JAX twin, at the
+    tiny and the GPU sizes (built on torch's ``meta`` device: nothing is
+    allocated); skipped when torch is not installed.
+
+  Returns:
+    One line per failed check (empty when all pass).
+  """
+  problems = []
+  for name, kind, want in _PEAK_CHECKS:
+    peaks = peak_tflops(name)
+    got = None if peaks is None or kind is None else peaks.get(kind)
+    if (peaks is None) != (want is None) or got != want:
+      problems.append(f"peak_tflops({name!r}) gave {peaks}, expected {kind}={want}")
+  available, _ = torch_available(dry_run=True)  # meta tensors: any device
+  if available:
+    import torch  # pylint: disable=import-outside-toplevel
+    from benchmarks import torch_models  # pylint: disable=import-outside-toplevel
+    for size in ("tiny", "gpu"):
+      for workload in wl.make_workloads(size):
+        shapes = jax.eval_shape(workload.init, jax.random.PRNGKey(0))
+        jax_count = sum(x.size for x in jax.tree_util.tree_leaves(shapes))
+        with torch.device("meta"):
+          model = torch_models.make_model(workload.name, workload.spec)
+        torch_count = sum(p.numel() for p in model.parameters())
+        if torch_count != jax_count:
+          problems.append(f"{workload.name} ({size}): torch has {torch_count} "
+                          f"parameters, JAX {jax_count}")
+  return problems
+
+
 def check_gpu(dry_run: bool) -> str | None:
   """``None`` if the GPU suite can run, else why not.
 

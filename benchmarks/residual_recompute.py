@@ -6,7 +6,7 @@ bias, output cast back to the compute dtype). ``jax.grad`` then saves their
 float32 intermediates for the backward pass, so the saved activations stay
 far above half of float32's (0.76x for DigitsCNN, 0.67x for CharLM, in
 ``results/cpu.md``). This script measures, for the Flax example models
-(``examples/flax_models.py``: ``DigitsCNN``, linen, with BatchNorm; ``CharLM``,
+(``models/flax_models.py``: ``DigitsCNN``, linen, with BatchNorm; ``CharLM``,
 NNX, with LayerNorm), under ``p=f32,c=bf16,o=f32`` and ``p=f32,c=f16,o=f32``:
 
 * ``policy``: ``apply_policy`` with the default rules;
@@ -131,7 +131,7 @@ def digits_cnn(compute: str, quick: bool) -> dict[str, Any]:
   """Losses, params, state and batch of DigitsCNN under each variant."""
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jmp_lite.linen as jlinen  # pylint: disable=import-outside-toplevel
-  from examples.flax_models import DigitsCNN  # pylint: disable=import-outside-toplevel
+  from models.flax_models import DigitsCNN  # pylint: disable=import-outside-toplevel
 
   batch_size = 4 if quick else 64
   key_x, key_init = jax.random.split(jax.random.PRNGKey(0))
@@ -197,7 +197,7 @@ def char_lm(compute: str, quick: bool) -> dict[str, Any]:
   """Losses, params, state and batch of CharLM under each variant."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import jmp_lite.nnx as jnnx  # pylint: disable=import-outside-toplevel
-  from examples.flax_models import CharLM  # pylint: disable=import-outside-toplevel
+  from models.flax_models import CharLM  # pylint: disable=import-outside-toplevel
 
   kwargs, seq, batch_size = (dict(d_model=16, num_heads=2, num_layers=1), 8, 2) if quick \
       else (dict(d_model=128, num_heads=4, num_layers=2), 128, 16)

@@ -1,6 +1,6 @@
 """Gradient accumulation under float16, with overflows the loss scale recovers.
 
-The digits MLP of ``digits_demo.py`` (64 -> 256 -> 256 -> 10) on
+The digits MLP (``models.flax_models.DigitsMLP``) (64 -> 256 -> 256 -> 10) on
 scikit-learn's digits, trained with Adam on an effective batch of 128 examples
 made of 4 micro-batches of 32:
 
@@ -39,7 +39,7 @@ points to ``accumulation_steps``.
 Run it with::
 
   pip install -e ".[examples]"
-  python examples/accumulation.py
+  python -m examples.accumulation
 
 It prints the scale's trajectory and a table, and writes
 ``accumulation.{md,json,png}`` to ``--out`` (a scratch folder;
@@ -59,10 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import digits_demo  # noqa: E402  pylint: disable=g-import-not-at-top
-import jmp_lite  # noqa: E402
+from examples import common
+from models import flax_models
+import jmp_lite
 
 #: The corrupted micro-batch's inputs are multiplied by this: its float16
 #: activations exceed 65504.
@@ -97,7 +96,7 @@ def make_micro_step(apply_fn, optimizer):
   """
 
   def loss_fn(params, x, y):
-    return digits_demo.cross_entropy(apply_fn({"params": params}, x), y)
+    return common.cross_entropy(apply_fn({"params": params}, x), y)
 
   @jax.jit
   def step(params, opt_state, x, y):
@@ -115,7 +114,7 @@ def make_micro_step(apply_fn, optimizer):
 def train(name, label, spec, k, loss_scale, corrupted, data, init_params,
           args) -> dict:
   """Trains one run for ``args.steps`` optimizer steps; returns its figures."""
-  apply_fn = jmp_lite.with_policy(digits_demo.MLP().apply, spec)
+  apply_fn = jmp_lite.with_policy(flax_models.DigitsMLP().apply, spec)
   optimizer = jmp_lite.loss_scaling(optax.adam(args.lr), loss_scale,
                                     accumulation_steps=k)
   step = make_micro_step(apply_fn, optimizer)
@@ -154,7 +153,7 @@ def train(name, label, spec, k, loss_scale, corrupted, data, init_params,
       first_step_params = params
   seconds = time.perf_counter() - start
 
-  evaluate = digits_demo.make_eval_fn(apply_fn)
+  evaluate = common.make_eval_fn(apply_fn)
   test_acc, test_ce = evaluate(params, data["x_test"], data["y_test"])
   _, train_ce = evaluate(params, data["x_train"], data["y_train"])
   state = jmp_lite.get_loss_scale_state(opt_state)
@@ -355,8 +354,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  data = digits_demo.load_data()
-  init_params = digits_demo.MLP().init(jax.random.key(args.seed),
+  data = flax_models.load_flat_digits()
+  init_params = flax_models.DigitsMLP().init(jax.random.key(args.seed),
                                        data["x_train"][:1])["params"]
   print(f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test "
         f"examples; {args.steps} optimizer steps of 4 x {args.micro_batch}, "

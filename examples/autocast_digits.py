@@ -26,7 +26,7 @@ their jaxprs (``jax.make_jaxpr``, every sub-jaxpr included).
 Run it with::
 
   pip install -e ".[examples]"
-  python examples/autocast_digits.py
+  python -m examples.autocast_digits
 
 It prints the comparison table and writes ``autocast_digits.png`` (loss curves
 and the f16 run's loss scale), ``autocast_digits.md`` (the tables) and
@@ -50,10 +50,9 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
-import jmp_lite  # noqa: E402
+from examples import common
+from models import flax_models
+import jmp_lite
 
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
 EVIDENCE_OPS = ("dot_general", "exp", "log", "reduce_sum", "square", "rsqrt",
@@ -185,16 +184,6 @@ def make_run_specs() -> tuple[RunSpec, ...]:
       RunSpec("bf16_autocast", "bf16 autocast", jnp.bfloat16,
               jmp_lite.NoOpLossScale()),
   )
-
-
-def load_data() -> dict[str, np.ndarray]:
-  """scikit-learn's digits (bundled, no download), split 1437/360.
-
-  Returns:
-    ``x_train``, ``y_train``, ``x_test``, ``y_test``: float32 pixels in
-    [0, 1], shape ``(n, 64)``, and int32 labels; a fixed stratified split.
-  """
-  return common.flat_digits(*flax_models.load_digits_data(common.SPLIT_SEED))
 
 
 def make_train_step(loss_fn, optimizer):
@@ -435,7 +424,7 @@ def main(argv=None) -> int:
   """Runs the three trainings, prints the tables, writes the files."""
   args = parse_args(argv)
   cfg = ModelConfig()
-  data = load_data()
+  data = flax_models.load_flat_digits()
   init = init_params(jax.random.key(args.seed), cfg)
   print(f"digits: {len(data['x_train'])} train / {len(data['x_test'])} test "
         f"examples; {args.steps} steps of batch {args.batch_size}, Adam lr "

@@ -1,19 +1,19 @@
 """Helpers shared by the examples: data, step bookkeeping, reports, plots.
 
 Nothing here is about precision: the training steps and the mixed-precision
-lines (marked ``# [mixed precision]``) stay in each example. The scripts import
-this module as ``common`` after putting ``examples/`` on ``sys.path``, the same
-way they import :mod:`flax_models`.
+lines (marked ``# [mixed precision]``) stay in each example. The examples run
+as modules from the repository root (``python -m examples.digits_demo``) and
+import this one as ``from examples import common``.
 
 * :data:`RESULTS_DIR`, :data:`SCRATCH_DIR`, :func:`add_output_args`,
   :func:`output_dir`: where results go (a scratch folder unless
   ``--update-results`` asks for the committed ``examples/results/``).
-* :data:`SPLIT_SEED`, :data:`SMOOTHING`,
+* :data:`SMOOTHING`,
   :data:`ACCURACY_TOLERANCE`, :data:`LINE_STYLES`: settings the examples share.
 * :func:`flax_run_specs`: the f32 / bf16 / f16 + loss scaling runs of the Flax
   examples.
-* :func:`flat_digits`: the digits split of :func:`flax_models.load_digits_data`
-  as flat pixel vectors.
+* :func:`cross_entropy`, :func:`make_eval_fn`: the loss and the evaluation
+  of the digits classifiers.
 * :func:`batch_indices`: seeded, reshuffled-epoch batches.
 * :class:`StepLog`: per-step loss, loss scale, skipped steps and step times.
 * :func:`moving_average`: the smoothing of the loss plots.
@@ -36,14 +36,16 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use("Agg")  # Write image files only; never open a window.
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
-import jmp_lite  # noqa: E402
+import jmp_lite
 
 #: The committed results, written only when a script is given --update-results.
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -51,7 +53,6 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
 #: Where the scripts write by default, so that running them leaves the clone
 #: unchanged.
 SCRATCH_DIR = os.path.join(tempfile.gettempdir(), "jmp_lite", "examples")
-SPLIT_SEED = 0  # The train/test split is fixed; --seed changes init and order.
 SMOOTHING = 25  # Window of the moving average in the loss plot.
 ACCURACY_TOLERANCE = 1.0  # Points of test accuracy that count as "matching".
 # Runs that train overlap in the loss plot: dashes tell them apart.
@@ -114,6 +115,23 @@ def flat_digits(x_train, y_train, x_test, y_test) -> dict[str, np.ndarray]:
   """
   return dict(x_train=x_train.reshape(len(x_train), -1), y_train=y_train,
               x_test=x_test.reshape(len(x_test), -1), y_test=y_test)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean softmax cross-entropy, in the dtype of ``logits`` (float32 here)."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def make_eval_fn(apply_fn):
+  """Builds a jitted ``evaluate(params, x, y) -> (accuracy, cross_entropy)``."""
+
+  @jax.jit
+  def evaluate(params, x, y):
+    logits = apply_fn({"params": params}, x)
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == y)
+    return accuracy, cross_entropy(logits, y)
+
+  return evaluate
 
 
 def batch_indices(num_examples: int, batch_size: int, steps: int, seed: int):
@@ -314,8 +332,8 @@ def to_json(data: Any) -> str:
 
 
 def command_line(name: str, config: dict[str, Any]) -> str:
-  """``python examples/<name>.py --flag value ...``, the flags in ``config``."""
-  return f"python examples/{name}.py " + " ".join(
+  """``python -m examples.<name> --flag value ...``, the flags in ``config``."""
+  return f"python -m examples.{name} " + " ".join(
       f"--{k.replace('_', '-')} {v}" for k, v in config.items())
 
 

@@ -41,7 +41,7 @@ off: then plain float16 trains too.
 Run it with::
 
   pip install -e ".[examples]"
-  python examples/digits_demo.py
+  python -m examples.digits_demo
 
 **Diagnostics.** Before the first update of each run, a second jitted
 function measures the gradients that run hands its optimizer with
@@ -73,18 +73,16 @@ import sys
 import time
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
-import jmp_lite  # noqa: E402
-from jmp_lite import diagnostics  # noqa: E402
+from examples import common
+from models import flax_models
+import jmp_lite
+from jmp_lite import diagnostics
 
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
 
@@ -123,41 +121,12 @@ def make_run_specs(period: int) -> tuple[RunSpec, ...]:
   )
 
 
-class MLP(nn.Module):
-  """A small multi-layer perceptron: 64 -> 256 -> 256 -> 10 with relu."""
-
-  hidden: int = 256
-  num_classes: int = 10
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Dense(self.hidden)(x))
-    x = nn.relu(nn.Dense(self.hidden)(x))
-    return nn.Dense(self.num_classes)(x)
-
-
-def load_data() -> dict[str, np.ndarray]:
-  """Loads scikit-learn's digits (bundled with it, no download), split 1437/360.
-
-  Returns:
-    ``x_train``, ``y_train``, ``x_test``, ``y_test``: float32 pixels scaled to
-    [0, 1] (shape ``(n, 64)``) and int32 labels. The split is stratified and
-    always the same.
-  """
-  return common.flat_digits(*flax_models.load_digits_data(common.SPLIT_SEED))
-
-
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-  """Mean softmax cross-entropy, in the dtype of ``logits`` (float32 here)."""
-  return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 def make_loss_fn(apply_fn, loss_weight: float):
   """``loss_fn(params, x, y) -> (weighted loss, cross-entropy)``."""
 
   def loss_fn(params, x, y):
     logits = apply_fn({"params": params}, x)  # float32 logits
-    ce = cross_entropy(logits, y)
+    ce = common.cross_entropy(logits, y)
     return loss_weight * ce, ce
 
   return loss_fn
@@ -226,7 +195,7 @@ def activation_stats(params, x):
   Linen's ``capture_intermediates`` records each module's output; the
   statistics say which of them would underflow or overflow in float16.
   """
-  _, state = MLP().apply({"params": params}, x, capture_intermediates=True,
+  _, state = flax_models.DigitsMLP().apply({"params": params}, x, capture_intermediates=True,
                          mutable=["intermediates"])
   return diagnostics.tensor_stats(state["intermediates"])
 
@@ -238,18 +207,6 @@ def layer_outputs(stats) -> dict:
   layers = diagnostics.group_stats(stats, by=-2)
   return {f"{name} output": s for name, s in layers.items()
           if name != "__call__"}
-
-
-def make_eval_fn(apply_fn):
-  """Builds a jitted ``evaluate(params, x, y) -> (accuracy, cross_entropy)``."""
-
-  @jax.jit
-  def evaluate(params, x, y):
-    logits = apply_fn({"params": params}, x)
-    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == y)
-    return accuracy, cross_entropy(logits, y)
-
-  return evaluate
 
 
 def zero_fractions(stats) -> dict[str, float]:
@@ -283,7 +240,7 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
     diagnostics statistics of the first step's gradients.
   """
   policy = jmp_lite.get_policy(spec.policy)
-  apply_fn = jmp_lite.with_policy(MLP().apply, policy)
+  apply_fn = jmp_lite.with_policy(flax_models.DigitsMLP().apply, policy)
   optimizer = jmp_lite.loss_scaling(optax.adam(args.lr), spec.loss_scale)
   train_step = make_train_step(apply_fn, optimizer, args.loss_weight)
   grad_stats = make_grad_stats_fn(apply_fn, args.loss_weight)
@@ -314,7 +271,7 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
       bar.set_postfix(postfix, refresh=False)
   bar.close()
 
-  evaluate = make_eval_fn(apply_fn)
+  evaluate = common.make_eval_fn(apply_fn)
   test_acc, _ = evaluate(params, data["x_test"], data["y_test"])
   _, train_ce = evaluate(params, data["x_train"], data["y_train"])
   first_zeros = zero_fractions(first_stats)
@@ -514,8 +471,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
   """Runs the four trainings, prints the table and verdict, writes the files."""
   args = parse_args(argv)
-  data = load_data()
-  init_params = MLP().init(jax.random.key(args.seed), data["x_train"][:1])
+  data = flax_models.load_flat_digits()
+  init_params = flax_models.DigitsMLP().init(jax.random.key(args.seed), data["x_train"][:1])
   init_params = init_params["params"]
   setting = (
       f"Underflow setting: the training loss is the cross-entropy times "

@@ -25,8 +25,8 @@ A fourth marked line keeps the old running averages on a skipped step.
 
 Run it with::
 
-  python examples/linen_cnn_digits.py            # about 1 min on 2 CPU cores
-  python examples/linen_cnn_digits.py --steps 20 --out /tmp/cnn   # smoke run
+  python -m examples.linen_cnn_digits            # about 1 min on 2 CPU cores
+  python -m examples.linen_cnn_digits --steps 20 --out /tmp/cnn   # smoke run
 
 It prints the comparison table and writes ``linen_cnn_digits.md`` (the table),
 ``linen_cnn_digits.json`` (every figure and the per-step histories) and
@@ -48,11 +48,10 @@ import jax.numpy as jnp
 import optax
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
-import jmp_lite  # noqa: E402
-import jmp_lite.linen as jlinen  # noqa: E402
+from examples import common
+from models import flax_models
+import jmp_lite
+import jmp_lite.linen as jlinen
 
 NAME = "linen_cnn_digits"
 WARMUP_STEPS = 10  # First steps (compilation) left out of the median step time.
@@ -209,7 +208,7 @@ def main(argv=None) -> int:
   with open(base + ".md", "w") as f:
     f.write("# DigitsCNN (Flax linen) on scikit-learn digits: f32 vs bf16 "
             "vs f16\n\n"
-            f"`python examples/{NAME}.py` — {args.steps} steps per run, batch "
+            f"`python -m examples.{NAME}` — {args.steps} steps per run, batch "
             f"{args.batch_size}, Adam with lr {args.lr:g} and cosine decay, seed {args.seed}; "
             f"1437 train / 360 test images; {wall_s:.0f} s in all on "
             f"{jax.default_backend()} (jax {jax.__version__}).\n\n"

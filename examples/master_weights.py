@@ -15,7 +15,7 @@ Adam in ``jmp_lite.master_weights`` keeps a float32 master copy in the
 optimizer state: the steps accumulate there and the bfloat16 params are the
 master copy rounded, within half a bfloat16 spacing of the float32 run.
 
-**(b) Training.** The digits MLP of ``digits_demo.py`` (64 -> 256 -> 256 -> 10)
+**(b) Training.** The digits MLP (``models.flax_models.DigitsMLP``) (64 -> 256 -> 256 -> 10)
 on scikit-learn's digits, with Adam and a cosine-decayed learning rate (so the
 late steps are small, where bfloat16 params stop moving), same initial params
 and batches in every configuration:
@@ -37,7 +37,7 @@ optimizer state, summed from the actual arrays (``x.nbytes``).
 Run it with::
 
   pip install -e ".[examples]"
-  python examples/master_weights.py
+  python -m examples.master_weights
 
 It prints the tables and writes ``master_weights.md`` and
 ``master_weights.json`` to ``--out`` (a scratch folder;
@@ -57,10 +57,9 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import digits_demo  # noqa: E402  pylint: disable=g-import-not-at-top
-import jmp_lite  # noqa: E402
+from examples import common
+from models import flax_models
+import jmp_lite
 
 F32 = np.dtype(jnp.float32)
 BF16 = np.dtype(jnp.bfloat16)
@@ -202,13 +201,13 @@ def tree_bytes(tree) -> int:
 def train(name, label, spec, make_inner, data, init_params, args) -> dict:
   """Trains the MLP in one configuration; returns its figures."""
   policy = jmp_lite.get_policy(spec)
-  apply_fn = jmp_lite.with_policy(digits_demo.MLP().apply, policy)
+  apply_fn = jmp_lite.with_policy(flax_models.DigitsMLP().apply, policy)
   schedule = optax.cosine_decay_schedule(args.lr, args.steps)
   optimizer = jmp_lite.loss_scaling(make_inner(schedule),
                                     jmp_lite.NoOpLossScale())
 
   def loss_fn(params, x, y):
-    return digits_demo.cross_entropy(apply_fn({"params": params}, x), y)
+    return common.cross_entropy(apply_fn({"params": params}, x), y)
 
   @jax.jit
   def train_step(params, opt_state, x, y):
@@ -235,7 +234,7 @@ def train(name, label, spec, make_inner, data, init_params, args) -> dict:
   losses = [float(x) for x in jax.device_get(losses)]
   seconds = time.perf_counter() - start
 
-  evaluate = digits_demo.make_eval_fn(apply_fn)
+  evaluate = common.make_eval_fn(apply_fn)
   test_acc, test_ce = evaluate(params, data["x_test"], data["y_test"])
   _, train_ce = evaluate(params, data["x_train"], data["y_train"])
   unchanged = sum(int(jnp.sum(a == b)) for a, b in zip(
@@ -405,8 +404,8 @@ def main(argv=None) -> int:
   stall_text = format_stall(stall, args.stall_steps, args.stall_lr)
   print(stall_text + "\n", flush=True)
 
-  data = digits_demo.load_data()
-  init_params = digits_demo.MLP().init(
+  data = flax_models.load_flat_digits()
+  init_params = flax_models.DigitsMLP().init(
       jax.random.key(args.seed), data["x_train"][:1])["params"]
   print(f"(b) digits MLP: {len(data['x_train'])} train / "
         f"{len(data['x_test'])} test examples, {args.steps} steps of batch "

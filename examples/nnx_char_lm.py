@@ -28,8 +28,8 @@ mixed-precision one changes the lines marked ``# [mixed precision]``:
 
 Run it with::
 
-  python examples/nnx_char_lm.py             # about 3.5 min on 2 CPU cores
-  python examples/nnx_char_lm.py --steps 10 --out /tmp/lm   # smoke run
+  python -m examples.nnx_char_lm             # about 3.5 min on 2 CPU cores
+  python -m examples.nnx_char_lm --steps 10 --out /tmp/lm   # smoke run
 
 It prints the comparison table and a text sample per run, and writes
 ``nnx_char_lm.md``, ``nnx_char_lm.json`` and ``nnx_char_lm.png`` (loss curves
@@ -52,11 +52,10 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402  pylint: disable=g-import-not-at-top
-import flax_models  # noqa: E402  pylint: disable=g-import-not-at-top
-import jmp_lite  # noqa: E402
-import jmp_lite.nnx as jnnx  # noqa: E402
+from examples import common
+from models import flax_models
+import jmp_lite
+import jmp_lite.nnx as jnnx
 
 NAME = "nnx_char_lm"
 WARMUP_STEPS = 5  # First steps (compilation) left out of the median step time.
@@ -286,7 +285,7 @@ def main(argv=None) -> int:
     f.write(
         "# CharLM (Flax NNX) on the Python stdlib's source: f32 vs bf16 vs "
         "f16\n\n"
-        f"`python examples/{NAME}.py` — byte-level transformer "
+        f"`python -m examples.{NAME}` — byte-level transformer "
         f"(d_model {args.d_model}, {args.layers} layers, {args.heads} heads), "
         f"{args.steps} steps per run, batch {args.batch_size} x "
         f"{args.seq_len} bytes, Adam with peak lr {args.lr:g} (warm-up, "

@@ -11,9 +11,9 @@ computed against a tolerance:
 
 Run it with::
 
-  python examples/parity.py                    # reads and writes the scratch folder
-  python examples/parity.py --update-results   # reads and writes examples/results/
-  python examples/parity.py --results /tmp/runs --out /tmp/out
+  python -m examples.parity                    # reads and writes the scratch folder
+  python -m examples.parity --update-results   # reads and writes examples/results/
+  python -m examples.parity --results /tmp/runs --out /tmp/out
 
 It prints the table and exits with status 1 if any row fails (or a result
 file is missing), 0 otherwise.
@@ -27,7 +27,7 @@ import math
 import os
 import sys
 
-import common
+from examples import common
 CNN_FILE = "linen_cnn_digits.json"
 LM_FILE = "nnx_char_lm.json"
 
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         "# Accuracy parity: float32 vs mixed precision\n\n"
         "Same model, initial parameters, batches and hyperparameters per "
         "row; only the policy (and the loss scale) changes. Written by "
-        "`python examples/parity.py` from "
+        "`python -m examples.parity` from "
         f"[`{CNN_FILE}`]({CNN_FILE}) and [`{LM_FILE}`]({LM_FILE}). "
         "Parity is computed: |accuracy difference| <= "
         f"{args.acc_tolerance:g} points; |relative validation-loss "

@@ -120,10 +120,13 @@ def example_env():
 
 
 def run_example(script, *args):
-  """Runs ``script`` (a path) with ``args`` as a user would; never raises."""
+  """Runs the example ``script`` (its path under ``examples/``) with ``args``
+  as a user would, ``python -m examples.<name>`` from the repository root;
+  never raises."""
+  module = f"examples.{pathlib.Path(script).stem}"
   return subprocess.run(
-      [sys.executable, str(script), *map(str, args)],
-      capture_output=True, text=True, env=example_env(), timeout=300,
+      [sys.executable, "-m", module, *map(str, args)],
+      capture_output=True, text=True, env=example_env(), cwd=ROOT, timeout=300,
       check=False)
 
 

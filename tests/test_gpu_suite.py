@@ -262,25 +262,9 @@ def test_without_a_gpu_the_suite_fails_clearly(tmp_path):
   assert not (tmp_path / "gpu.json").exists()
 
 
-def test_peak_table_matches_device_names():
-  from benchmarks import gpu_suite  # pylint: disable=import-outside-toplevel
-  assert gpu_suite.peak_tflops("NVIDIA H100 80GB HBM3")["half"] == 989.0
-  assert gpu_suite.peak_tflops("NVIDIA H200")["tf32"] == 494.0
-  assert gpu_suite.peak_tflops("NVIDIA A100-SXM4-80GB")["f32"] == 19.5
-  assert gpu_suite.peak_tflops("NVIDIA H100 PCIe") is None
-  assert gpu_suite.peak_tflops("cpu") is None
-
-
-@pytest.mark.parametrize("size", ["tiny", "gpu"])
-def test_torch_models_have_the_jax_models_parameters(size):
-  """Same layers, same shapes: equal parameter counts (built on the meta device)."""
-  torch = pytest.importorskip("torch")
-  import jax  # pylint: disable=import-outside-toplevel
-  from benchmarks import torch_models  # pylint: disable=import-outside-toplevel
-  from benchmarks import workloads as wl  # pylint: disable=import-outside-toplevel
-  for workload in wl.make_workloads(size):
-    shapes = jax.eval_shape(workload.init, jax.random.PRNGKey(0))
-    jax_count = sum(x.size for x in jax.tree_util.tree_leaves(shapes))
-    with torch.device("meta"):
-      model = torch_models.make_model(workload.name, workload.spec)
-    assert sum(p.numel() for p in model.parameters()) == jax_count, workload.name
+def test_consistency_checks_pass():
+  """`python -m benchmarks check`: the peak table resolves known devices, and
+  every PyTorch workload has its JAX twin's parameters (when torch is here)."""
+  proc = _run(["benchmarks", "check"])
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "All benchmark consistency checks passed." in proc.stdout

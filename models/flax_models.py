@@ -1,12 +1,14 @@
-"""Models and data shared by the Flax examples (and the benchmarks).
+"""Flax models and data shared by the examples and the benchmarks.
 
 Nothing here knows about precision: these are ordinary, unmodified Flax models
 that jmp_lite's ``jmp_lite.linen.apply_policy`` / ``jmp_lite.nnx.apply_policy``
 turn into mixed-precision ones.
 
+* :class:`DigitsMLP`: a linen MLP (64 -> 256 -> 256 -> 10) for flat digits.
 * :class:`DigitsCNN`: a small linen CNN with BatchNorm for 8x8 digit images.
 * :class:`CharLM`: a small NNX decoder-only transformer over bytes.
-* :func:`load_digits_data`: scikit-learn's digits, a fixed 1437/360 split.
+* :func:`load_digits_data`: scikit-learn's digits, a fixed 1437/360 split;
+  :func:`load_flat_digits`: the same as flat pixel vectors, in a dict.
 * :func:`load_stdlib_text`: text from the Python standard library's sources.
 * :func:`char_vocab` / :func:`encode` / :func:`decode`: the byte-level
   vocabulary. Text is encoded as its UTF-8 bytes, so the vocabulary always has
@@ -24,7 +26,21 @@ import jax.numpy as jnp
 import numpy as np
 
 DIGITS_TEST_SIZE = 360  # 1797 digits: 1437 to train on, 360 to test on.
+SPLIT_SEED = 0  # The train/test split is fixed; examples' --seed changes the rest.
 BYTE_VOCAB_SIZE = 256
+
+
+class DigitsMLP(nn.Module):
+  """A small multi-layer perceptron: 64 -> 256 -> 256 -> 10 with relu."""
+
+  hidden: int = 256
+  num_classes: int = 10
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(self.hidden)(x))
+    x = nn.relu(nn.Dense(self.hidden)(x))
+    return nn.Dense(self.num_classes)(x)
 
 
 class DigitsCNN(nn.Module):
@@ -163,6 +179,30 @@ def load_digits_data(seed: int = 0):
       x, y, test_size=DIGITS_TEST_SIZE, random_state=seed, stratify=y
   )
   return x_train, y_train, x_test, y_test
+
+
+def flat_digits(x_train, y_train, x_test, y_test) -> dict[str, np.ndarray]:
+  """The digits split (as :func:`load_digits_data` returns it) as
+  a dict of flat pixel vectors.
+
+  Returns:
+    ``x_train``, ``y_train``, ``x_test``, ``y_test``: float32 pixels in
+    [0, 1], shape ``(n, 64)``, and int32 labels.
+  """
+  return dict(x_train=x_train.reshape(len(x_train), -1), y_train=y_train,
+              x_test=x_test.reshape(len(x_test), -1), y_test=y_test)
+
+
+
+def load_flat_digits() -> dict[str, np.ndarray]:
+  """scikit-learn's digits (bundled with it, no download), split 1437/360.
+
+  Returns:
+    ``x_train``, ``y_train``, ``x_test``, ``y_test``: float32 pixels scaled to
+    [0, 1] (shape ``(n, 64)``) and int32 labels. The split is stratified and
+    always the same.
+  """
+  return flat_digits(*load_digits_data(SPLIT_SEED))
 
 
 def load_stdlib_text(max_chars: int = 2_000_000) -> str:
