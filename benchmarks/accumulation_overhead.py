@@ -45,9 +45,7 @@ Writes ``accumulation_overhead.json`` (machine, config, figures) and
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from typing import Any
 
 import jax
@@ -58,7 +56,6 @@ import jmp_lite
 from benchmarks import common
 from benchmarks.common import compile_step
 from benchmarks.common import fresh_copy
-from benchmarks.common import machine_info
 from benchmarks.common import make_jmp_lite_step
 from benchmarks.common import make_plain_step
 from benchmarks.common import run_steps
@@ -224,10 +221,6 @@ def run_workload(workload: Workload, k: int, steps: int, repeats: int,
 # --- reporting ----------------------------------------------------------------
 
 
-def command_line(argv: list[str]) -> str:
-  return common.command_line("benchmarks.accumulation_overhead", argv)
-
-
 def markdown_table(report: dict[str, Any]) -> str:
   machine, config = report["machine"], report["config"]
   load = report["load_average"]
@@ -307,72 +300,41 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                       help="micro-steps per timed block, a multiple of "
                            "--accumulation-steps (default 2 windows; 1 with "
                            "--quick)")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="timed blocks per variant (default 31; 3 with --quick)")
-  common.add_output_args(parser)
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes and few steps: a smoke test, not a measurement")
-  parser.add_argument("--computes", default="f16,bf16",
-                      help="comma-separated compute dtypes (default f16,bf16)")
-  parser.add_argument("--seed", type=int, default=0,
-                      help="PRNG seed for params and the synthetic batch (default 0)")
+  common.add_timing_args(parser, repeats=(31, 3))
   args = parser.parse_args(argv)
-  args.out = common.output_dir(args)
   k = args.accumulation_steps
   if k < 2:
     parser.error("--accumulation-steps must be >= 2")
   if args.steps is None:
     args.steps = k if args.quick else 2 * k
-  if args.repeats is None:
-    args.repeats = 3 if args.quick else 31
-  if args.steps < 1 or args.repeats < 1:
-    parser.error("--steps and --repeats must be >= 1")
+  args = common.finish_timing_args(parser, args)
   if args.steps % k:
     parser.error(f"--steps must be a multiple of --accumulation-steps ({k}), "
                  "so that every timed block holds the same optimizer steps")
-  args.computes = [c.strip() for c in args.computes.split(",") if c.strip()]
-  for compute in args.computes:
-    if compute not in ("f16", "bf16"):
-      parser.error(f"unknown compute dtype {compute!r}; choose f16 or bf16")
   return args
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  load_before = os.getloadavg()
-  started = time.perf_counter()
-  results = [run_workload(w, args.accumulation_steps, args.steps, args.repeats,
-                          args.seed)
-             for w in make_workloads(["mlp"], args.computes, args.quick)]
-  report = {
-      "benchmark": "accumulation_overhead",
-      "command": command_line(argv),
-      "date": common.utc_now(),
-      "machine": machine_info(),
-      "load_average": {"before": list(load_before),
-                       "after": list(os.getloadavg())},
-      "config": {
-          "accumulation_steps": args.accumulation_steps,
-          "steps": args.steps,
-          "repeats": args.repeats,
-          "quick": args.quick,
-          "seed": args.seed,
-          "check_windows": CHECK_WINDOWS,
-          "initial_loss_scale": INITIAL_SCALE,
-          "learning_rate": LEARNING_RATE,
-          "baseline": BASELINE,
-          "variants": DESCRIPTIONS,
-      },
-      "results": results,
-      "wall_s": time.perf_counter() - started,
+  config = {
+      "accumulation_steps": args.accumulation_steps,
+      "steps": args.steps,
+      "repeats": args.repeats,
+      "quick": args.quick,
+      "seed": args.seed,
+      "check_windows": CHECK_WINDOWS,
+      "initial_loss_scale": INITIAL_SCALE,
+      "learning_rate": LEARNING_RATE,
+      "baseline": BASELINE,
+      "variants": DESCRIPTIONS,
   }
-  table = markdown_table(report)
-  common.write_results(args.out, "accumulation_overhead", report, table)
-  print()
-  print(table)
-  print(f"Wrote {args.out / 'accumulation_overhead.json'} and "
-        f"{args.out / 'accumulation_overhead.md'} ({report['wall_s']:.0f} s).")
+  common.publish(
+      "accumulation_overhead", argv, args.out, config,
+      lambda: [run_workload(w, args.accumulation_steps, args.steps,
+                            args.repeats, args.seed)
+               for w in make_workloads(["mlp"], args.computes, args.quick)],
+      markdown_table)
   return 0
 
 

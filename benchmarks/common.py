@@ -305,6 +305,96 @@ def utc_now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def add_timing_args(parser, *, repeats: tuple[int, int],
+                    steps: tuple[int, int] | None = None,
+                    computes: Sequence[str] = ("f16", "bf16"),
+                    seed: bool = True) -> None:
+  """The flags the interleaved timing benchmarks share.
+
+  ``--repeats`` (and ``--steps`` when ``steps`` is given): ``(default,
+  default with --quick)``; ``--quick``; ``--computes``, a comma-separated
+  subset of ``computes``; ``--seed`` (unless ``seed=False``); ``--out`` /
+  ``--update-results``. :func:`finish_timing_args` completes them after
+  parsing.
+  """
+  if steps is not None:
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"steps per timed block (default {steps[0]}; "
+                        f"{steps[1]} with --quick)")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help=f"timed blocks per variant (default {repeats[0]}; "
+                      f"{repeats[1]} with --quick)")
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes and few steps: a smoke test, not a measurement")
+  parser.add_argument("--computes", default=",".join(computes),
+                      help=f"comma-separated compute dtypes (default {','.join(computes)})")
+  if seed:
+    parser.add_argument("--seed", type=int, default=0,
+                        help="PRNG seed for params and the synthetic batch (default 0)")
+  add_output_args(parser)
+  parser.set_defaults(_timing=dict(repeats=repeats, steps=steps,
+                                   computes=tuple(computes)))
+
+
+def finish_timing_args(parser, args) -> Any:
+  """Fills the defaults :func:`add_timing_args` left open and checks the values."""
+  timing = args._timing  # pylint: disable=protected-access
+  quick = int(args.quick)
+  if args.repeats is None:
+    args.repeats = timing["repeats"][quick]
+  if timing["steps"] is not None and args.steps is None:
+    args.steps = timing["steps"][quick]
+  if args.repeats < 1 or getattr(args, "steps", 1) < 1:
+    parser.error("--steps and --repeats must be >= 1")
+  args.computes = split_choices(parser, args.computes, timing["computes"],
+                                "compute dtype")
+  args.out = output_dir(args)
+  return args
+
+
+def split_choices(parser, value: str, choices: Sequence[str], what: str) -> list[str]:
+  """A comma-separated flag value as a list, each item one of ``choices``."""
+  items = [v.strip() for v in value.split(",") if v.strip()]
+  for item in items:
+    if item not in choices:
+      parser.error(f"unknown {what} {item!r}; choose from {', '.join(choices)}")
+  return items
+
+
+def publish(name: str, argv: Sequence[str], out: pathlib.Path,
+            config: dict[str, Any], measure: Callable[[], Any],
+            markdown: Callable[[dict[str, Any]], str],
+            summary: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+  """Runs ``measure()`` and writes, prints and returns its report.
+
+  The report records what every committed figure needs: the command line,
+  the date, the machine and versions, the load average before and after,
+  the config, the results (plus ``summary(results)``) and the wall time; it is
+  written as ``<out>/<name>.json`` and ``<out>/<name>.md`` (``markdown(report)``).
+  """
+  load_before = os.getloadavg()
+  started = time.perf_counter()
+  results = measure()
+  report = {
+      "benchmark": name,
+      "command": command_line(f"benchmarks.{name}", argv),
+      "date": utc_now(),
+      "machine": machine_info(),
+      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+      "config": config,
+      "results": results,
+      **(summary(results) if summary else {}),
+      "wall_s": time.perf_counter() - started,
+  }
+  text = markdown(report)
+  write_results(out, name, report, text)
+  print()
+  print(text)
+  print(f"Wrote {out / (name + '.json')} and {out / (name + '.md')} "
+        f"({report['wall_s']:.0f} s).")
+  return report
+
+
 def write_results(out: pathlib.Path, name: str, report: dict[str, Any], markdown: str) -> None:
   """Writes ``<out>/<name>.json`` and ``<out>/<name>.md``."""
   out.mkdir(parents=True, exist_ok=True)

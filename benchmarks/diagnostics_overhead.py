@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
-import time
 from typing import Any
 
 import jax
@@ -63,7 +61,6 @@ from benchmarks import common
 from benchmarks.common import Batch
 from benchmarks.common import compile_step
 from benchmarks.common import fresh_copy
-from benchmarks.common import machine_info
 from benchmarks.common import run_steps
 from benchmarks.common import State
 from benchmarks.common import Step
@@ -263,10 +260,6 @@ def run_workload(workload: Workload, steps: int, repeats: int, seed: int) -> dic
 # --- reporting ----------------------------------------------------------------
 
 
-def command_line(argv: list[str]) -> str:
-  return common.command_line("benchmarks.diagnostics_overhead", argv)
-
-
 def markdown_table(report: dict[str, Any]) -> str:
   machine, config, load = report["machine"], report["config"], report["load_average"]
   lines = [
@@ -333,65 +326,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       prog="python -m benchmarks.diagnostics_overhead",
       description="Step-time overhead of jmp_lite.diagnostics statistics "
                   "inside a jitted MLP train step.")
-  parser.add_argument("--steps", type=int, default=None,
-                      help="steps per timed block (default 4; 2 with --quick)")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="timed blocks per variant (default 41; 3 with --quick)")
-  common.add_output_args(parser)
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes and few steps: a smoke test, not a measurement")
-  parser.add_argument("--computes", default="f16,bf16",
-                      help="comma-separated compute dtypes (default f16,bf16)")
-  parser.add_argument("--seed", type=int, default=0,
-                      help="PRNG seed for params and the synthetic batch (default 0)")
-  args = parser.parse_args(argv)
-  args.out = common.output_dir(args)
-  if args.steps is None:
-    args.steps = 2 if args.quick else 4
-  if args.repeats is None:
-    args.repeats = 3 if args.quick else 41
-  if args.steps < 1 or args.repeats < 1:
-    parser.error("--steps and --repeats must be >= 1")
-  args.computes = [c.strip() for c in args.computes.split(",") if c.strip()]
-  for compute in args.computes:
-    if compute not in ("f16", "bf16"):
-      parser.error(f"unknown compute dtype {compute!r}; choose f16 or bf16")
-  return args
+  common.add_timing_args(parser, steps=(4, 2), repeats=(41, 3))
+  return common.finish_timing_args(parser, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  load_before = os.getloadavg()
-  started = time.perf_counter()
-  results = [run_workload(w, args.steps, args.repeats, args.seed)
-             for w in make_workloads(args.computes, args.quick)]
-  report = {
-      "benchmark": "diagnostics_overhead",
-      "command": command_line(argv),
-      "date": common.utc_now(),
-      "machine": machine_info(),
-      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-      "config": {
-          "steps": args.steps,
-          "repeats": args.repeats,
-          "quick": args.quick,
-          "seed": args.seed,
-          "every": EVERY,
-          "check_steps": CHECK_STEPS,
-          "initial_loss_scale": INITIAL_SCALE,
-          "learning_rate": LEARNING_RATE,
-          "variants": DESCRIPTIONS,
-      },
-      "results": results,
-      "wall_s": time.perf_counter() - started,
+  config = {
+      "steps": args.steps,
+      "repeats": args.repeats,
+      "quick": args.quick,
+      "seed": args.seed,
+      "every": EVERY,
+      "check_steps": CHECK_STEPS,
+      "initial_loss_scale": INITIAL_SCALE,
+      "learning_rate": LEARNING_RATE,
+      "variants": DESCRIPTIONS,
   }
-  table = markdown_table(report)
-  common.write_results(args.out, "diagnostics_overhead", report, table)
-  print()
-  print(table)
-  print(f"Wrote {args.out / 'diagnostics_overhead.json'} and "
-        f"{args.out / 'diagnostics_overhead.md'} ({report['wall_s']:.0f} s).")
+  common.publish(
+      "diagnostics_overhead", argv, args.out, config,
+      lambda: [run_workload(w, args.steps, args.repeats, args.seed)
+               for w in make_workloads(args.computes, args.quick)],
+      markdown_table)
   return 0
 
 

@@ -53,7 +53,6 @@ import pathlib  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
@@ -338,31 +337,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
       prog="python -m benchmarks.grad_reduction",
       description="Step-time cost of jmp_lite.grouped_value_and_grad's float32 "
                   "gradient reduction on 8 simulated CPU devices.")
-  parser.add_argument("--steps", type=int, default=None,
-                      help="steps per timed block (default 2; 1 with --quick)")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="timed blocks per variant (default 31; 3 with --quick)")
-  parser.add_argument("--computes", default="f16,bf16",
-                      help="comma-separated compute dtypes (default f16,bf16)")
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes and few steps: a smoke test, not a measurement")
-  parser.add_argument("--seed", type=int, default=0)
+  common.add_timing_args(parser, steps=(2, 1), repeats=(31, 3),
+                         computes=tuple(CHECK_RTOL))
   parser.add_argument("--no-control", action="store_true",
                       help="skip the control rows: the same steps on one device")
-  common.add_output_args(parser)
-  args = parser.parse_args(argv)
-  args.out = common.output_dir(args)
-  if args.steps is None:
-    args.steps = 1 if args.quick else 2
-  if args.repeats is None:
-    args.repeats = 3 if args.quick else 31
-  if args.steps < 1 or args.repeats < 1:
-    parser.error("--steps and --repeats must be >= 1")
-  args.computes = [c.strip() for c in args.computes.split(",") if c.strip()]
-  for compute in args.computes:
-    if compute not in CHECK_RTOL:
-      parser.error(f"unknown compute dtype {compute!r}; choose f16 or bf16")
-  return args
+  return common.finish_timing_args(parser, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,35 +352,22 @@ def main(argv: list[str] | None = None) -> int:
         f"needs {_DEVICES} devices, found {jax.device_count()}: XLA_FLAGS "
         f"already set --xla_force_host_platform_device_count lower "
         f"({os.environ.get('XLA_FLAGS')!r}).")
-  load_before = os.getloadavg()
-  started = time.perf_counter()
-  results = [run_workload(w, args.steps, args.repeats, args.seed)
-             for w in make_workloads(args.computes, args.quick, not args.no_control)]
-  report = {
-      "benchmark": NAME,
-      "command": common.command_line(f"benchmarks.{NAME}", argv),
-      "date": common.utc_now(),
-      "machine": common.machine_info(),
-      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-      "config": {
-          "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
-          "seed": args.seed, "devices": _DEVICES, "check_steps": CHECK_STEPS,
-          "initial_loss_scale": INITIAL_SCALE, "learning_rate": LEARNING_RATE,
-          "variants": {
-              "grouped": f"grouped_value_and_grad(scaled_value_and_grad(loss_fn, "
-                         f"state), {_DEVICES})",
-              "plain": "scaled_value_and_grad(loss_fn, state)",
-          },
+  config = {
+      "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
+      "seed": args.seed, "devices": _DEVICES, "check_steps": CHECK_STEPS,
+      "initial_loss_scale": INITIAL_SCALE, "learning_rate": LEARNING_RATE,
+      "variants": {
+          "grouped": f"grouped_value_and_grad(scaled_value_and_grad(loss_fn, "
+                     f"state), {_DEVICES})",
+          "plain": "scaled_value_and_grad(loss_fn, state)",
       },
-      "results": results,
-      "wall_s": time.perf_counter() - started,
   }
-  text = markdown(report)
-  common.write_results(args.out, NAME, report, text)
-  print()
-  print(text)
-  print(f"Wrote {args.out / (NAME + '.json')} and {args.out / (NAME + '.md')} "
-        f"({report['wall_s']:.0f} s).")
+  common.publish(
+      NAME, argv, args.out, config,
+      lambda: [run_workload(w, args.steps, args.repeats, args.seed)
+               for w in make_workloads(args.computes, args.quick,
+                                       not args.no_control)],
+      markdown)
   return 0
 
 

@@ -55,9 +55,7 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
 from typing import Any, Callable
 
 import jax
@@ -493,57 +491,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                   "float32 norm regions for the Flax example models.")
   parser.add_argument("--models", default="DigitsCNN,CharLM",
                       help="comma-separated subset of DigitsCNN, CharLM")
-  parser.add_argument("--computes", default=",".join(COMPUTES),
-                      help="comma-separated compute dtypes (default bf16,f16)")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="timed blocks per variant (default 21; 3 with --quick)")
   parser.add_argument("--block-s", type=float, default=0.2,
                       help="target duration of a timed block in seconds (default 0.2)")
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes and few repeats: a smoke test, not a measurement")
-  common.add_output_args(parser)
-  args = parser.parse_args(argv)
-  args.out = common.output_dir(args)
-  if args.repeats is None:
-    args.repeats = 3 if args.quick else 21
-  args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-  args.computes = [c.strip() for c in args.computes.split(",") if c.strip()]
-  for m in args.models:
-    if m not in MODELS:
-      parser.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-  for c in args.computes:
-    if c not in COMPUTES:
-      parser.error(f"unknown compute dtype {c!r}; choose from {', '.join(COMPUTES)}")
-  if args.repeats < 1 or args.block_s <= 0:
-    parser.error("--repeats must be >= 1 and --block-s > 0")
+  common.add_timing_args(parser, repeats=(21, 3), computes=COMPUTES, seed=False)
+  args = common.finish_timing_args(parser, parser.parse_args(argv))
+  args.models = common.split_choices(parser, args.models, MODELS, "model")
+  if args.block_s <= 0:
+    parser.error("--block-s must be > 0")
   return args
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  load_before = os.getloadavg()
-  started = time.perf_counter()
-  results = [run_model(m, c, args) for m in args.models for c in args.computes]
-  report = {
-      "benchmark": NAME,
-      "command": common.command_line(f"benchmarks.{NAME}", argv),
-      "date": common.utc_now(),
-      "machine": common.machine_info(),
-      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-      "config": {"repeats": args.repeats, "block_s": args.block_s, "quick": args.quick,
-                 "learning_rate": LEARNING_RATE, "initial_loss_scale": INITIAL_SCALE,
-                 "variants": list(VARIANTS)},
-      "results": results,
-      "recommendation": recommendation(results),
-      "wall_s": time.perf_counter() - started,
-  }
-  text = markdown(report)
-  common.write_results(args.out, NAME, report, text)
-  print()
-  print(text)
-  print(f"Wrote {args.out / (NAME + '.json')} and {args.out / (NAME + '.md')} "
-        f"({report['wall_s']:.0f} s).")
+  config = {"repeats": args.repeats, "block_s": args.block_s, "quick": args.quick,
+            "learning_rate": LEARNING_RATE, "initial_loss_scale": INITIAL_SCALE,
+            "variants": list(VARIANTS)}
+  common.publish(
+      NAME, argv, args.out, config,
+      lambda: [run_model(m, c, args) for m in args.models for c in args.computes],
+      markdown,
+      summary=lambda results: {"recommendation": recommendation(results)})
   return 0
 
 

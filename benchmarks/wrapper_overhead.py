@@ -35,11 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import os
 import sys
-import time
 from typing import Any, Callable
 
 import jax
@@ -52,7 +48,6 @@ from benchmarks import common
 from benchmarks.common import Batch
 from benchmarks.common import compile_step
 from benchmarks.common import fresh_copy
-from benchmarks.common import machine_info
 from benchmarks.common import make_hand_step
 from benchmarks.common import make_jmp_lite_step
 from benchmarks.common import Params
@@ -270,10 +265,6 @@ def run_workload(workload: Workload, steps: int, repeats: int, seed: int) -> dic
 # --- reporting ----------------------------------------------------------------
 
 
-def command_line(argv: list[str]) -> str:
-  return common.command_line("benchmarks.wrapper_overhead", argv)
-
-
 def markdown_table(report: dict[str, Any]) -> str:
   """The results as a markdown page (what ``wrapper_overhead.md`` holds)."""
   machine, config = report["machine"], report["config"]
@@ -341,78 +332,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
           "jmp-style loss-scaled train step."
       ),
   )
-  parser.add_argument("--steps", type=int, default=None,
-                      help="steps per timed block (default 4; 2 with --quick)")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help="timed blocks per variant (default 41; 3 with --quick)")
-  common.add_output_args(parser)
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes and few steps: a smoke test, not a measurement")
+  common.add_timing_args(parser, steps=(4, 2), repeats=(41, 3))
   parser.add_argument("--models", default="mlp,conv",
                       help="comma-separated subset of: mlp, conv (default both)")
-  parser.add_argument("--computes", default="f16,bf16",
-                      help="comma-separated compute dtypes (default f16,bf16)")
-  parser.add_argument("--seed", type=int, default=0,
-                      help="PRNG seed for params and the synthetic batch (default 0)")
-  args = parser.parse_args(argv)
-  args.out = common.output_dir(args)
-  if args.steps is None:
-    args.steps = 2 if args.quick else 4
-  if args.repeats is None:
-    args.repeats = 3 if args.quick else 41
-  if args.steps < 1 or args.repeats < 1:
-    parser.error("--steps and --repeats must be >= 1")
-  args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-  args.computes = [c.strip() for c in args.computes.split(",") if c.strip()]
-  for model in args.models:
-    if model not in MODELS:
-      parser.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-  for compute in args.computes:
-    if compute not in ("f16", "bf16"):
-      parser.error(f"unknown compute dtype {compute!r}; choose f16 or bf16")
+  args = common.finish_timing_args(parser, parser.parse_args(argv))
+  args.models = common.split_choices(parser, args.models, MODELS, "model")
   return args
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
-  load_before = os.getloadavg()
-  started = time.perf_counter()
-  workloads = make_workloads(args.models, args.computes, args.quick)
-  results = [
-      run_workload(w, args.steps, args.repeats, args.seed) for w in workloads
-  ]
-  report = {
-      "benchmark": "wrapper_overhead",
-      "command": command_line(argv),
-      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-      "machine": machine_info(),
-      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-      "config": {
-          "steps": args.steps,
-          "repeats": args.repeats,
-          "quick": args.quick,
-          "seed": args.seed,
-          "check_steps": CHECK_STEPS,
-          "target_ratio": TARGET_RATIO,
-          "initial_loss_scale": INITIAL_SCALE,
-          "learning_rate": LEARNING_RATE,
-          "variants": {
-              "jmp_lite": "loss_scaling(adam) + get_loss_scale + scaled_value_and_grad",
-              "hand": "scale/grad/unscale + all_finite + adjust + select_tree(params, opt_state)",
-          },
+  config = {
+      "steps": args.steps,
+      "repeats": args.repeats,
+      "quick": args.quick,
+      "seed": args.seed,
+      "check_steps": CHECK_STEPS,
+      "target_ratio": TARGET_RATIO,
+      "initial_loss_scale": INITIAL_SCALE,
+      "learning_rate": LEARNING_RATE,
+      "variants": {
+          "jmp_lite": "loss_scaling(adam) + get_loss_scale + scaled_value_and_grad",
+          "hand": "scale/grad/unscale + all_finite + adjust + select_tree(params, opt_state)",
       },
-      "results": results,
-      "wall_s": time.perf_counter() - started,
   }
-  table = markdown_table(report)
-  args.out.mkdir(parents=True, exist_ok=True)
-  (args.out / "wrapper_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
-  (args.out / "wrapper_overhead.md").write_text(table)
-  print()
-  print(table)
-  print(f"Wrote {args.out / 'wrapper_overhead.json'} and "
-        f"{args.out / 'wrapper_overhead.md'} ({report['wall_s']:.0f} s).")
+  common.publish(
+      "wrapper_overhead", argv, args.out, config,
+      lambda: [run_workload(w, args.steps, args.repeats, args.seed)
+               for w in make_workloads(args.models, args.computes, args.quick)],
+      markdown_table)
   return 0
 
 

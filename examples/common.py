@@ -105,18 +105,6 @@ def flax_run_specs(period: int):
   )
 
 
-def flat_digits(x_train, y_train, x_test, y_test) -> dict[str, np.ndarray]:
-  """The digits split (as :func:`flax_models.load_digits_data` returns it) as
-  a dict of flat pixel vectors.
-
-  Returns:
-    ``x_train``, ``y_train``, ``x_test``, ``y_test``: float32 pixels in
-    [0, 1], shape ``(n, 64)``, and int32 labels.
-  """
-  return dict(x_train=x_train.reshape(len(x_train), -1), y_train=y_train,
-              x_test=x_test.reshape(len(x_test), -1), y_test=y_test)
-
-
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Mean softmax cross-entropy, in the dtype of ``logits`` (float32 here)."""
   return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
