@@ -105,8 +105,8 @@ def residual_table(report: dict[str, Any]) -> list[str]:
       "less the params and the batch themselves (traced with `jax.eval_shape`; "
       "see README). Half copies of the params count (they are memory the "
       "backward pass holds); *activations* leaves them out. Floor: "
-      f"{targets['residual_ratio_floor']}x. Target for the example models "
-      f": activations <= {targets['residual_ratio_examples']}x f32's, "
+      f"{targets['residual_ratio_floor']}x. Target for the example models: "
+      f"activations <= {targets['residual_ratio_examples']}x f32's, "
       "under both bf16 and f16 (the *met* column).",
       "",
       "| model | method | f32 MB | bf16 MB | f16 MB | bf16/f32 | f16/f32 "

@@ -30,7 +30,8 @@ Run it with::
 
 It prints the comparison table and writes ``autocast_digits.png`` (loss curves
 and the f16 run's loss scale), ``autocast_digits.md`` (the tables) and
-``autocast_digits.json`` (every figure) to ``--out`` (``examples/results/``).
+``autocast_digits.json`` (every figure) to ``--out`` (a scratch folder;
+``--update-results`` writes ``examples/results/``).
 """
 
 from __future__ import annotations

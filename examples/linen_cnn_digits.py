@@ -31,7 +31,7 @@ Run it with::
 It prints the comparison table and writes ``linen_cnn_digits.md`` (the table),
 ``linen_cnn_digits.json`` (every figure and the per-step histories) and
 ``linen_cnn_digits.png`` (loss curves and the loss-scale history) to ``--out``
-(``examples/results/``).
+(a scratch folder; ``--update-results`` writes ``examples/results/``).
 """
 
 from __future__ import annotations

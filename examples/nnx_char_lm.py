@@ -33,7 +33,8 @@ Run it with::
 
 It prints the comparison table and a text sample per run, and writes
 ``nnx_char_lm.md``, ``nnx_char_lm.json`` and ``nnx_char_lm.png`` (loss curves
-and the loss-scale history) to ``--out`` (``examples/results/``).
+and the loss-scale history) to ``--out`` (a scratch folder;
+``--update-results`` writes ``examples/results/``).
 """
 
 from __future__ import annotations
