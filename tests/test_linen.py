@@ -308,8 +308,8 @@ def test_grads_come_back_in_stored_dtype_and_match_f32_closely():
   def loss(apply, params):
     return jnp.mean(apply({"params": params}, x) ** 2)
 
-  g_ref = jax.grad(lambda p: loss(plain.apply, p))(variables["params"])
-  g_mix = jax.grad(lambda p: loss(mixed.apply, p))(variables["params"])
+  g_ref = jax.jit(jax.grad(lambda p: loss(plain.apply, p)))(variables["params"])
+  g_mix = jax.jit(jax.grad(lambda p: loss(mixed.apply, p)))(variables["params"])
   assert set(_dtypes(g_mix).values()) == {F32}
   for a, b in zip(jax.tree_util.tree_leaves(g_ref), jax.tree_util.tree_leaves(g_mix)):
     np.testing.assert_allclose(a, b, rtol=0.1, atol=0.02)

@@ -928,9 +928,11 @@ def _draw_row(ax, name: str, s: TensorStats, kind: str, xlim, first: bool):
   size = max(int(s.size), 1)
   shares = np.asarray(s.histogram, np.float64) / size
   _draw_ranges(ax, first)
-  ax.bar(HISTOGRAM_EXPONENTS + 0.5, shares, width=1.0, color="tab:blue",
-         edgecolor="white", linewidth=0.3,
-         label="share of entries per binade" if first else None)
+  # One filled step outline, not a bar per binade: ~270 bar patches per row
+  # made the figure take seconds to draw.
+  edges = np.append(HISTOGRAM_EXPONENTS, HISTOGRAM_EXPONENTS[-1] + 1)
+  ax.stairs(shares, edges, fill=True, color="tab:blue",
+            label="share of entries per binade" if first else None)
   ax.set_xlim(*xlim)
   top = float(shares.max()) if shares.size else 0.0
   ax.set_ylim(0, max(top, 0.01) * 1.3)
