@@ -255,23 +255,11 @@ def master_weights(
     inner_params = jax.tree_util.tree_map(
         lambda m, p: m if is_master(m) else p, master, params
     )
-    grads = jax.tree_util.tree_map(
-        lambda m, g: g.astype(m.dtype)
-        if is_master(m) and tree_lib.is_float_array(g) and g.dtype != m.dtype
-        else g,
-        master,
-        updates,
-    )
+    grads = tree_lib.cast_like(updates, master)
     inner_updates, inner_state = inner.update(
         grads, state.inner_state, inner_params, **extra_args
     )
-    inner_updates = jax.tree_util.tree_map(
-        lambda m, u: u.astype(m.dtype)
-        if is_master(m) and tree_lib.is_float_array(u) and u.dtype != m.dtype
-        else u,
-        master,
-        inner_updates,
-    )
+    inner_updates = tree_lib.cast_like(inner_updates, master)
 
     def new_master(m, p, u):
       return m + u if is_master(m) else p
