@@ -187,7 +187,3 @@ def setup(workload: Workload, seed: int) -> tuple[Params, Batch]:
 
 def param_count(params: Params) -> int:
   return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))
-
-
-def describe_policy(policy: Any) -> str:
-  return str(policy) if policy is not None else "f32"
