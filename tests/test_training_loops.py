@@ -525,7 +525,7 @@ def test_fault_sequence_through_compositions(make_inner, dtype, k):
                                  params=params)
   assert _dtypes(final) == _dtypes(params)
   if dtype != F32:  # master_weights: the params are the master copy rounded.
-    master = jmp_lite.get_master_params(state)
+    master = jmp_lite.get_master_params(state, final)
     assert _dtypes(master) == {"w": F32, "b": F32}
     _assert_bit_identical(final, jax.tree_util.tree_map(
         lambda m: m.astype(dtype), master))
@@ -549,6 +549,212 @@ def test_fault_sequence_keeps_inject_hyperparams_count_and_learning_rate():
   assert int(inner.count) == 4
   assert int(inner.inner_state[0].count) == 4
   assert float(inner.hyperparams["learning_rate"]) == np.float32(0.1)
+
+
+# ---------------------------------------------------------------------------
+# Every optax wrapper around and inside loss_scaling: the result of the inner
+# optimizer on the finite steps only, or refused at init.
+# ---------------------------------------------------------------------------
+
+#: Inside the wrapper: each runs the fault sequence and must match the same
+#: inner optimizer run alone on the finite windows (eager: bit for bit).
+INSIDE = [
+    pytest.param(lambda: optax.apply_if_finite(optax.adam(0.1), 3),
+                 id="apply_if_finite"),
+    pytest.param(lambda: optax.contrib.schedule_free(optax.sgd(0.1), 0.1),
+                 id="schedule_free"),
+    pytest.param(lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                     optax.sgd(0.1)), id="chain_clip"),
+    pytest.param(lambda: optax.flatten(optax.adam(0.1)), id="flatten"),
+    pytest.param(lambda: optax.masked(optax.adam(0.1), {"w": True, "b": False}),
+                 id="masked"),
+]
+
+
+@standard_promotion
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("make_inner", INSIDE)
+def test_fault_sequence_with_optax_wrappers_inside(make_inner, k):
+  check_fault_run(make_inner, F32, k, jit=False)
+
+
+@standard_promotion
+def test_fault_sequence_with_lookahead_inside():
+  """loss_scaling(lookahead(sgd)): params are LookaheadParams, gradients the
+  fast params'. The skipped steps leave the fast and slow params and the
+  synchronisation counter as they were."""
+  fast = _fault_params()
+  params = optax.LookaheadParams(fast=fast, slow=fast)
+  grads = _true_grads(len(FAULT_WINDOWS), F32)
+  bad = _bad_micro_batches(1)
+  flags = _window_flags(1, len(FAULT_WINDOWS))
+  make = lambda: optax.lookahead(optax.sgd(0.1), sync_period=2,
+                                 slow_step_size=0.5)
+  opt = jmp_lite.loss_scaling(make(), _DLS(**FAULT_SCALE))
+  state = opt.init(params)
+  for i, g in enumerate(grads):
+    scale = _scale_value(jmp_lite.get_loss_scale(state))
+    updates, state = opt.update(_scaled(g, scale, F32, bad.get(i)), state,
+                                params)
+    params = optax.apply_updates(params, updates)
+  ref_params, ref_state = optax.LookaheadParams(fast=fast, slow=fast), None
+  inner = make()
+  ref_state = inner.init(ref_params)
+  for g, finite in zip(grads, flags):
+    if finite:
+      updates, ref_state = inner.update(g, ref_state, ref_params)
+      ref_params = optax.apply_updates(ref_params, updates)
+  _assert_bit_identical(params, ref_params)
+  assert int(state.skipped_steps) == flags.count(False)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_lookahead_inside_with_accumulation_explains_the_structure(k):
+  params = optax.LookaheadParams(fast=_fault_params(), slow=_fault_params())
+  opt = jmp_lite.loss_scaling(optax.lookahead(optax.sgd(0.1), 2, 0.5),
+                              _DLS(8.0), accumulation_steps=k)
+  with pytest.raises(ValueError, match=r"structure of the params.*lookahead"):
+    opt.update(_true_grads(1, F32)[0], opt.init(params), params)
+
+
+def _ls(inner=None, scale=FAULT_SCALE):
+  return jmp_lite.loss_scaling(optax.sgd(0.1) if inner is None else inner,
+                               None if scale is None else _DLS(**scale))
+
+
+#: Around the wrapper (name, the optimizer, what the error must say).
+AROUND_REFUSED = [
+    ("multi_steps", lambda s: optax.MultiSteps(_ls(scale=s), 2),
+     r"MultiSteps.*accumulation_steps=k"),
+    ("apply_if_finite", lambda s: optax.apply_if_finite(_ls(scale=s), 10),
+     r"apply_if_finite.*back off.*max_consecutive_skips"),
+    ("schedule_free", lambda s: optax.contrib.schedule_free(_ls(scale=s), 0.1),
+     r"schedule_free.*skips.*loss_scaling\(optax\.contrib\.schedule_free"),
+    ("lookahead", lambda s: optax.lookahead(_ls(scale=s), 2, 0.5),
+     r"lookahead.*loss_scaling\(optax\.lookahead"),
+    ("inject_hyperparams", lambda s: optax.inject_hyperparams(
+        lambda learning_rate: _ls(optax.sgd(learning_rate), s))(
+            learning_rate=optax.linear_schedule(0.1, 0.0, 10)),
+     r"inject_hyperparams.*schedules"),
+    ("chain_clip_first", lambda s: optax.chain(
+        optax.clip_by_global_norm(1.0), _ls(scale=s)),
+     r"chain runs 1 transformation\(s\) before loss_scaling"),
+    ("chain_weight_decay_first", lambda s: optax.chain(
+        optax.add_decayed_weights(1e-4), _ls(scale=s)),
+     r"chain runs 1 transformation\(s\) before.*weight decay"),
+    ("chain_nested", lambda s: optax.chain(
+        optax.clip(1.0), optax.chain(_ls(scale=s), optax.scale(1.0))),
+     r"chain runs 1 transformation\(s\) before loss_scaling"),
+    ("named_chain_second", lambda s: optax.named_chain(
+        ("clip", optax.clip(1.0)), ("ls", _ls(scale=s))),
+     r"named_chain runs 1 transformation\(s\) before loss_scaling"),
+    ("multi_transform", lambda s: optax.multi_transform(
+        {"ls": _ls(scale=s), "sgd": optax.sgd(0.1)}, {"w": "ls", "b": "sgd"}),
+     r"partitions would receive scaled gradients"),
+    ("masked", lambda s: optax.masked(_ls(scale=s), {"w": True, "b": False}),
+     r"outside the mask would receive scaled gradients"),
+]
+
+
+@standard_promotion
+@pytest.mark.parametrize("shared", [False, True], ids=["own_scale", "shared"])
+@pytest.mark.parametrize("make,pattern", [c[1:] for c in AROUND_REFUSED],
+                         ids=[c[0] for c in AROUND_REFUSED])
+def test_optax_wrappers_around_loss_scaling_are_refused_at_init(make, pattern,
+                                                                shared):
+  opt = make(None if shared else FAULT_SCALE)
+  params = _fault_params()
+  for init in (opt.init, jax.jit(opt.init),
+               lambda p: jax.eval_shape(opt.init, p)):
+    with pytest.raises(TypeError, match=pattern):
+      init(params)
+
+
+def test_loss_scaling_first_in_a_chain_matches_the_reference():
+  """chain(loss_scaling(sgd), scale(0.5)): what follows the wrapper sees its
+  (zero on a skipped step) updates; the run is chain(sgd, scale) on the finite
+  steps."""
+  params = _fault_params()
+  grads = _true_grads(len(FAULT_WINDOWS), F32)
+  bad = _bad_micro_batches(1)
+  opt = optax.chain(_ls(optax.sgd(0.1, momentum=0.9)), optax.scale(0.5))
+  named = optax.named_chain(("ls", _ls(optax.sgd(0.1, momentum=0.9))),
+                            ("half", optax.scale(0.5)))
+  flags = _window_flags(1, len(FAULT_WINDOWS))
+  ref, _ = run_reference(optax.chain(optax.sgd(0.1, momentum=0.9),
+                                     optax.scale(0.5)),
+                         params, grads, flags, 1)
+  for composed, ls_state in ((opt, lambda s: s[0]),
+                             (named, lambda s: s["ls"])):
+    p, state = params, composed.init(params)
+    for i, g in enumerate(grads):
+      scale = _scale_value(jmp_lite.get_loss_scale(state))
+      updates, state = composed.update(_scaled(g, scale, F32, bad.get(i)),
+                                       state, p)
+      p = optax.apply_updates(p, updates)
+    _assert_bit_identical(p, ref)
+    assert int(ls_state(state).skipped_steps) == flags.count(False)
+
+
+@standard_promotion
+@pytest.mark.parametrize("wrap", ["master_weights", "with_state_dtype"])
+def test_our_wrappers_refuse_loss_scaling_inside(wrap):
+  inner = _ls(optax.adam(0.1))
+  opt = (jmp_lite.master_weights(inner) if wrap == "master_weights"
+         else jmp_lite.with_state_dtype(inner, jnp.bfloat16))
+  with pytest.raises(TypeError, match=r"loss_scaling.*outermost"):
+    opt.init(_fault_params(BF16 if wrap == "master_weights" else F32))
+
+
+# A state restored into a wrapper configured otherwise.
+
+
+def _accumulating_state(k, micro_batches, grads):
+  opt = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(4.0),
+                              accumulation_steps=k)
+  params = {"w": jnp.zeros(2, F32)}
+  state = opt.init(params)
+  for g in grads[:micro_batches]:
+    _, state = opt.update({"w": jnp.full(2, 4.0 * g, F32)}, state, params)
+  return state
+
+
+@JIT_IDS
+def test_state_restored_into_fewer_accumulation_steps_ends_its_window(jit):
+  """Saved at micro_step=3 of accumulation_steps=4, restored into a wrapper
+  with accumulation_steps=2: the next update ends the window with the mean of
+  the four micro-batches it holds (never: a window end that never comes)."""
+  grads = [1.0, 2.0, 3.0, 6.0, 5.0, 7.0]
+  state = _accumulating_state(4, 3, grads)
+  assert int(state.micro_step) == 3
+  opt = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(4.0),
+                              accumulation_steps=2)
+  update = jax.jit(opt.update) if jit else opt.update
+  params = {"w": jnp.zeros(2, F32)}
+  applied = []
+  for g in grads[3:]:
+    updates, state = update({"w": jnp.full(2, 4.0 * g, F32)}, state, params)
+    params = optax.apply_updates(params, updates)
+    applied.append(float(params["w"][0]))
+  # Window 1 (restored): mean(1, 2, 3, 6) = 3; then windows of 2: (5, 7) = 6.
+  assert applied == [-3.0, -3.0, -9.0]
+  assert int(state.micro_step) == 0 and int(state.skipped_steps) == 0
+
+
+@pytest.mark.parametrize("made_with,used_with,pattern", [
+    (1, 2, r"accumulation_steps=2\) got a state made without accumulation"),
+    (3, 1, r"accumulation_steps=1\) got a state that accumulates"),
+])
+def test_state_of_another_accumulation_config_is_refused(made_with, used_with,
+                                                         pattern):
+  params = {"w": jnp.zeros(2, F32)}
+  state = jmp_lite.loss_scaling(optax.sgd(1.0), _DLS(4.0),
+                                accumulation_steps=made_with).init(params)
+  opt = jmp_lite.loss_scaling(optax.sgd(1.0), _DLS(4.0),
+                              accumulation_steps=used_with)
+  for update in (opt.update, jax.jit(opt.update)):
+    with pytest.raises(ValueError, match=pattern):
+      update(_ones(), state, params)
 
 
 # ---------------------------------------------------------------------------
@@ -635,27 +841,17 @@ ISSUE_GRADS = [1.0, 1.0, np.inf, 1.0, 1.0, 1.0]
 
 
 @standard_promotion  # optax.MultiSteps
-def test_issue_a_multi_steps_around_loss_scaling_stalls_and_is_refused():
-  """MultiSteps(loss_scaling(sgd(1), DynamicLossScale(128, period=1)), 2) on
-  scaled grads [1, 1, inf, 1, 1, 1]: its accumulator resets by multiplying
-  with 0, so the inf becomes NaN for good and windows 3 and later are skipped
-  too (measured below). Reading its scale is refused."""
-  params = {"w": jnp.zeros(2, F32)}
-  opt = optax.MultiSteps(
-      jmp_lite.loss_scaling(optax.sgd(1.0),
-                            jmp_lite.DynamicLossScale(128.0, period=1)), 2)
-  state = opt.init(params)
-  for g in ISSUE_GRADS:
-    updates, state = opt.update({"w": jnp.full(2, g, F32)}, state, params)
-    params = optax.apply_updates(params, updates)
-  # The stall the refusal prevents: window 3 ([1, 1]) was skipped as well.
-  assert np.all(np.isnan(np.asarray(state.acc_grads["w"])))
-  assert int(state.inner_opt_state.skipped_steps) == 2
-  np.testing.assert_array_equal(params["w"], np.full(2, -1 / 128, F32))
-  for read in (jmp_lite.get_loss_scale, jmp_lite.get_loss_scale_state,
-               lambda s: jmp_lite.scaled_value_and_grad(jnp.sum, s)):
-    with pytest.raises(TypeError, match="accumulation_steps=k"):
-      read(state)
+@pytest.mark.parametrize("scale", [jmp_lite.DynamicLossScale(128.0, period=1),
+                                   jmp_lite.StaticLossScale(128.0), None],
+                         ids=["dynamic", "static", "shared"])
+def test_issue_a_multi_steps_around_loss_scaling_is_refused_at_init(scale):
+  """MultiSteps(loss_scaling(...), 2): its accumulator resets by multiplying
+  with 0, so one inf micro-batch becomes NaN for good and every later window
+  is skipped. A jmp-style loop never reads the scale from the state, so the
+  refusal is at init, before the first step, whatever the scale."""
+  opt = optax.MultiSteps(jmp_lite.loss_scaling(optax.sgd(1.0), scale), 2)
+  with pytest.raises(TypeError, match=r"MultiSteps.*accumulation_steps=k"):
+    opt.init({"w": jnp.zeros(2, F32)})
 
 
 @JIT_IDS
@@ -725,10 +921,10 @@ def _regression_problem():
 
 def clipping_losses(steps=100, scale=2.0**15):
   """Final loss of ``clip_by_global_norm(1) + sgd(0.1)`` on a least-squares
-  problem: unscaled float32, the clip inside ``loss_scaling`` and outside.
+  problem: unscaled float32, and the clip inside ``loss_scaling``.
 
   Returns:
-    dict of final losses (``initial``, ``f32``, ``inside``, ``outside``).
+    dict of final losses (``initial``, ``f32``, ``inside``).
   """
   loss, w0 = _regression_problem()
   clip_sgd = lambda: optax.chain(optax.clip_by_global_norm(1.0),
@@ -737,9 +933,6 @@ def clipping_losses(steps=100, scale=2.0**15):
   runs = {
       "f32": (clip_sgd(), lambda w, s: jax.grad(loss)(w)),
       "inside": (jmp_lite.loss_scaling(clip_sgd(), ls()), None),
-      "outside": (optax.chain(optax.clip_by_global_norm(1.0),
-                              jmp_lite.loss_scaling(optax.sgd(0.1), ls())),
-                  None),
   }
   out = {"initial": float(loss(w0))}
   for name, (opt, grad_fn) in runs.items():
@@ -762,13 +955,16 @@ def clipping_losses(steps=100, scale=2.0**15):
 
 def test_issue_c_clipping_belongs_inside_the_wrapper():
   """Inside, the clip sees unscaled gradients: the run is the float32 run.
-  Outside, it clips the scaled gradients to norm 1, i.e. the true gradients to
-  norm 2**-15: after 100 steps the loss has barely moved."""
+  Chained before the wrapper it would clip the scaled gradients to norm 1 (the
+  true ones to 2**-15): refused at init."""
   losses = clipping_losses()
   assert losses["inside"] == pytest.approx(losses["f32"], rel=1e-5)
   assert losses["f32"] < 1e-3 * losses["initial"]
-  assert losses["outside"] > 0.99 * losses["initial"]
-  assert losses["outside"] / losses["inside"] > 1e3
+  outside = optax.chain(optax.clip_by_global_norm(1.0),
+                        jmp_lite.loss_scaling(optax.sgd(0.1), _DLS(2.0**15)))
+  with pytest.raises(TypeError, match=r"chain runs 1 transformation\(s\) "
+                     r"before loss_scaling.*clip"):
+    outside.init(jnp.zeros(8, F32))
 
 
 @JIT_IDS

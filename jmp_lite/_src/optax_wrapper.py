@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import sys
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -141,6 +142,117 @@ def _check_config(
         "(it changes the scale once per window); a shared scale you adjust "
         "yourself cannot know where windows end. Pass the loss scale."
     )
+
+
+# -- what wraps loss_scaling ---------------------------------------------------
+#
+# loss_scaling must be the outermost optax transformation. An optax wrapper
+# around it either sees the scaled gradients (a clip before it clips them to
+# 1/scale of their size), or steps and skips on its own so that the loss
+# scale cannot back off (MultiSteps poisons its accumulator with 0 * inf =
+# NaN; apply_if_finite discards the state in which the scale backed off), or
+# moves the params on a skipped step (schedule_free, lookahead), or counts
+# skipped steps in its schedules (inject_hyperparams). Its init is the only
+# place the wrapper can see what encloses it: an optax wrapper's init calls
+# ours, so the enclosing transformations are on the call stack (host-side,
+# at init time; nothing here runs in a train step).
+
+#: optax code that may run loss_scaling's init: transformations that apply
+#: their elements in order (loss_scaling first is fine), and flatten, which
+#: only reshapes. Any other optax transformation around loss_scaling is
+#: refused.
+_IN_ORDER = frozenset({"chain", "named_chain"})
+_TRANSPARENT = frozenset({"flatten"})
+
+#: Per enclosing optax transformation: what goes wrong, and what to write.
+_ENCLOSING_FIXES = {
+    "MultiSteps": (
+        "MultiSteps accumulates the scaled gradients itself and resets its "
+        "accumulator by multiplying with 0, so one non-finite micro-batch "
+        "makes it NaN for good and every later step is skipped",
+        "jmp_lite.loss_scaling(inner, loss_scale, accumulation_steps=k)"),
+    "apply_if_finite": (
+        "apply_if_finite drops the whole update of a non-finite step, "
+        "including the state in which the loss scale backed off, so the "
+        "scale cannot back off until it gives up",
+        "jmp_lite.loss_scaling(inner, loss_scale) alone (it skips non-finite "
+        "steps itself; pass max_consecutive_skips= for apply_if_finite's "
+        "limit)"),
+    "schedule_free": (
+        "schedule_free moves the params on every step, including the steps "
+        "loss_scaling skips",
+        "jmp_lite.loss_scaling(optax.contrib.schedule_free(inner, ...), "
+        "loss_scale)"),
+    "lookahead": (
+        "lookahead counts skipped steps towards its synchronisation and "
+        "re-initialises the fast optimizer, loss scale included",
+        "jmp_lite.loss_scaling(optax.lookahead(inner, ...), loss_scale)"),
+    "inject_hyperparams": (
+        "inject_hyperparams counts skipped steps in its schedules",
+        "jmp_lite.loss_scaling(optax.inject_hyperparams(optimizer)(...), "
+        "loss_scale)"),
+    "masked": (
+        "the parameters outside the mask would receive scaled gradients",
+        "jmp_lite.loss_scaling(optax.masked(inner, mask), loss_scale) or "
+        "jmp_lite.loss_scaling(optax.multi_transform(...), loss_scale)"),
+    "partition": (
+        "the other partitions would receive scaled gradients",
+        "jmp_lite.loss_scaling(optax.multi_transform(...), loss_scale)"),
+    "multi_transform": (
+        "the other partitions would receive scaled gradients",
+        "jmp_lite.loss_scaling(optax.multi_transform(...), loss_scale)"),
+}
+
+
+def _is_optax(frame: Any) -> bool:
+  module = frame.f_globals.get("__name__", "")
+  return module == "optax" or module.startswith("optax.")
+
+
+def _position_in_order(frame: Any, callee: Any) -> int:
+  """Where, in an ``optax.chain``/``named_chain``, the running element is."""
+  where = frame.f_code.co_qualname
+  if where.startswith("chain."):
+    running = callee.f_locals.get("fn") if callee is not None else None
+    elements = frame.f_locals.get("init_fns", ())
+  else:
+    running = frame.f_locals.get("tx")
+    elements = [tx for _, tx in frame.f_locals.get("transforms", ())]
+  for i, element in enumerate(elements):
+    if element is running:
+      return i
+  return 0  # An optax version laid out otherwise: nothing to report.
+
+
+def _enclosing_problem() -> str | None:
+  """Why the optax transformations running this init break loss scaling, or
+  None if loss_scaling is outermost (or first in a chain). Of several, the
+  outermost (what the user wrote: multi_transform, not the masked inside)."""
+  frame, callee = sys._getframe(2), None  # The caller of loss_scaling's init.
+  problem = None
+  while frame is not None:
+    if _is_optax(frame) and not frame.f_code.co_name.startswith("<"):
+      where = frame.f_code.co_qualname
+      name = where.split(".")[0]
+      if name in _IN_ORDER:
+        index = _position_in_order(frame, callee)
+        if index:
+          problem = (
+              f"optax.{name} runs {index} transformation(s) "
+              "before loss_scaling: they see the scaled gradients (a clip "
+              "clips them to 1/scale of their size, weight decay is divided "
+              "by the scale). Put them inside: jmp_lite.loss_scaling("
+              "optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),"
+              " loss_scale)")
+      elif name not in _TRANSPARENT:
+        why, fix = _ENCLOSING_FIXES.get(name, (
+            "optax transformations around loss_scaling see the scaled "
+            "gradients and do not know about skipped steps",
+            "jmp_lite.loss_scaling(<that transformation>, loss_scale)"))
+        problem = (f"loss_scaling is inside optax's {name} ({where}): {why}."
+                   f" Make loss_scaling the outermost transformation: {fix}")
+    callee, frame = frame, frame.f_back
+  return problem
 
 
 def _refuse_nesting(inner_state: Any) -> None:
@@ -308,6 +420,9 @@ class _LossScaling:
   raise_on_max_skips: bool
 
   def init(self, params: Any) -> LossScaleState:
+    problem = _enclosing_problem()
+    if problem is not None:
+      raise TypeError(problem + ".")
     inner_state = self.inner.init(params)
     _refuse_nesting(inner_state)
     accumulating = dict(
@@ -337,6 +452,7 @@ class _LossScaling:
           "loss_scaling's update expects the LossScaleState made by its init, "
           f"got {type(state).__name__}. Pass the state returned by opt.init."
       )
+    self._check_fits(state)
     current = _scale_for_update(state.loss_scale,
                                 extra_args.pop("loss_scale", None))
     # Unscale in f32 (or wider) and keep that precision for the inner update.
@@ -368,20 +484,58 @@ class _LossScaling:
         **window.fields,
     )
 
+  def _check_fits(self, state: LossScaleState) -> None:
+    """A state must have been made by a wrapper with the same accumulation
+    (a checkpoint restored into another configuration, say)."""
+    accumulates = state.micro_step is not None
+    if accumulates == (self.k > 1):
+      return
+    if accumulates:
+      raise ValueError(
+          "loss_scaling(accumulation_steps=1) got a state that accumulates "
+          "micro-batches (made with accumulation_steps > 1): its current "
+          "window would be dropped. Build the optimizer with the "
+          "accumulation_steps the state was made with, or start from "
+          "opt.init(params).")
+    raise ValueError(
+        f"loss_scaling(accumulation_steps={self.k}) got a state made without"
+        " accumulation (it has no accumulator, micro_step or window_finite). "
+        "Make the state with this optimizer's init (opt.init(params)); to "
+        "restore a checkpoint, restore it into opt.init(params) of the "
+        "optimizer that wrote it.")
+
   def _window(self, grads: Any, finite: Any, state: LossScaleState) -> _Window:
     """Accumulation: where this micro-batch's unscaled gradients go."""
     if self.k == 1:
       return _Window(grads, jnp.ones([], bool), finite, {})
-    step_ends = state.micro_step == self.k - 1
+    # ">=": a state restored from a run with more micro-batches per window
+    # ends its window now, with the mean of all it holds, instead of never.
+    step_ends = state.micro_step >= self.k - 1
     window_ok = state.window_finite & finite
+    if (jax.tree_util.tree_structure(grads)
+        != jax.tree_util.tree_structure(state.accumulated)):
+      raise ValueError(
+          "loss_scaling(accumulation_steps>1) accumulates gradients in a "
+          "buffer shaped like the params given to init, but the gradients "
+          "have another structure:\n"
+          f"  gradients: {jax.tree_util.tree_structure(grads)}\n"
+          f"  params:    {jax.tree_util.tree_structure(state.accumulated)}\n"
+          "Pass gradients with the structure of the params (for "
+          "optax.lookahead, whose params are LookaheadParams, accumulate "
+          "without it or use accumulation_steps=1).")
     # A non-finite micro-batch is never added: no NaN enters the sum.
     acc = jax.tree_util.tree_map(
         lambda a, g: a + jnp.where(finite, g, jnp.zeros_like(g))
         if tree_lib.is_float_array(a) else a,
         state.accumulated, grads,
     )
+    # 1 / k (1 / the micro-batches held, after such a restore): a multiply,
+    # as XLA computes a / k.
+    seen = jnp.maximum(state.micro_step + 1, self.k).astype(jnp.float32)
+    inv = jnp.where(seen == self.k, np.float32(1 / self.k), 1 / seen)
     mean = jax.tree_util.tree_map(
-        lambda a, g: a / self.k if tree_lib.is_float_array(a) else g, acc, grads)
+        lambda a, g: a * inv.astype(a.dtype) if tree_lib.is_float_array(a)
+        else g, acc, grads)
     fields = dict(
         accumulated=tree_lib.select_tree(
             step_ends, optax.tree.zeros_like(acc), acc),
@@ -440,21 +594,8 @@ def _restored(loss_scale: Any) -> Any:
 
 
 def _find_states(tree: Any) -> Sequence[LossScaleState]:
-  """The LossScaleStates inside an optimizer state; refuses MultiSteps outside."""
-  found = []
-  for node in tree_lib.find_nodes(tree, (LossScaleState, optax.MultiStepsState)):
-    if isinstance(node, LossScaleState):
-      found.append(node)
-    elif tree_lib.find_nodes(node.inner_opt_state, LossScaleState):
-      raise TypeError(
-          "This optimizer is optax.MultiSteps(loss_scaling(...)): MultiSteps "
-          "accumulates the scaled gradients itself and resets its accumulator "
-          "by multiplying with 0, so one non-finite micro-batch turns it into "
-          "NaN for good and every later step is skipped. Accumulate inside the"
-          " wrapper instead: jmp_lite.loss_scaling(inner, loss_scale, "
-          "accumulation_steps=k)."
-      )
-  return found
+  """The LossScaleStates inside an optimizer state."""
+  return tree_lib.find_nodes(tree, LossScaleState)
 
 
 def get_loss_scale_state(opt_state: Any) -> LossScaleState:
@@ -479,8 +620,8 @@ def get_loss_scale_state(opt_state: Any) -> LossScaleState:
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
-    >>> opt = optax.chain(optax.add_decayed_weights(1e-4),
-    ...                   jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale(8.0)))
+    >>> opt = optax.chain(jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale(8.0)),
+    ...                   optax.scale_by_schedule(lambda step: 0.5))
     >>> state = jmp_lite.get_loss_scale_state(opt.init({"w": jnp.zeros(2)}))
     >>> int(state.skipped_steps), float(state.loss_scale.loss_scale)
     (0, 8.0)
