@@ -459,8 +459,8 @@ def test_dynamic_adjust_under_jit_with_any_input_dtype(input_name):
   assert float(down.loss_scale) == 512.0 and float(up.loss_scale) == 2048.0
   assert down.loss_scale.dtype == F32 and up.loss_scale.dtype == F32
   grads = jax.jit(lambda ls, g: ls.unscale(g))(down, jnp.full(3, 512.0, F16))
-  assert grads.dtype == F16
-  np.testing.assert_array_equal(grads, np.ones(3, F16))
+  assert grads.dtype == F32
+  np.testing.assert_array_equal(grads, np.ones(3, F32))
 
 
 BAD_SCALE_INPUTS = {
@@ -534,7 +534,9 @@ def _grads(seed=0):
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("kind", list(SCALERS))
 @pytest.mark.parametrize("value", [2.0**10, 2.0**-3, 3.0])
-def test_unscale_keeps_each_leaf_dtype(value, kind, jit):
+def test_unscale_returns_promote_types_with_float32(value, kind, jit):
+  """jmp's dtype rule: half leaves come back in float32, float32 (and
+  float64) leaves in their own dtype."""
   ls = SCALERS[kind](value)
   grads = _grads()
   out = _maybe_jit(lambda ls, g: ls.unscale(g), jit)(ls, grads)
@@ -542,24 +544,46 @@ def test_unscale_keeps_each_leaf_dtype(value, kind, jit):
   assert structure(out) == structure(grads)
   for key, x in grads.items():
     got = out[key]
-    assert got.dtype == x.dtype and got.shape == x.shape
-    expected = (x.astype(F32) / np.float32(value)).astype(x.dtype)
+    assert got.dtype == F32 and got.shape == x.shape
+    expected = x.astype(F32) / np.float32(value)
     if np.log2(value).is_integer():
-      np.testing.assert_array_equal(np.asarray(got, F32),
-                                    np.asarray(expected, F32))
+      np.testing.assert_array_equal(got, expected)
     else:
       # x * (1/s) vs x / s: at most one rounding step apart.
-      np.testing.assert_allclose(np.asarray(got, F32),
-                                 np.asarray(expected, F32),
-                                 rtol=float(jnp.finfo(x.dtype).eps))
+      np.testing.assert_allclose(got, expected,
+                                 rtol=float(jnp.finfo(F32).eps))
 
 
 def test_unscale_computes_in_f32_not_in_half():
-  """2**25 overflows float16 and 2**-25 flushes to zero: only f32 math works."""
+  """2**25 overflows float16 and 2**-25 flushes to zero: only f32 math works,
+  and the quotient 2**-27 must stay float32 (in float16 it is zero)."""
   ls = jmp_lite.StaticLossScale(2.0**25)
-  out = ls.unscale(jnp.asarray(1024.0, F16))
-  assert out.dtype == F16
-  assert float(out) == 2.0**-15
+  out = ls.unscale(jnp.asarray(0.25, F16))
+  assert out.dtype == F32
+  assert float(out) == 2.0**-27
+
+
+@pytest.mark.parametrize("half", [F16, BF16], ids=["f16", "bf16"])
+def test_haiku_recipe_cast_unscale_pmean_keeps_small_gradients(half):
+  """Haiku's ImageNet recipe: grads = policy.cast_to_compute(grads), then
+  loss_scale.unscale(grads), then jax.lax.pmean. Unscaling returns float32, as
+  jmp's does, so true gradients below float16's smallest subnormal (2**-24)
+  survive; rounded back to float16 every one of them would flush to zero."""
+  policy = jmp_lite.get_policy(f"p=f32,c={half.name}")
+  ls = jmp_lite.StaticLossScale(2.0**15)
+  true = jnp.asarray(np.exp2(-np.arange(26, 36, dtype=np.float32)), F32)
+  per_device = jnp.stack([true] * 4)  # 4 replicas, equal gradients.
+
+  def replica(g_true):
+    grads = {"w": g_true * ls.loss_scale}  # what a scaled backward gives
+    grads = policy.cast_to_compute(grads)
+    grads = ls.unscale(grads)
+    return jax.lax.pmean(grads, "devices")
+
+  out = jax.vmap(replica, axis_name="devices")(per_device)["w"]
+  assert out.dtype == F32
+  np.testing.assert_array_equal(out[0], true)
+  assert np.all(np.asarray(true.astype(F16), F32) == 0)  # f16 would lose all
 
 
 class _Marker:
@@ -591,7 +615,7 @@ def test_non_floating_leaves_pass_through(kind):
   assert float(ls.scale(tree)["py_int"]) == 3 * float(ls.loss_scale)
   if kind != "noop":
     assert ls.scale(tree)["f"].dtype == F32
-    assert ls.unscale(tree)["f"].dtype == F16
+    assert ls.unscale(tree)["f"].dtype == F32  # as jmp: promote with f32
 
 
 def test_non_floating_leaves_pass_through_under_jit():
@@ -603,8 +627,8 @@ def test_non_floating_leaves_pass_through_under_jit():
   for tree in out:
     assert tree["ints"].dtype == I32
     np.testing.assert_array_equal(tree["ints"], ints)
-  assert out[0]["f"].dtype == F32 and out[1]["f"].dtype == BF16
-  np.testing.assert_array_equal(np.asarray(out[1]["f"], F32), [2.0, 2.0])
+  assert out[0]["f"].dtype == F32 and out[1]["f"].dtype == F32
+  np.testing.assert_array_equal(out[1]["f"], [2.0, 2.0])
 
 
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=lambda d: d.name)
@@ -676,6 +700,13 @@ BAD_INPUTS = [
     ("static_zero", lambda: _SLS(0), [r"loss_scale", r"\b0(\.0)?\b"]),
     ("static_nan", lambda: _SLS(float("nan")), [r"loss_scale", r"nan"]),
     ("static_vector", lambda: _SLS(jnp.ones(3)), [r"loss_scale", r"\(3,\)"]),
+    # Static config cannot be traced (it was a '<' between None and float).
+    ("max_loss_scale_traced", lambda: jax.jit(
+        lambda m: _DLS(2.0**15, max_loss_scale=m).loss_scale)(2.0**20),
+     [r"max_loss_scale", r"static configuration", r"traced"]),
+    ("min_loss_scale_traced", lambda: jax.jit(
+        lambda m: _DLS(2.0**15, min_loss_scale=m).loss_scale)(2.0),
+     [r"min_loss_scale", r"static configuration", r"traced"]),
 ]
 
 

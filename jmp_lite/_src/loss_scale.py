@@ -289,15 +289,19 @@ def _scale_tree(tree: T, loss_scale: Any) -> T:
 
 
 def _unscale_tree(tree: T, loss_scale: Any) -> T:
-  """``x / loss_scale`` computed in float32 (or wider), returned in x's dtype."""
+  """``x / loss_scale`` in ``promote_types(x.dtype, f32)``, returned in it.
+
+  Half-precision leaves come back in float32, as in jmp: a small true
+  gradient that the scale lifted into float16's range would flush to zero
+  again if the quotient were rounded back to float16.
+  """
   inv = 1.0 / jnp.asarray(loss_scale, _F32)
 
   def unscale(x):
     if not tree_lib.is_float_array(x):
       return x
     dtype = dtypes.at_least_f32(x.dtype)
-    out = jnp.asarray(x, dtype) * inv.astype(dtype)
-    return out.astype(x.dtype)
+    return jnp.asarray(x, dtype) * inv.astype(dtype)
 
   return jax.tree_util.tree_map(unscale, tree)
 
@@ -355,8 +359,8 @@ class StaticLossScale:
     Array(256., dtype=float32)
     >>> ls.scale(1.0)               # Python numbers too, as in jmp
     Array(128., dtype=float32)
-    >>> ls.unscale(jnp.full((2,), 256.0, jnp.float16))
-    Array([2., 2.], dtype=float16)
+    >>> ls.unscale(jnp.full((2,), 256.0, jnp.float16))  # float32, as in jmp
+    Array([2., 2.], dtype=float32)
   """
 
   loss_scale: jax.Array
@@ -372,7 +376,8 @@ class StaticLossScale:
     return _scale_tree(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    """Divides floating leaves by the scale in f32; each keeps its dtype."""
+    """Divides floating leaves by the scale, in and returning
+    ``promote_types(dtype, f32)`` (float32 for half-precision leaves)."""
     return _unscale_tree(tree, self.loss_scale)
 
   def adjust(self, grads_finite: Any) -> "StaticLossScale":
@@ -498,7 +503,8 @@ class DynamicLossScale:
     return _scale_tree(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    """Divides floating leaves by the scale in f32; each keeps its dtype."""
+    """Divides floating leaves by the scale, in and returning
+    ``promote_types(dtype, f32)`` (float32 for half-precision leaves)."""
     return _unscale_tree(tree, self.loss_scale)
 
   def adjust(self, grads_finite: Any) -> "DynamicLossScale":
@@ -563,6 +569,7 @@ def _dynamic_config(
   floor = _floor(min_loss_scale, owner)
   cap = None
   if max_loss_scale is not None:
+    _static_number(max_loss_scale, "max_loss_scale", owner)  # Not traced.
     cap = _scale_value(max_loss_scale, "max_loss_scale", owner)
     if cap < floor:
       raise ValueError(
