@@ -106,7 +106,7 @@ def stall_run(param_dtype, inner, steps: int) -> dict:
       trajectory=trajectory,
   )
   try:
-    master = jmp_lite.get_master_params(opt_state)["w"]
+    master = jmp_lite.get_master_params(opt_state, params)["w"]
   except ValueError:
     master = None
   if master is not None:
@@ -240,10 +240,8 @@ def train(name, label, spec, make_inner, data, init_params, args) -> dict:
   unchanged = sum(int(jnp.sum(a == b)) for a, b in zip(
       jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(snapshot)))
   size = sum(x.size for x in jax.tree_util.tree_leaves(params))
-  try:
-    master_bytes = tree_bytes(jmp_lite.get_master_params(opt_state))
-  except ValueError:
-    master_bytes = 0
+  # The copies the state keeps (none without master_weights).
+  master_bytes = tree_bytes(optax.tree.get(opt_state, "master_params"))
   adam_leaves = jax.tree_util.tree_leaves(_adam_state(opt_state))
   state_dtypes = sorted({np.dtype(x.dtype).name
                          for x in adam_leaves if x.ndim >= 1})

@@ -96,22 +96,35 @@ class MasterWeightsState(NamedTuple):
   Attributes:
     inner_state: the wrapped optimizer's state, made by ``inner.init`` from the
       master copy, so its moments are in the master dtype (float32).
-    master_params: the master copy: the params' tree structure, every floating
-      leaf in the master dtype and with the params' sharding; non-floating
-      leaves hold the params' own values. It is authoritative: after each step
-      ``params == master_params.astype(params.dtype)``, bit for bit. Read it
-      with :func:`get_master_params`.
+    master_params: the master copy, a tree with the params' structure: every
+      floating param narrower than the master dtype (bfloat16, float16) has
+      its copy there, in the master dtype and with the param's sharding; the
+      other params (already in the master dtype, or not floating) need none
+      and hold ``None``. It is authoritative: after each step
+      ``params == master_params.astype(params.dtype)``, bit for bit. Read it,
+      completed with those params, with :func:`get_master_params`.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.master_weights(optax.sgd(0.1))
-    >>> state = opt.init({"w": jnp.ones(2, jnp.bfloat16)})
-    >>> state.master_params["w"].dtype
-    dtype('float32')
+    >>> state = opt.init({"w": jnp.ones(2, jnp.bfloat16), "scale": jnp.ones(2)})
+    >>> state.master_params["w"].dtype, state.master_params["scale"]
+    (dtype('float32'), None)
   """
 
   inner_state: Any
   master_params: Any
+
+
+def _refuse_loss_scaling_inside(inner_state: Any, owner: str) -> None:
+  # Imported here: loss_scaling's module imports this one's neighbours only.
+  from jmp_lite._src import optax_wrapper  # pylint: disable=g-import-not-at-top
+  if tree_lib.find_nodes(inner_state, optax_wrapper.LossScaleState):
+    raise TypeError(
+        f"{owner} wraps loss_scaling, which must be the outermost "
+        "transformation (a skipped step must leave this wrapper's state "
+        f"untouched too): write loss_scaling({owner}(inner, ...), loss_scale)."
+    )
 
 
 def master_weights(
@@ -121,7 +134,8 @@ def master_weights(
 
   Apex's O2 recipe as an optax wrapper: the params stay in half precision
   (bfloat16/float16) for compute and memory, and the optimizer state holds a
-  master copy in ``dtype``. ``update(grads, state, params, **extra_args)``
+  master copy of them in ``dtype``. ``update(grads, state, params,
+  **extra_args)``
 
   1. casts the floating gradients to the master dtype;
   2. runs ``inner`` against the master copy (so its moments are float32 and
@@ -131,39 +145,21 @@ def master_weights(
      below the params' spacing (a bfloat16 ``1.0`` ignores any update smaller
      than ``2**-9``) still accumulate;
   4. returns the updates that take the params to the new master copy rounded
-     to their dtype.
+     to their dtype (``optax.apply_updates`` lands on it exactly; the guide
+     says why).
 
-  **How the params land on the master copy.** ``optax.apply_updates`` computes
-  ``(p + u).astype(p.dtype)``, the sum in the promoted dtype. For a leaf whose
-  dtype differs from the master's, the returned update is
-  ``new_master.astype(p.dtype).astype(m) - p.astype(m)`` computed in the master
-  dtype ``m``: the difference of two half-precision values is exact in float32
-  unless the step shrinks the element by more than a factor of about ``2**16``
-  (bfloat16) or ``2**13`` (float16), so ``p + u`` is exactly the rounded master
-  value and the final cast changes nothing. (An update in the params' own dtype
-  would round often, e.g. whenever an element crosses zero.) In the rare
-  extreme step the params miss by one rounding for that step only: every update
-  is computed from the params it is given, so the next step lands exactly again,
-  and the master copy is never affected. For a leaf already in the master
-  dtype the inner update is returned as it is and added to the master copy the
-  way ``apply_updates`` adds it to the params, so the two stay identical (and
-  such params train exactly as under ``inner`` alone). The updates are in the
-  master dtype: with ``jax.numpy_dtype_promotion('strict')``, apply them as
-  ``(p.astype(u.dtype) + u).astype(p.dtype)``.
-
-  Because the master copy is authoritative, a change made to the params
-  outside the optimizer (loading weights, say) is undone by the next step;
-  re-run ``init`` after changing them. Non-floating leaves pass through: the
-  inner optimizer sees the params' own leaves there, its updates for them are
-  returned unchanged, and the state stores the params' values.
+  Params already in the master dtype (a float32 norm scale among bfloat16
+  weights) and non-floating params get no copy: ``inner`` runs on them as
+  they are and its updates are returned unchanged, so they train exactly as
+  under ``inner`` alone. Because the master copy is authoritative, a change
+  made to the half-precision params outside the optimizer (loading weights)
+  is undone by the next step; re-run ``init`` after changing them.
 
   Compose with :func:`loss_scaling` outside
-  (``loss_scaling(master_weights(optax.adam(1e-3)), loss_scale)``): a skipped
-  non-finite step then leaves the master copy and the inner state untouched,
-  bit for bit. Use :func:`with_state_dtype` inside to keep the moments in
-  bfloat16 as well, and put ``optax.MultiSteps`` inside
-  (``master_weights(optax.MultiSteps(inner, k))``) so that its gradient
-  accumulator is float32 too.
+  (``loss_scaling(master_weights(optax.adam(1e-3)), loss_scale)``), so that a
+  skipped step leaves the master copy untouched; put
+  :func:`with_state_dtype` inside to store the moments in bfloat16. Guide:
+  ``docs/precision.md``.
 
   Args:
     inner: the optax optimizer to run on the master copy
@@ -178,7 +174,9 @@ def master_weights(
 
   Raises:
     TypeError: if ``inner`` is not an optax transformation or ``dtype`` is not
-      a floating dtype; from ``update``, if the state is not this wrapper's.
+      a floating dtype; from ``init``, if ``inner`` contains
+      :func:`loss_scaling`; from ``update``, if the state is not this
+      wrapper's.
     ValueError: from ``init``, if ``dtype`` cannot represent some floating
       param (e.g. a bfloat16 master for float32 params); from ``update``, if
       ``params`` is not given.
@@ -192,7 +190,7 @@ def master_weights(
     >>> for _ in range(10):  # each step is below bfloat16's spacing at 1.0
     ...   updates, state = opt.update(grads, state, params)
     ...   params = optax.apply_updates(params, updates)
-    >>> master = jmp_lite.get_master_params(state)["w"]
+    >>> master = jmp_lite.get_master_params(state, params)["w"]
     >>> master.dtype, round(float(master[0]), 6)
     (dtype('float32'), 0.99)
     >>> params["w"]  # the master copy, rounded (plain sgd would stay at 1)
@@ -203,6 +201,9 @@ def master_weights(
   master_dtype = _floating_dtype(
       dtype, f"{owner}'s dtype", "jnp.float32 (the default)"
   )
+
+  def needs_copy(p):
+    return tree_lib.is_float_array(p) and np.dtype(p.dtype) != master_dtype
 
   def init_fn(params):
     _check_enabled(master_dtype, f"{owner}'s dtype")
@@ -224,17 +225,12 @@ def master_weights(
           f"{owner}(inner, dtype=jnp.float32) (the default) for float16 or "
           "bfloat16 params; float32 params need no master copy."
       )
-    # Fresh buffers (astype alone would alias params already in the master
-    # dtype, and a step that donates both would fail).
     master = jax.tree_util.tree_map(
-        lambda p: jnp.array(p, dtype=master_dtype, copy=True)
-        if tree_lib.is_float_array(p)
-        else (jnp.array(p, copy=True) if tree_lib.is_array(p) else p),
-        params,
-    )
-    return MasterWeightsState(
-        inner_state=inner.init(master), master_params=master
-    )
+        lambda p: jnp.asarray(p, master_dtype) if needs_copy(p) else None,
+        params)
+    inner_state = inner.init(_inner_params(params, master))
+    _refuse_loss_scaling_inside(inner_state, owner)
+    return MasterWeightsState(inner_state=inner_state, master_params=master)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, MasterWeightsState):
@@ -249,34 +245,31 @@ def master_weights(
           "opt.update(grads, state, params)."
       )
     master = state.master_params
-    is_master = tree_lib.is_float_array
-
-    # The inner optimizer sees the master copy and float32 gradients.
-    inner_params = jax.tree_util.tree_map(
-        lambda m, p: m if is_master(m) else p, master, params
-    )
-    grads = tree_lib.cast_like(updates, master)
+    # The inner optimizer sees the master copy (and the params that need
+    # none) and gradients in their dtypes.
+    inner_params = _inner_params(params, master)
+    grads = tree_lib.cast_like(updates, inner_params)
     inner_updates, inner_state = inner.update(
         grads, state.inner_state, inner_params, **extra_args
     )
-    inner_updates = tree_lib.cast_like(inner_updates, master)
+    inner_updates = tree_lib.cast_like(inner_updates, inner_params)
 
-    def new_master(m, p, u):
-      return m + u if is_master(m) else p
+    def new_master(p, m, u):
+      del p
+      return None if m is None else m + u
 
-    def out_update(m, new_m, p, u):
-      if not is_master(m) or p.dtype == m.dtype:
-        return u  # apply_updates computes p + u, as new_master did.
-      # Exact in the master dtype (see the docstring), so p + u == target.
+    def out_update(p, m, new_m, u):
+      if m is None:
+        return u  # No copy: the param trains as under inner alone.
+      # Exact in the master dtype (see docs/precision.md), so p + u lands on
+      # the rounded master value.
       target = new_m.astype(p.dtype).astype(m.dtype)
       return target - p.astype(m.dtype)
 
     master_out = jax.tree_util.tree_map(
-        new_master, master, params, inner_updates
-    )
+        new_master, params, master, inner_updates)
     updates_out = jax.tree_util.tree_map(
-        out_update, master, master_out, params, inner_updates
-    )
+        out_update, params, master, master_out, inner_updates)
     return updates_out, MasterWeightsState(
         inner_state=inner_state, master_params=master_out
     )
@@ -284,8 +277,15 @@ def master_weights(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def get_master_params(opt_state: Any) -> Any:
-  """Returns the master copy of the params from an optimizer state.
+def _inner_params(params: Any, master: Any) -> Any:
+  """The params the inner optimizer runs on: the master copy where one is
+  kept, the params themselves elsewhere."""
+  return jax.tree_util.tree_map(
+      lambda p, m: p if m is None else m, params, master)
+
+
+def get_master_params(opt_state: Any, params: Any) -> Any:
+  """Returns the full-precision params from an optimizer state.
 
   The :class:`MasterWeightsState` may sit anywhere inside ``opt_state``: at the
   top, inside ``loss_scaling``, ``optax.chain``, ``optax.MultiSteps``,
@@ -293,23 +293,26 @@ def get_master_params(opt_state: Any) -> Any:
 
   Args:
     opt_state: the state of an optimizer built with :func:`master_weights`.
+    params: the current params (those that need no master copy -- already in
+      the master dtype, or not floating -- are returned as they are).
 
   Returns:
-    The master params: the params' tree, floating leaves in the master dtype.
-    Evaluate or export from these rather than from the rounded params if you
-    want the full-precision values.
+    The params' tree with the master copy where one is kept (in the master
+    dtype) and ``params``' own leaves elsewhere. Evaluate or export from these
+    rather than from the rounded half-precision params.
 
   Raises:
     ValueError: if the state holds no master copy, or more than one (then pass
-      the sub-state you mean).
+      the sub-state you mean), or ``params`` does not have the structure of
+      the params the state was made for.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.loss_scaling(jmp_lite.master_weights(optax.sgd(0.1)),
     ...                             jmp_lite.NoOpLossScale())
-    >>> state = opt.init({"w": jnp.ones(2, jnp.float16)})
-    >>> jmp_lite.get_master_params(state)
-    {'w': Array([1., 1.], dtype=float32)}
+    >>> params = {"w": jnp.ones(2, jnp.float16), "b": jnp.zeros(2)}
+    >>> jmp_lite.get_master_params(opt.init(params), params)["w"]
+    Array([1., 1.], dtype=float32)
   """
   found = tree_lib.find_nodes(opt_state, MasterWeightsState)
   if not found:
@@ -324,7 +327,14 @@ def get_master_params(opt_state: Any) -> Any:
         "optimizer state, so which one to return is ambiguous. Pass the "
         "sub-state of the optimizer you mean."
     )
-  return found[0].master_params
+  master = found[0].master_params
+  try:
+    return _inner_params(params, master)
+  except ValueError as err:
+    raise ValueError(
+        "get_master_params: params must have the structure of the params "
+        f"the optimizer state was made for. ({err})"
+    ) from None
 
 
 # -- optimizer-state dtypes --------------------------------------------------
@@ -413,6 +423,7 @@ def with_state_dtype(
   def init_fn(params):
     _check_enabled(store_dtype, f"{owner}'s dtype")
     state = inner.init(params)
+    _refuse_loss_scaling_inside(state, owner)
     if tree_lib.find_nodes(state, MasterWeightsState):
       raise ValueError(
           f"{owner} wraps an optimizer containing master_weights, so the "
