@@ -127,6 +127,58 @@ def test_with_policy_applies_the_precision_to_every_matmul(spec, want):
   assert [_precision(d) for d in dots] == [want, want], dots
 
 
+def _cuda_dots(fn, *args):
+  """The dot_general / convolution lines of fn's program exported for GPU."""
+  text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+  return [line for line in text.splitlines()
+          if ("stablehlo.dot_general" in line
+              or "stablehlo.convolution" in line)]
+
+
+def _conv_net(params, x):
+  h = jax.lax.conv_general_dilated(x, params["k"], (1, 1), "SAME",
+                                   dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  return h.reshape(h.shape[0], -1) @ params["w"]
+
+
+CONV_PARAMS = {"k": jnp.ones((3, 3, 2, 4)), "w": jnp.ones((4 * 4 * 4, 3))}
+CONV_X = jnp.ones((2, 4, 4, 2))
+
+
+@pytest.mark.parametrize("spec,matmul,conv", [
+    ("tf32", "HIGH", "HIGH"),
+    ("c=f32,m=f32", "HIGHEST", "HIGHEST"),
+    # One bfloat16 pass is the preset: JAX's "bfloat16" setting is DEFAULT.
+    ("c=f32,m=bf16", "algorithm:bf16", "DEFAULT"),
+    ("c=f32,m=bf16_bf16_f32_x3", "algorithm:bf16", "DEFAULT"),
+    ("c=f32,m=tf32_tf32_f32", "algorithm:tf32", "DEFAULT"),
+])
+def test_what_each_precision_puts_in_the_gpu_program(spec, matmul, conv):
+  """The table of docs/precision.md, on the program exported for GPU: named
+  precisions reach convolutions; algorithm presets only matmuls."""
+  dots = _cuda_dots(jmp_lite.with_policy(_conv_net, spec), CONV_PARAMS, CONV_X)
+  convs = [d for d in dots if "convolution" in d]
+  mms = [d for d in dots if "dot_general" in d]
+  assert len(convs) == 1 and len(mms) == 1, dots
+  assert _precision(mms[0]) == matmul, mms
+  conv_precision = re.search(r"precision (\w+)>", convs[0])
+  assert (conv_precision.group(1) if conv_precision else "DEFAULT") == conv
+
+
+def test_bf16_matmul_precision_on_cpu_computes_in_float32():
+  """What docs/precision.md says of XLA:CPU: it accepts the preset on float32
+  operands but does not round them to bfloat16 (the GPU program above carries
+  the one-pass algorithm), and rejects it on a single-element matmul."""
+  a = jnp.full((2, 8), 1.0 + 2.0**-12, F32)
+  b = jnp.eye(8, 4, dtype=F32)
+  one_pass = jax.jit(jmp_lite.with_policy(lambda a, b: a @ b,
+                                          "c=f32,m=bf16"))(a, b)
+  np.testing.assert_array_equal(one_pass, np.full((2, 4), 1.0 + 2.0**-12, F32))
+  single = jax.jit(jmp_lite.with_policy(lambda a, b: a @ b, "c=f32,m=bf16"))
+  with pytest.raises(Exception, match="Algorithm not supported"):
+    single(jnp.ones((1, 8)), jnp.ones((8, 1))).block_until_ready()
+
+
 def test_presets_for_half_inputs_reach_the_jaxpr():
   # XLA:CPU cannot lower F16_F16_F32 (GPUs can): check the traced dots.
   f = jmp_lite.with_policy(_mlp, "c=f16,m=f16_f16_f32")

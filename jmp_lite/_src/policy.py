@@ -44,7 +44,10 @@ _PRECISION_ALIASES = {
     "f32": "f32", "float32": "f32", "highest": "f32",
     "bf16": "bf16", "bfloat16": "bf16",
 }
-_JAX_PRECISION = {"tf32": "tensorfloat32", "f32": "highest", "bf16": "bfloat16"}
+# "bf16" is the one-pass preset: JAX's own "bfloat16" setting is DEFAULT (TF32
+# on NVIDIA GPUs, full float32 on CPU), not a bfloat16 pass.
+_JAX_PRECISION = {"tf32": "tensorfloat32", "f32": "highest",
+                  "bf16": "BF16_BF16_F32"}
 _PRESETS_BY_NAME = {
     preset.name.lower(): preset
     for preset in jax.lax.DotAlgorithmPreset
@@ -112,11 +115,14 @@ class Policy:
   dict keys). A float64 policy needs ``jax.config.update("jax_enable_x64",
   True)`` to give float64 JAX arrays.
 
-  An optional ``matmul_precision`` says how matmuls and convolutions run where
-  the policy applies (``with_policy``, the Flax policies, ``autocast``):
-  ``"tf32"`` (TensorFloat-32), ``"f32"`` (full float32) or ``"bf16"`` (one
-  bfloat16 pass) for float32 compute, or a ``jax.lax.DotAlgorithmPreset``
-  name such as ``"bf16_bf16_f32_x3"`` or ``"f16_f16_f32"``. It is applied with
+  An optional ``matmul_precision`` says how matmuls run where the policy
+  applies (``with_policy``, the Flax policies, ``autocast``): ``"tf32"``
+  (TensorFloat-32) or ``"f32"`` (full float32), which apply to matmuls and
+  convolutions; or ``"bf16"`` (one bfloat16 pass, the preset
+  ``BF16_BF16_F32``) or any ``jax.lax.DotAlgorithmPreset`` name such as
+  ``"bf16_bf16_f32_x3"`` or ``"f16_f16_f32"``, which apply to matmuls only
+  (XLA's convolutions take no algorithm: they keep the backend's default
+  precision, TF32 for float32 on NVIDIA GPUs). It is applied with
   ``jax.default_matmul_precision`` while the function is traced.
 
   Args:
