@@ -670,6 +670,13 @@ def test_not_callable_raises():
     autocast("mlp", jnp.float16)
 
 
+@pytest.mark.parametrize("fn", [3, None, "f"])
+def test_op_dtypes_of_a_non_callable_raises_a_clear_error(fn):
+  with pytest.raises(TypeError, match=r"op_dtypes.*must be a callable.*"
+                     r"jmp_lite\.op_dtypes\(fn, \*args\)"):
+    jmp_lite.op_dtypes(fn, jnp.ones(2))
+
+
 def test_untraceable_function_raises_a_clear_error():
   def fn(x):
     return x if x.sum() > 0 else -x  # Python control flow on a traced value.

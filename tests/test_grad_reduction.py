@@ -528,6 +528,26 @@ def test_pmean_value_and_grad_bad_input():
     jmp_lite.pmean_value_and_grad(_vg(), "i")(jnp.ones(2), jnp.ones((4, 2)))
 
 
+@needs_devices
+@pytest.mark.parametrize("where", ["jit", "pmap_other_axis",
+                                   "vmap_other_axis"])
+def test_pmean_value_and_grad_on_an_unbound_axis_is_a_value_error(where):
+  """A NameError under jit and a bare AssertionError under pmap over another
+  axis, before: the docstring promises a ValueError."""
+  step = jmp_lite.pmean_value_and_grad(_vg(), "i")
+  w, xs = jnp.ones(2), jnp.ones((2, 4, 2))
+  run = {
+      "jit": lambda: jax.jit(step)(w, xs[0]),
+      "pmap_other_axis": lambda: jax.pmap(step, axis_name="j",
+                                          in_axes=(None, 0))(w, xs),
+      "vmap_other_axis": lambda: jax.vmap(step, axis_name="j",
+                                          in_axes=(None, 0))(w, xs),
+  }[where]
+  with pytest.raises(ValueError, match=r"pmean_value_and_grad\(axis_name='i'\)"
+                     r".*no such axis is bound"):
+    run()
+
+
 # ---------------------------------------------------------------------------
 # Two processes, as on two hosts: jax.distributed with gloo CPU collectives.
 # ---------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.extend
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
@@ -75,7 +76,21 @@ def test_policy_saves_by_output_dtype(prim, avals, params, expected):
 
 
 def test_policy_does_not_save_what_it_cannot_type():
-  assert jmp_lite.save_half_residuals(object()) is False
+  """A primitive without an abstract evaluation rule: its outputs are
+  recomputed, which is always correct."""
+  untyped = jax.extend.core.Primitive("jmp_lite_test_untyped")
+  aval = jax.core.ShapedArray((2,), jnp.float16)
+  assert jmp_lite.save_half_residuals(untyped, aval) is False
+
+
+@pytest.mark.parametrize("mistake", [lambda x: x ** 2, "dot_general", object()],
+                         ids=["decorated_function", "name", "object"])
+def test_policy_called_by_hand_is_a_type_error(mistake):
+  """Called on something that is not a primitive (mistaken for a decorator or
+  given a name), it raised nothing and returned False."""
+  with pytest.raises(TypeError, match=r"jax.checkpoint policy.*policy=jmp_lite"
+                     r"\.save_half_residuals"):
+    jmp_lite.save_half_residuals(mistake)
 
 
 def test_block_keeps_no_float32_residuals_and_same_gradients():

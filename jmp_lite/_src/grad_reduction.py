@@ -295,6 +295,24 @@ def pmean_f32(tree: Any, axis_name: Any) -> Any:
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _check_bound(axis_name: Any, caller: str) -> None:
+  """Raises a teaching ValueError unless ``axis_name`` is a bound mapped axis.
+
+  ``lax.psum`` of a constant is the axis size, computed while tracing (no
+  collective runs); on an unbound axis JAX raises NameError (or, for some
+  collectives under pmap over another axis, a bare AssertionError).
+  """
+  try:
+    lax.psum(1, axis_name)
+  except (NameError, AssertionError) as err:
+    raise ValueError(
+        f"{caller}(axis_name={axis_name!r}) must run inside jax.pmap or "
+        "jax.shard_map over that axis (pass the same axis_name there); here "
+        "no such axis is bound. Under jax.jit with a sharded batch, use "
+        f"jmp_lite.grouped_value_and_grad instead. ({err})"
+    ) from None
+
+
 def _to_varying(x: Any, axis_name: Any) -> Any:
   """``x`` marked as varying over ``axis_name`` (shard_map's ``check_vma``).
 
@@ -380,6 +398,7 @@ def pmean_value_and_grad(
 
   def wrapped(*args, **kwargs):
     _check_in_range(nums, "argnums", len(args), caller)
+    _check_bound(axis_name, caller)
     args = list(args)
     for i in nums:
       args[i] = jax.tree_util.tree_map(lambda x: _to_varying(x, axis_name), args[i])

@@ -17,6 +17,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src.autocast import compat
+
 
 def _out_avals(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]):
   out = prim.abstract_eval(*avals, **params)
@@ -52,6 +54,10 @@ def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
   Returns:
     Whether the primitive's outputs may be saved.
 
+  Raises:
+    TypeError: if ``prim`` is not a JAX primitive (the policy was called by
+      hand or used as a decorator).
+
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
     >>> def loss(w, x):
@@ -67,6 +73,15 @@ def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
     >>> saved_dtypes(jax.checkpoint(loss, policy=jmp_lite.save_half_residuals))
     ['float16']
   """
+  # (On a jax whose internals compat cannot read, the check is skipped.)
+  if compat.Primitive is not None and not compat.is_primitive(prim):
+    raise TypeError(
+        "save_half_residuals is a jax.checkpoint policy, which JAX calls with "
+        f"each primitive of the function; it got {type(prim).__name__}: "
+        f"{prim!r}. Pass it as the policy, without calling it: "
+        "jax.checkpoint(loss_fn, policy=jmp_lite.save_half_residuals) (it is "
+        "not a decorator of its own)."
+    )
   if getattr(prim, "name", None) in _FREE:
     return False
   try:

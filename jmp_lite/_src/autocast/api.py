@@ -86,7 +86,8 @@ def autocast(
   explicit ``.astype(jnp.bfloat16)`` on an output is kept -- so the autocast
   function can replace ``fn`` in a train step. Of a policy, autocast uses the
   compute dtype and the matmul precision (``"p=f32,c=f32,o=f32,m=tf32"``
-  applies to every matmul and convolution of ``fn``); its param and output
+  applies to every matmul and convolution of ``fn``; an algorithm preset to
+  every matmul); its param and output
   dtypes concern the casts ``with_policy`` makes at a function's boundary.
   Gradients with respect to the inputs come back in the inputs' dtypes.
 
@@ -226,12 +227,22 @@ def op_dtypes(
     A list of ``(primitive name, (dtype name, ...))`` pairs, one per equation,
     listing the dtypes of its floating inputs only.
 
+  Raises:
+    TypeError: if ``fn`` is not callable.
+
   Example:
     >>> import jax.numpy as jnp, jmp_lite
     >>> f = jmp_lite.autocast(lambda x: jnp.exp(x @ x), jnp.bfloat16)
     >>> [op for op in jmp_lite.op_dtypes(f, jnp.ones((2, 2))) if op[0] in ("dot_general", "exp")]
     [('dot_general', ('bfloat16', 'bfloat16')), ('exp', ('float32',))]
   """
+  if not callable(fn):
+    raise TypeError(
+        "op_dtypes lists the operations of a function: its first argument "
+        f"must be a callable, got {type(fn).__name__}: {fn!r}. Call it as "
+        "jmp_lite.op_dtypes(fn, *args), e.g. op_dtypes(jmp_lite.autocast(f, "
+        "'bf16'), x)."
+    )
   compat.require("jmp_lite.op_dtypes")
   flat_fn, dynamic = _split_static(
       fn,
