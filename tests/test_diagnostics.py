@@ -2,12 +2,17 @@
 
 Statistics are checked against hand-computed counts on constructed arrays
 (subnormals, exact powers of two at every threshold, inf/NaN, zeros) for
-float16, bfloat16, float32 and float64 inputs, and against a float64 numpy
-reference on random arrays spanning float32's whole range.
+float16, bfloat16, float32 and float64 inputs, and against a reference in
+exact rationals (``fractions.Fraction``): random arrays spanning float32's
+whole range, random bit patterns, and values at and one or two ulps either
+side of every threshold at non-power-of-two scales — for float16, bfloat16,
+float32, float64 with x64 and NumPy float64 without x64.
 """
 
+from fractions import Fraction
 import inspect
 import io
+import json
 import math
 import os
 import re
@@ -54,25 +59,62 @@ def above(value, dtype=np.float32):
   return np.nextafter(dtype(value), dtype(np.inf))
 
 
+# The thresholds as exact rationals (independent of the library's constants).
+Q_F16_SUBNORMAL = Fraction(1, 2**24)
+Q_F16_NORMAL = Fraction(1, 2**14)
+Q_F16_MAX = Fraction(65504)                  # 2047 * 2**5
+Q_BF16_SUBNORMAL = Fraction(1, 2**133)
+Q_BF16_MAX = Fraction(255 * 2**120)          # (2 - 2**-7) * 2**127
+assert Q_BF16_MAX == Fraction(BF16_MAX)
+
+
+def floor_log2(q):
+  """``floor(log2(q))`` of a positive Fraction, exactly."""
+  n, d = q.numerator, q.denominator
+  e = n.bit_length() - d.bit_length()
+  if (n if e >= 0 else n << -e) < (d << e if e >= 0 else d):
+    e -= 1
+  return e
+
+
+def as_floats(x):
+  """The entries of an array of any float dtype as Python floats (exact)."""
+  with np.errstate(invalid="ignore"):   # signalling NaNs
+    return np.asarray(x).astype(np.float64).reshape(-1).tolist()
+
+
 def reference(x, scale):
-  """The statistics computed in float64 numpy (exact for float32 inputs and
-  scales that keep ``|x| * scale`` inside float64's range)."""
-  a = np.abs(np.asarray(x, np.float64))
-  finite = np.isfinite(a)
-  nonzero = finite & (a != 0)
-  v = a * scale
-  exps = np.floor(np.log2(np.where(nonzero, v, 1.0))).astype(int)
+  """The statistics from exact rationals (``fractions.Fraction``): every
+  count and bin is decided on the exact real product ``|x| * s``, ``s`` the
+  loss scale as a float32 (as ``TensorStats.loss_scale`` holds it)."""
+  s = Fraction(float(np.float32(scale)))
+  out = dict.fromkeys(COUNTS, 0)
   hist = np.zeros(len(diagnostics.HISTOGRAM_EXPONENTS), int)
-  np.add.at(hist, np.clip(exps[nonzero], -150, 149) + 150, 1)
-  return dict(
-      zeros=int(np.sum(a == 0)),
-      nonfinite=int(np.sum(~finite)),
-      f16_underflow=int(np.sum(nonzero & (v < 2.0**-24))),
-      f16_subnormal=int(np.sum(nonzero & (v < 2.0**-14))),
-      f16_overflow=int(np.sum(finite & (v > 65504))),
-      bf16_underflow=int(np.sum(nonzero & (v < 2.0**-133))),
-      bf16_overflow=int(np.sum(finite & (v > BF16_MAX))),
-  ), hist, float(np.max(np.where(finite, a, 0), initial=0))
+  max_abs = 0.0
+  for value in as_floats(x):
+    if not math.isfinite(value):
+      out["nonfinite"] += 1
+      continue
+    max_abs = max(max_abs, abs(value))
+    if value == 0:
+      out["zeros"] += 1
+      continue
+    v = abs(Fraction(value)) * s
+    out["f16_underflow"] += v < Q_F16_SUBNORMAL
+    out["f16_subnormal"] += v < Q_F16_NORMAL
+    out["f16_overflow"] += v > Q_F16_MAX
+    out["bf16_underflow"] += v < Q_BF16_SUBNORMAL
+    out["bf16_overflow"] += v > Q_BF16_MAX
+    hist[min(max(floor_log2(v), -150), 149) + 150] += 1
+  return out, hist, max_abs
+
+
+def assert_matches_reference(stats, x, scale):
+  expected, hist, max_abs = reference(x, scale)
+  assert counts(stats) == expected
+  np.testing.assert_array_equal(np.asarray(stats.histogram), hist)
+  assert int(stats.size) == np.size(x)
+  return max_abs
 
 
 # ---------------------------------------------------------------------------
@@ -126,6 +168,8 @@ def test_float16_inputs_subnormals_and_max(use_jit):
   assert counts(stats)["f16_overflow"] == 2
   assert counts(stats)["f16_subnormal"] == 2
   assert float(stats.max_abs) == 65504.0  # max_abs is of the values themselves
+  subnormals = maybe_jit(diagnostics.tensor_stats, use_jit)(x[1:4])
+  assert float(subnormals.max_abs) == 2.0**-15   # float16 subnormals, exact
 
 
 @JIT
@@ -195,7 +239,7 @@ def test_histogram_clips_at_both_ends():
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
 @pytest.mark.parametrize("scale", [1.0, 2.0**15, 3.0, 0.7, 2.0**-20, 1e10])
-def test_matches_float64_reference_on_random_arrays(dtype, scale):
+def test_matches_exact_reference_on_random_arrays(dtype, scale):
   rng = np.random.default_rng(0)
   x = rng.standard_normal(3000) * np.exp2(rng.uniform(-150, 128, 3000))
   x[:10] = 0.0
@@ -203,11 +247,235 @@ def test_matches_float64_reference_on_random_arrays(dtype, scale):
   with np.errstate(over="ignore"):
     x = jnp.asarray(x.astype(np.float32)).astype(dtype)
   stats = jax.jit(diagnostics.tensor_stats)(x, scale)
-  expected, hist, max_abs = reference(np.asarray(x.astype(F32)), scale)
-  assert counts(stats) == expected
-  np.testing.assert_array_equal(np.asarray(stats.histogram), hist)
+  max_abs = assert_matches_reference(stats, x, scale)
   assert float(stats.max_abs) == max_abs
-  assert int(jnp.sum(stats.histogram)) == x.size - expected["zeros"] - expected["nonfinite"]
+  assert int(jnp.sum(stats.histogram)) == (
+      x.size - int(stats.zeros) - int(stats.nonfinite))
+
+
+# ---------------------------------------------------------------------------
+# Exact at every threshold and scale: against exact rationals.
+# ---------------------------------------------------------------------------
+
+UINT = {F16: np.uint16, BF16: np.uint16, F32: np.uint32, F64: np.uint64}
+THRESHOLDS = (Q_F16_SUBNORMAL, Q_F16_NORMAL, Q_F16_MAX, Q_BF16_SUBNORMAL,
+              Q_BF16_MAX)
+# Loss-scale binades: small and large, up to 2^125 (so that float32
+# subnormal inputs reach float16's thresholds).
+SCALE_EXPONENTS = (-120, -60, -20, -3, 0, 3, 15, 40, 90, 105, 115, 125)
+CASE_SIZE = 256
+
+
+def random_scale(rng, exponent):
+  """A float32 loss scale in ``[2**exponent, 2**(exponent + 1))`` that is not
+  a power of two (a random nonzero 23-bit fraction)."""
+  fraction = int(rng.integers(1, 2**23))
+  value = (1 + fraction / 2**23) * 2.0**exponent
+  assert float(np.float32(value)) == value
+  return value
+
+
+def ulps_around(x, dtype, steps=2):
+  """The positive finite ``dtype`` numbers up to ``steps`` ulps either side
+  of each entry of ``x`` (itself included)."""
+  uint = UINT[dtype]
+  top = int(np.asarray(ml_dtypes.finfo(dtype).max, dtype).view(uint))
+  bits = np.asarray(x, dtype).view(uint).astype(np.int64)
+  near = np.concatenate([bits + k for k in range(-steps, steps + 1)])
+  return np.clip(near, 1, top).astype(uint).view(dtype)
+
+
+def threshold_cases(dtype, scale, rng):
+  """``CASE_SIZE`` values of ``dtype`` whose products with ``scale`` lie at
+  and a few ulps either side of every threshold and of some binade edges
+  (2^k, the histogram's ends included), random signs, zeros as padding."""
+  finfo = ml_dtypes.finfo(dtype)
+  low, high = float(finfo.smallest_subnormal), float(finfo.max)
+  edges = [Fraction(2)**int(k) for k in rng.integers(-152, 153, 8)]
+  edges += [Fraction(2)**k for k in (-151, -150, -149, 149, 150)]
+  targets = [float(t / Fraction(scale)) for t in THRESHOLDS + tuple(edges)]
+  targets = np.array([t for t in targets if low <= t <= high])
+  with np.errstate(over="ignore", under="ignore"):
+    x = ulps_around(targets.astype(dtype), dtype)
+  x = np.where(rng.random(x.size) < 0.5, -x, x).astype(dtype)
+  assert x.size <= CASE_SIZE
+  return np.concatenate([x, np.zeros(CASE_SIZE - x.size, dtype)])
+
+
+def exactness_cases(dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  return [(scale, threshold_cases(dtype, scale, rng))
+          for scale in (random_scale(rng, e) for e in SCALE_EXPONENTS)]
+
+
+def test_the_reference_product_rounds_where_float32_does():
+  """The regression: |x| * 1.1 is below 2^-24, float32 rounds it to 2^-24."""
+  x = np.float32(5.418604e-08)
+  scale = np.float32(1.1)
+  assert Fraction(float(x)) * Fraction(float(scale)) < Q_F16_SUBNORMAL
+  assert x * scale == np.float32(2.0**-24)
+  for fn in (diagnostics.tensor_stats, jax.jit(diagnostics.tensor_stats)):
+    stats = fn(jnp.array([x]), 1.1)
+    assert int(stats.f16_underflow) == 1 and int(stats.f16_subnormal) == 1
+    assert int(np.asarray(stats.histogram)[-25 + 150]) == 1
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
+@JIT
+def test_counts_are_exact_at_every_threshold_and_scale(dtype, use_jit):
+  """Non-power-of-two scales, values at and one or two ulps either side of
+  each threshold (subnormal inputs included); a traced scale under jit."""
+  fn = jax.jit(diagnostics.tensor_stats) if use_jit else diagnostics.tensor_stats
+  subnormal_inputs = 0
+  for scale, x in exactness_cases(dtype):
+    stats = fn(jnp.asarray(x), jnp.float32(scale) if use_jit else scale)
+    assert float(stats.loss_scale) == scale
+    max_abs = assert_matches_reference(stats, x, scale)
+    assert float(stats.max_abs) == max_abs
+    tiny = float(ml_dtypes.finfo(dtype).smallest_normal)
+    subnormal_inputs += int(np.sum((np.abs(x.astype(F64)) < tiny) & (x != 0)))
+  assert subnormal_inputs > 20
+
+
+def product_float32_rounds_up_to_a_power_of_two(bits):
+  """An odd significand ``m`` of ``bits`` bits and a 24-bit one ``s`` whose
+  exact product lies just below ``2**K`` but rounds to it in float32."""
+  k = bits - 1 + 24
+  for m in range(2**(bits - 1) + 1, 2**bits, 2):
+    s = 2**k // m
+    if m * s < 2**k and float(np.float32(m) * np.float32(s)) == 2.0**k:
+      return m, s, k
+  raise AssertionError("no such pair")
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
+@JIT
+def test_counts_are_exact_where_float32_rounds_the_product_up(dtype, use_jit):
+  """|x| * s just below 2^-24 where a float32 product rounds to 2^-24."""
+  bits = ml_dtypes.finfo(dtype).nmant + 1
+  m, s, k = product_float32_rounds_up_to_a_power_of_two(bits)
+  x = np.array([m * 2.0**-(bits - 1)], dtype)      # in [1, 2)
+  scale = s * 2.0**(-24 - k + bits - 1)            # x * scale < 2^-24
+  assert Fraction(float(x[0])) * Fraction(scale) < Q_F16_SUBNORMAL
+  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(jnp.asarray(x), scale)
+  assert int(stats.f16_underflow) == 1
+  assert int(np.asarray(stats.histogram)[-25 + 150]) == 1
+  assert_matches_reference(stats, x, scale)
+
+
+def test_counts_are_exact_on_exact_products_at_non_power_of_two_scales():
+  """|x| * s lands exactly on float16's and bfloat16's maxima: 65504 = 23 *
+  89 * 2^5 and (2 - 2^-7) * 2^127 = 17 * 15 * 2^120. On the maximum is not
+  an overflow; one ulp of x more is."""
+  for dtype, a in ((F16, -10), (F16, 5), (BF16, 0), (BF16, 60), (F32, -40),
+                   (F32, 90)):
+    for odd_x, odd_s, total in ((23, 89, 5), (17, 15, 120)):
+      x, scale = float(odd_x * 2.0**a), float(odd_s * 2.0**(total - a))
+      if not (2.0**-126 <= scale <= 2.0**126
+              and x <= float(ml_dtypes.finfo(dtype).max)):
+        continue
+      values = ulps_around(np.array([x], dtype), dtype, steps=1)
+      stats = diagnostics.tensor_stats(jnp.asarray(values), scale)
+      assert_matches_reference(stats, values, scale)
+      which = "f16_overflow" if total == 5 else "bf16_overflow"
+      extra = int(total == 120)  # bfloat16's overflow is float16's too
+      assert int(getattr(stats, which)) == 1, (dtype, a, which)
+      assert int(stats.f16_overflow) == 1 + 2 * extra, (dtype, a)
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
+def test_counts_are_exact_on_random_bit_patterns(dtype):
+  """Every bit pattern is as likely: all binades, subnormals, inf and NaN."""
+  rng = np.random.default_rng(1)
+  nbits = 8 * dtype.itemsize
+  x = rng.integers(0, 2**nbits, 2000, dtype=np.uint64).astype(UINT[dtype]).view(dtype)
+  fn = jax.jit(diagnostics.tensor_stats)
+  for exponent in (-100, 0, 60):
+    scale = random_scale(rng, exponent)
+    assert_matches_reference(fn(jnp.asarray(x), jnp.float32(scale)), x, scale)
+
+
+def float64_cases():
+  cases = exactness_cases(F64)
+  rng = np.random.default_rng(2)
+  random_bits = rng.integers(0, 2**63, 1000, dtype=np.uint64)
+  random_bits |= rng.integers(0, 2, 1000, dtype=np.uint64) << np.uint64(63)
+  x = np.concatenate([random_bits.view(F64), np.zeros(CASE_SIZE * 4 - 1000)])
+  cases.append((random_scale(rng, 7), x[:CASE_SIZE * 4]))
+  return cases
+
+
+def test_float64_counts_are_exact_with_x64():
+  with jax.enable_x64(True):
+    fn = jax.jit(diagnostics.tensor_stats)
+    for scale, x in float64_cases():
+      stats = fn(jnp.asarray(x), jnp.float32(scale))
+      assert stats.max_abs.dtype == F64
+      assert float(stats.max_abs) == assert_matches_reference(stats, x, scale)
+    # NumPy float64 leaves too, eagerly: float64 max_abs with x64.
+    stats = diagnostics.tensor_stats(np.array([1e-300, 1e300, 1.0]), 1.1)
+    assert stats.max_abs.dtype == F64 and float(stats.max_abs) == 1e300
+    assert int(stats.f16_underflow) == 1 and int(stats.bf16_overflow) == 1
+
+
+def saturated_f32(value):
+  """The documented max_abs of a NumPy float64 leaf without x64."""
+  f32 = np.finfo(np.float32)
+  with np.errstate(over="ignore", under="ignore"):
+    rounded = np.float32(value)
+  if np.isinf(rounded):
+    return float(f32.max)
+  if rounded == 0 and value > 0:
+    return float(f32.smallest_subnormal)
+  return float(rounded)
+
+
+@JIT
+def test_numpy_float64_counts_are_exact_without_x64(use_jit):
+  assert jnp.asarray(np.float64(1)).dtype == F32   # x64 is off here
+  for scale, x in float64_cases():
+    if use_jit:   # a traced scale; the NumPy leaf is a constant
+      stats = jax.jit(lambda s, x=x: diagnostics.tensor_stats(x, s))(
+          jnp.float32(scale))
+    else:
+      stats = diagnostics.tensor_stats(x, scale)
+    max_abs = assert_matches_reference(stats, x, scale)
+    assert stats.max_abs.dtype == F32
+    assert float(stats.max_abs) == saturated_f32(max_abs)
+
+
+@JIT
+def test_numpy_float64_leaves_keep_their_range_without_x64(use_jit):
+  x = np.array([1e-300, 1e300, 1.0])
+  with np.errstate(over="ignore"):   # what JAX alone does with them
+    assert np.asarray(jnp.asarray(x)).tolist() == [0.0, np.inf, 1.0]
+  stats = maybe_jit(lambda s: diagnostics.tensor_stats({"w": x}, s)["w"],
+                    use_jit)(jnp.float32(1.0))
+  assert counts(stats) == dict(
+      zeros=0, nonfinite=0, f16_underflow=1, f16_subnormal=1, f16_overflow=1,
+      bf16_underflow=1, bf16_overflow=1)
+  hist = np.asarray(stats.histogram)
+  assert hist[0] == 1 and hist[150] == 1 and hist[-1] == 1 and hist.sum() == 3
+  assert stats.max_abs.dtype == F32
+  assert float(stats.max_abs) == float(np.finfo(np.float32).max)   # saturated
+  # Passed as an argument to a jitted function, jit itself narrows it first.
+  with np.errstate(over="ignore"):
+    narrowed = jax.jit(diagnostics.tensor_stats)(x)
+  assert int(narrowed.nonfinite) == 1 and int(narrowed.zeros) == 1
+  scalar = diagnostics.tensor_stats(np.float64(1e-300), 2.0**15)
+  assert int(scalar.bf16_underflow) == 1
+  assert float(scalar.max_abs) == float(np.finfo(np.float32).smallest_subnormal)
+
+
+@pytest.mark.parametrize("values,expected", [
+    ([1.1, -0.5], float(np.float32(1.1))),      # rounded to nearest
+    ([1e39, 1.0], float(np.finfo(np.float32).max)),
+    ([1e-300], float(np.finfo(np.float32).smallest_subnormal)),
+    ([0.0, np.inf, np.nan], 0.0),
+])
+def test_numpy_float64_max_abs_is_float32_saturating(values, expected):
+  stats = diagnostics.tensor_stats(np.array(values, np.float64))
+  assert stats.max_abs.dtype == F32 and float(stats.max_abs) == expected
 
 
 def test_empty_and_scalar_leaves():
@@ -350,10 +618,32 @@ def test_wrong_scale_type_is_a_type_error(scale):
     diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
 
 
-@pytest.mark.parametrize("scale", [1e300, 1e-50])
-def test_scale_outside_float32_is_a_value_error(scale):
-  with pytest.raises(ValueError, match="representable in float32"):
+# jmp_lite's one loss-scale range, [SCALE_MIN, SCALE_MAX] = [2**-126, 2**126].
+@pytest.mark.parametrize("scale", [
+    1e300, 1e-50,
+    2.0**127, 3e38, np.float32(3e38),                # float32, above 2**126
+    2.0**-127, 1e-40, np.float32(2.0**-149),         # float32 subnormals
+    float(np.nextafter(2.0**-126, 0)), float(np.nextafter(2.0**126, np.inf)),
+])
+def test_scale_outside_the_loss_scale_range_is_a_value_error(scale):
+  match = r"loss_scale must lie in \[2\*\*-126, 2\*\*126\].*2\.0\*\*15"
+  with pytest.raises(ValueError, match="tensor_stats: " + match):
     diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
+  with pytest.raises(ValueError, match="scale_check_update: " + match):
+    diagnostics.scale_check_update(diagnostics.scale_check_init(), jnp.ones(2), scale)
+
+
+def test_the_loss_scale_range_is_the_loss_scale_modules():
+  from jmp_lite._src import loss_scale  # pylint: disable=g-import-not-at-top
+  assert (loss_scale.SCALE_MIN, loss_scale.SCALE_MAX) == (2.0**-126, 2.0**126)
+  for scale in (loss_scale.SCALE_MIN, loss_scale.SCALE_MAX):
+    stats = diagnostics.tensor_stats(jnp.array([1.0]), scale)
+    assert float(stats.loss_scale) == scale
+    assert_matches_reference(stats, np.array([1.0], F32), scale)
+  # A traced scale cannot be checked; any positive finite float32 is exact.
+  tiny = jax.jit(diagnostics.tensor_stats)(jnp.array([2.0**100], F32),
+                                           jnp.float32(3 * 2.0**-140))
+  assert_matches_reference(tiny, np.array([2.0**100], F32), 3 * 2.0**-140)
 
 
 def test_non_scalar_scale_is_a_value_error():
@@ -576,6 +866,73 @@ def test_plot_grouped_activations_only_rows(tmp_path):
   path = diagnostics.plot_histograms(stats, str(tmp_path / "g.png"), by=1)
   assert path == str(tmp_path / "g.png")
   assert_png(tmp_path / "g.png")
+
+
+@pytest.mark.parametrize("path", [None, 3, b"x.png", ["x.png"]],
+                         ids=["none", "int", "bytes", "list"])
+def test_plot_histograms_path_must_be_a_path(path, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(TypeError, match=(
+      r"plot_histograms: path must be a file path: a str or os\.PathLike "
+      r".*'grads\.png'.*got " + type(path).__name__ + r".*format_table")):
+    diagnostics.plot_histograms({"w": jnp.ones(2)}, path)
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dpi,error", [
+    ("x", TypeError), (None, TypeError), (True, TypeError),
+    (0, ValueError), (-72, ValueError), (math.nan, ValueError),
+    (math.inf, ValueError),
+])
+def test_plot_histograms_dpi_must_be_a_positive_number(dpi, error, tmp_path):
+  with pytest.raises(error, match=r"plot_histograms: dpi must be a positive "
+                     r"number of dots per inch \(e\.g\. 100\), got"):
+    diagnostics.plot_histograms({"w": jnp.ones(2)}, str(tmp_path / "x.png"), dpi=dpi)
+  assert list(tmp_path.iterdir()) == []   # checked before drawing
+
+
+def test_plot_histograms_takes_a_pathlib_path_and_a_float_dpi(tmp_path):
+  path = tmp_path / "p.png"
+  assert diagnostics.plot_histograms({"w": jnp.ones(2)}, path, dpi=50.5) == path
+  assert_png(path)
+
+
+class _NoWrite:
+  write = 3
+
+
+@pytest.mark.parametrize("file", ["out.txt", 3, _NoWrite()],
+                         ids=["str", "int", "write_not_callable"])
+def test_report_file_must_be_a_text_stream(file, tmp_path, capsys):
+  with pytest.raises(TypeError, match=(
+      r"report: file must be a writable text stream, such as sys\.stdout or "
+      r"open\('out\.txt', 'w'\); to write a figure give path=\. Got ")):
+    diagnostics.report({"w": jnp.ones(2)}, str(tmp_path / "r.png"), file=file)
+  assert capsys.readouterr().out == ""
+  assert list(tmp_path.iterdir()) == []   # checked before drawing
+
+
+def test_report_file_binary_closed_or_read_only(tmp_path):
+  with pytest.raises(TypeError, match=r"binary stream \(BytesIO\).*text mode"):
+    diagnostics.report({"w": jnp.ones(2)}, file=io.BytesIO())
+  closed = io.StringIO()
+  closed.close()
+  with pytest.raises(ValueError, match="report: file must be .* closed StringIO"):
+    diagnostics.report({"w": jnp.ones(2)}, file=closed)
+  (tmp_path / "in.txt").write_text("")
+  with open(tmp_path / "in.txt") as read_only:
+    with pytest.raises(ValueError, match="not writable"):
+      diagnostics.report({"w": jnp.ones(2)}, file=read_only)
+
+
+@pytest.mark.parametrize("path", [3, b"r.png"], ids=["int", "bytes"])
+def test_report_path_must_be_none_or_a_path(path, tmp_path):
+  out = io.StringIO()
+  with pytest.raises(TypeError, match=(
+      r"report: path must be None \(no figure\) or a file path: a str or "
+      r"os\.PathLike")):
+    diagnostics.report({"w": jnp.ones(2)}, path, file=out)
+  assert out.getvalue() == ""   # checked before printing
 
 
 def test_import_stays_light():
@@ -840,6 +1197,87 @@ def test_largest_magnitude():
   assert float(jax.jit(diagnostics.largest_magnitude)(tree)) == 5.0
   # Python numbers are not arrays (outside jit): skipped, like ints.
   assert float(diagnostics.largest_magnitude(dict(tree, c=9.0))) == 5.0
+
+
+# ---------------------------------------------------------------------------
+# docs/diagnostics.md: every code block runs; every cost figure is committed.
+# ---------------------------------------------------------------------------
+
+DOC = ROOT / "docs" / "diagnostics.md"
+RESULTS = ROOT / "benchmarks" / "results" / "diagnostics_overhead.md"
+
+
+@pytest.mark.standard_promotion  # the guide's examples use optax.adam
+def test_every_code_block_of_the_guide_runs(tmp_path, monkeypatch, capsys):
+  """The ```python blocks of docs/diagnostics.md run in order, in one
+  namespace, as a reader would paste them (in a scratch directory)."""
+  monkeypatch.chdir(tmp_path)
+  blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+  assert len(blocks) == 5
+  namespace = {}
+  for i, block in enumerate(blocks):
+    capsys.readouterr()
+    try:
+      exec(compile(block, f"{DOC.name} block {i}", "exec"), namespace)  # pylint: disable=exec-used
+    except Exception as e:  # pragma: no cover - the message names the block
+      raise AssertionError(f"block {i} of {DOC.name} failed:\n{block}") from e
+  assert capsys.readouterr().out == "True\n"   # the last block's claim
+  assert_png(tmp_path / "grads.png")
+
+
+def committed_results():
+  """``{(workload, variant): row}`` of the committed results table, each row
+  its cells as written."""
+  rows = {}
+  header = None
+  for line in RESULTS.read_text().splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if cells[0] == "workload":
+      header = cells
+    elif header and len(cells) == len(header) and not cells[0].startswith("-"):
+      row = dict(zip(header, cells))
+      rows[row["workload"].split(":")[0], row["variant"]] = row
+  assert len(rows) == 8
+  return rows
+
+
+def test_every_cost_figure_of_the_guide_is_in_the_committed_results():
+  rows = committed_results()
+  text = DOC.read_text()
+  cost = text[text.index("**Cost**"):text.index("## Per leaf and per module")]
+  variants = {"`tensor_stats` of the gradients every step": "stats",
+              "`lax.cond` around the whole step": "cond_step",
+              "`lax.cond` around the statistics only": "cond_stats",
+              "`scale_check_update` every step": "scale_check"}
+  seen = set()
+  for line in cost.splitlines():
+    for label, variant in variants.items():
+      if line.startswith("| " + label):
+        f16, bf16 = [c.strip() for c in line.strip().strip("|").split("|")][-2:]
+        assert f16 == rows["mlp-f16", variant]["ratio to plain"], line
+        assert bf16 == rows["mlp-bf16", variant]["ratio to plain"], line
+        seen.add(variant)
+  assert seen == set(variants.values())
+  # Every ratio ("1.159x") and time ("25.55 ms") quoted anywhere in the guide.
+  ratios = {r["ratio to plain"] for r in rows.values()}
+  quoted = re.findall(r"(\d+\.\d+)x\b", text)
+  assert quoted and set(quoted) <= ratios, set(quoted) - ratios
+  times = {r[k] for r in rows.values() for k in ("plain ms/step", "ms/step")}
+  quoted = re.findall(r"(\d+\.\d+) ms\b", text)
+  derived = {f"{float(rows[w, 'stats']['ms/step']) - float(rows[w, 'stats']['plain ms/step']):.2f}"
+             for w in ("mlp-f16", "mlp-bf16")}
+  assert quoted and set(quoted) <= times | derived, set(quoted) - times - derived
+  per_entry = {f"{float(d) / 1.863690:.1f}" for d in derived}   # ms / 1e6 entries
+  quoted = set(re.findall(r"(\d+\.\d) (?:and (\d+\.\d) )?ns per entry", cost)[0])
+  assert quoted == per_entry, (quoted, per_entry)
+  entries = json.loads(RESULTS.with_suffix(".json").read_text())["results"]
+  assert {r["param_count"] for r in entries} == {1_863_690}
+  assert {r["gradient_leaves"] for r in entries} == {6}
+  assert "1,863,690" in cost and "6 gradient leaves" in cost
+  assert "41 interleaved blocks of 4" in cost
+  assert "over 41 blocks of 4 steps" in RESULTS.read_text()
+  # No percentage of a step's cost that the results file does not give.
+  assert not re.search(r"\d+(-\d+)?% (of|per) (the|a)? ?(MLP )?step", text)
 
 
 # ---------------------------------------------------------------------------

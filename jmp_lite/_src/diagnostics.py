@@ -21,23 +21,33 @@ A silent mistake caught:
   gradients handed to the loss-scaling optimizer without having been scaled.
 
 This layer knows trees and dtypes only: no Flax, no optax, no loss-scale
-classes (a loss scale is read through its ``loss_scale`` attribute), and
-matplotlib is imported inside :func:`plot_histograms` only.
+classes (a loss scale is read through its ``loss_scale`` attribute; only the
+valid range, ``SCALE_MIN``/``SCALE_MAX``, comes from the loss-scale module),
+and matplotlib is imported inside :func:`plot_histograms` only.
 
-How the statistics are computed: every floating leaf is widened to float32
-(float64 stays float64), exactly; ``|x| * loss_scale`` is then split into an
-integer exponent ``e = floor(log2(|x| * loss_scale))`` and a mantissa in
-[1, 2) with integer (bit) operations, so the counts are exact at every
-threshold — including subnormal inputs, which XLA:CPU flushes to zero in float
-arithmetic. One scatter-add per leaf bins ``e``; every count is read off those
-bins.
+How the statistics are computed: exactly, with integer operations only. Each
+entry is split into an integer significand (normalised, subnormals included,
+which XLA:CPU flushes to zero in float arithmetic) and an exponent with bit
+operations; the significand is multiplied by the float32 loss scale's as an
+exact integer product (12-bit limbs in int32, schoolbook with carries: no
+float rounding, no int64, which JAX lacks without x64), and the product's
+binade and top bits are compared with the thresholds as integers. float16,
+bfloat16 and float32 leaves are split on their own bits; float64 leaves too
+when x64 is on; NumPy float64 leaves without x64, which JAX would narrow to
+float32, are split on the host with NumPy and only their int32 limbs enter
+JAX. One scatter-add per leaf bins ``floor(log2(|x| * loss_scale))``; every
+count is read off those bins.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import io
 import math
 import numbers
+import operator
+import os
 import sys
 from typing import Any, Callable, Mapping, NamedTuple, Sequence, TextIO
 
@@ -46,8 +56,10 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src import dtypes
 from jmp_lite._src import tree as tree_lib
+# The one valid loss-scale range (to move to the validation module).
+from jmp_lite._src.loss_scale import SCALE_MAX
+from jmp_lite._src.loss_scale import SCALE_MIN
 
 # -- the float16 / bfloat16 ranges --------------------------------------------
 
@@ -94,6 +106,8 @@ class TensorStats(NamedTuple):
   ``|x| * loss_scale`` — the magnitudes a half-precision computation holding
   the values scaled by ``loss_scale`` would see. A loss scale of 1 describes
   the values as they are (activations, or gradients without loss scaling).
+  Counts and histogram bins are exact: each entry is placed by the exact real
+  product of ``|x|`` and the float32 ``loss_scale``, never a rounded one.
 
   Attributes:
     size: int32, the number of entries.
@@ -114,7 +128,12 @@ class TensorStats(NamedTuple):
     bf16_overflow: int32, finite entries with ``|x| * loss_scale`` above
       bfloat16's largest finite value (about 3.39e38).
     max_abs: the largest finite ``|x|``, *without* the loss scale (0 when there
-      is none); float32, or float64 for float64 inputs.
+      is none); float32 (exact for float16, bfloat16 and float32 inputs), or
+      float64 for float64 inputs when x64 is on. A NumPy float64 leaf without
+      x64 gives a float32: the largest magnitude rounded to nearest and
+      saturating — above float32's max (about 3.4e38) it reads that max, a
+      nonzero value below its smallest subnormal (2**-149) reads 2**-149 —
+      while the counts stay exact.
     loss_scale: float32, the loss scale the counts were measured at.
     histogram: int32 array of shape ``(300,)``: the nonzero finite entries per
       binade of ``|x| * loss_scale``; bin ``i`` holds ``floor(log2(|x| *
@@ -230,75 +249,208 @@ def _check_loss_scale(loss_scale: Any, owner: str) -> jax.Array:
           "the values were (or would be) multiplied by — 1.0 for unscaled "
           "values, e.g. jmp_lite.get_loss_scale(opt_state).loss_scale."
       )
-    f32 = np.finfo(np.float32)
-    if not float(f32.smallest_subnormal) <= value <= float(f32.max):
+    if not SCALE_MIN <= value <= SCALE_MAX:
       raise ValueError(
-          f"{what} must be representable in float32 (about 1.4e-45 to "
-          f"3.4e38), got {value}. Loss scales are powers of two such as "
-          "2.0**15."
+          f"{what} must lie in [2**-126, 2**126], jmp_lite's loss-scale range"
+          " (where a float32 scale and its reciprocal are both normal "
+          f"numbers), got {value:g}. Loss scales are typically powers of two "
+          "such as 2.0**15; to describe values as they are, use 1.0."
       )
   return jnp.asarray(loss_scale).astype(jnp.float32)
 
 
-def _int_info(dtype: np.dtype):
-  """(int dtype, bits, mantissa bits, exponent bias) of float32/float64."""
-  if dtype == np.float64:
-    return np.dtype(np.int64), 64, 52, 1023
-  return _I32, 32, 23, 127
+# -- exact integer arithmetic on the significands ---------------------------------
+#
+# |x| * loss_scale is never rounded: each value is split into an integer
+# significand and an exponent with bit operations, the significands are
+# multiplied exactly as integers (in 12-bit limbs held in int32, schoolbook
+# with carries: no int64, which JAX lacks without x64, and no float rounding,
+# which XLA may contract into FMAs), and the product is compared with the
+# thresholds as integers.
+
+_LIMB = 12
+_LIMB_MASK = (1 << _LIMB) - 1
+# The significand widths the split normalises to: 24 bits (float32 and
+# narrower) or 53 bits (float64), with the leading one on top.
+_WIDTH_32, _WIDTH_64 = 24, 53
+_SCALE_WIDTH = _WIDTH_32  # the loss scale is a float32
+
+# Bit layouts: dtype -> (mantissa bits, exponent bias, sign bit position).
+_LAYOUTS = {
+    np.dtype(jnp.float16): (10, 15, 15),
+    np.dtype(jnp.bfloat16): (7, 127, 15),
+    _F32: (23, 127, 31),
+    np.dtype(np.float64): (52, 1023, 63),
+}
 
 
-def _split(x: jax.Array):
-  """Splits ``|x|`` (float32 or float64) into ``(exponent, mantissa, zero,
-  finite, magnitude_bits)`` with bit operations: ``|x| = mantissa *
-  2**exponent`` with the mantissa in [1, 2) in ``x.dtype`` and an int32
-  exponent, exact for subnormals too (no float arithmetic touches them);
-  ``magnitude_bits`` are the bits of ``|x|`` as a signed integer, ordered like
-  the magnitudes."""
+def _limb_count(width: int) -> int:
+  return -(-width // _LIMB)
+
+
+def _top_limit(limit: float, exponent: int) -> int:
+  """``limit / 2**exponent`` (a mantissa in [1, 2)) as a 24-bit integer with
+  its leading one at bit 23; exact for the float16/bfloat16 maxima."""
+  value = limit / 2.0**exponent * 2**23
+  if value != int(value):  # a module constant, never user input
+    raise ValueError(f"{limit} has more than 24 significant bits.")
+  return int(value)
+
+
+# The normalised top 24 bits above which a value of the top float16 /
+# bfloat16 binade overflows: 65504 = 2047 * 2**5, bf16 max = 255 * 2**120.
+_F16_TOP_LIMIT = _top_limit(F16_MAX, _F16_TOP_EXP)     # 2047 << 13
+_BF16_TOP_LIMIT = _top_limit(BF16_MAX, _BF16_TOP_EXP)  # 255 << 16
+
+
+class _Parts(NamedTuple):
+  """Floats split exactly: ``|x| = significand * 2**(exponent - width + 1)``
+  with the significand an integer of ``width`` bits whose leading one is bit
+  ``width - 1`` (subnormal inputs normalised too), given as int32 limbs of 12
+  bits, least significant first. ``exponent`` is ``floor(log2|x|)``; the
+  significand and exponent of zeros and inf/NaN are meaningless (masked)."""
+
+  limbs: tuple[Any, ...]
+  exponent: Any   # int32
+  zero: Any       # bool
+  finite: Any     # bool
+
+
+def _split(x: jax.Array) -> tuple[_Parts, jax.Array]:
+  """Splits a float16/bfloat16/float32/float64 array (other floats are
+  widened to float32 first, exactly) with integer operations only, so
+  subnormals — which XLA:CPU flushes to zero in float arithmetic — are exact.
+
+  Returns the parts and the magnitude bits ``|x|`` as an integer array,
+  ordered like the magnitudes."""
   dtype = np.dtype(x.dtype)
-  int_t, nbits, nmant, bias = _int_info(dtype)
-  one = np.array(1, int_t)
-  mant_mask = (one << nmant) - one
-  bits = lax.bitcast_convert_type(x, int_t)
-  mag = bits & ((one << (nbits - 1)) - one)
-  biased = mag >> nmant
-  mant = mag & mant_mask
-  zero = mag == 0
-  finite = biased < np.array(2 * bias + 1, int_t)
-  subnormal = biased == 0
-  # For subnormals: the position of the leading one, and the shift that makes
-  # it the implicit bit.
-  lead = np.array(nbits - 1, int_t) - lax.clz(mant)
-  shift = jnp.where(subnormal, np.array(nmant, int_t) - lead, np.array(0, int_t))
-  exponent = jnp.where(subnormal, lead - np.array(bias - 1 + nmant, int_t),
-                       biased - np.array(bias, int_t))
-  norm_mant = lax.shift_left(mant, jnp.where(zero, np.array(0, int_t), shift))
-  norm_mant = norm_mant & mant_mask
-  mantissa = lax.bitcast_convert_type(
-      (np.array(bias, int_t) << nmant) | norm_mant, dtype)
-  return exponent.astype(jnp.int32), mantissa, zero, finite, mag
+  if dtype not in _LAYOUTS:
+    x, dtype = x.astype(_F32), _F32
+  nmant, bias, sign = _LAYOUTS[dtype]
+  if dtype.itemsize == 8:
+    int_t, nbits, width = np.dtype(np.int64), 64, _WIDTH_64
+    bits = lax.bitcast_convert_type(x, int_t)
+  elif dtype.itemsize == 4:
+    int_t, nbits, width = _I32, 32, _WIDTH_32
+    bits = lax.bitcast_convert_type(x, int_t)
+  else:  # 16-bit formats, zero-extended into int32
+    int_t, nbits, width = _I32, 32, _WIDTH_32
+    bits = lax.bitcast_convert_type(x, jnp.uint16).astype(int_t)
+
+  def const(v):
+    return np.array(v, int_t)
+
+  mag = bits & const((1 << sign) - 1)
+  biased = mag >> const(nmant)
+  normal = biased > const(0)
+  significand = mag & const((1 << nmant) - 1)
+  significand = jnp.where(normal, significand | const(1 << nmant), significand)
+  lead = const(nbits - 1) - lax.clz(significand)   # -1 for zero
+  # Shift the leading one to bit width - 1 (by width for zero: still < nbits).
+  significand = lax.shift_left(significand, const(width - 1) - lead)
+  exponent = (jnp.where(normal, biased, const(1)) - const(bias + nmant)
+              + lead).astype(jnp.int32)
+  limbs = tuple(
+      ((significand >> const(_LIMB * k)) & const(_LIMB_MASK)).astype(jnp.int32)
+      for k in range(_limb_count(width)))
+  parts = _Parts(limbs, exponent, mag == const(0),
+                 biased < const(2 * bias + 1))
+  return parts, mag
 
 
-# Jitted so that eager calls compile one program per leaf shape instead of
-# dispatching ~40 operations; inside a user's jit it is inlined.
-@jax.jit
-def _leaf_stats(x: jax.Array, scale_exp: jax.Array, scale_mant: jax.Array,
-                loss_scale: jax.Array) -> TensorStats:
-  wide = dtypes.at_least_f32(x.dtype)
-  flat = x.reshape(-1).astype(wide)
-  exponent, mantissa, zero, finite, mag = _split(flat)
-  # |x| * loss_scale = (mantissa * scale_mant) * 2**(exponent + scale_exp).
-  product = mantissa * scale_mant.astype(wide)
-  carry = product >= 2
-  exponent = exponent + scale_exp + carry.astype(jnp.int32)
-  mantissa = jnp.where(carry, product * np.array(0.5, wide), product)
+def _split_host_float64(x: np.ndarray) -> tuple[_Parts, float]:
+  """:func:`_split` of a NumPy float64 array, on the host (JAX without x64
+  cannot hold it); also returns the largest finite ``|x|`` as a Python float.
+
+  ``np.frexp`` is exact, subnormals included, and ``mantissa * 2**53`` is an
+  integer below 2**53."""
+  a = np.abs(np.asarray(x, np.float64).reshape(-1))
+  finite = np.isfinite(a)
+  mantissa, exponent = np.frexp(np.where(finite, a, 1.0))
+  significand = np.ldexp(mantissa, _WIDTH_64).astype(np.int64)
+  limbs = tuple(
+      jnp.asarray(((significand >> (_LIMB * k)) & _LIMB_MASK).astype(np.int32))
+      for k in range(_limb_count(_WIDTH_64)))
+  parts = _Parts(limbs, jnp.asarray((exponent - 1).astype(np.int32)),
+                 jnp.asarray(a == 0), jnp.asarray(finite))
+  largest = float(np.max(a, where=finite, initial=0.0))
+  return parts, largest
+
+
+def _multiply(a: Sequence[Any], b: Sequence[Any]) -> list[Any]:
+  """The exact product of two integers given as 12-bit limbs (int32, least
+  significant first), as ``len(a) + len(b)`` 12-bit limbs. Every partial sum
+  stays below 2**26."""
+  out, carry = [], None
+  for k in range(len(a) + len(b)):
+    terms = [a[i] * b[k - i] for i in range(len(a)) if 0 <= k - i < len(b)]
+    if carry is not None:
+      terms.append(carry)
+    total = functools.reduce(operator.add, terms)
+    out.append(total & _LIMB_MASK)
+    carry = total >> _LIMB
+  return out
+
+
+def _bit_field(limbs: Sequence[Any], low: int, high: int) -> Any:
+  """Bits ``low`` to ``high - 1`` (at most 31) of a limb integer, as int32."""
+  out = None
+  for k, limb in enumerate(limbs):
+    start = _LIMB * k
+    a, b = max(start, low), min(start + _LIMB, high)
+    if a < b:
+      piece = ((limb >> (a - start)) & ((1 << (b - a)) - 1)) << (a - low)
+      out = piece if out is None else out | piece
+  return out
+
+
+def _any_bit_below(limbs: Sequence[Any], position: int) -> Any:
+  """Whether any bit below ``position`` of a limb integer is set."""
+  out = None
+  for k, limb in enumerate(limbs):
+    count = min(_LIMB, position - _LIMB * k)
+    if count <= 0:
+      break
+    piece = limb & ((1 << count) - 1)
+    out = piece if out is None else out | piece
+  return out != 0
+
+
+def _scaled_exponent_and_top(parts: _Parts, scale: _Parts):
+  """For ``v = |x| * loss_scale``, exactly: ``floor(log2 v)`` (int32), the top
+  24 bits of ``v``'s significand (leading one at bit 23) and whether any bit
+  below them is set."""
+  width = (_WIDTH_64 if len(parts.limbs) == _limb_count(_WIDTH_64)
+           else _WIDTH_32)
+  product = _multiply(parts.limbs, scale.limbs)
+  # The product of two normalised significands has its leading one at bit
+  # `lead` or `lead + 1`.
+  lead = (width - 1) + (_SCALE_WIDTH - 1)
+  high = _bit_field(product, lead - 23, lead + 2)   # 25 bits
+  carry = high >> 24
+  top = high >> carry
+  sticky = _any_bit_below(product, lead - 23) | ((high & carry) != 0)
+  return parts.exponent + scale.exponent + carry, top, sticky
+
+
+def _above(top: Any, sticky: Any, limit: int) -> Any:
+  """Whether a significand (top 24 bits and sticky bit) exceeds ``limit``."""
+  return (top > limit) | ((top == limit) & sticky)
+
+
+def _stats_from_parts(parts: _Parts, max_abs: Any, loss_scale: jax.Array,
+                      size: int) -> TensorStats:
+  scale, _ = _split(loss_scale)
+  exponent, top, sticky = _scaled_exponent_and_top(parts, scale)
   index = jnp.clip(exponent, _HIST_LOW, _HIST_HIGH - 1) - _HIST_LOW
   index = jnp.where(
-      (exponent == _F16_TOP_EXP) & (mantissa > np.array(_F16_TOP_MANT, wide)),
+      (exponent == _F16_TOP_EXP) & _above(top, sticky, _F16_TOP_LIMIT),
       _F16_TOP, index)
   index = jnp.where(
-      (exponent == _BF16_TOP_EXP) & (mantissa > np.array(_BF16_TOP_MANT, wide)),
+      (exponent == _BF16_TOP_EXP) & _above(top, sticky, _BF16_TOP_LIMIT),
       _BF16_TOP, index)
-  index = jnp.where(zero, _ZERO, jnp.where(finite, index, _NONFINITE))
+  index = jnp.where(parts.zero, _ZERO,
+                    jnp.where(parts.finite, index, _NONFINITE))
   raw = jnp.bincount(index, length=_NBINS + 4).astype(jnp.int32)
   bins = raw[:_NBINS]
 
@@ -310,12 +462,8 @@ def _leaf_stats(x: jax.Array, scale_exp: jax.Array, scale_mant: jax.Array,
 
   histogram = bins.at[_F16_TOP_EXP - _HIST_LOW].add(raw[_F16_TOP])
   histogram = histogram.at[_BF16_TOP_EXP - _HIST_LOW].add(raw[_BF16_TOP])
-  # The largest finite magnitude, from the bits (exact for subnormals too).
-  max_bits = jnp.max(jnp.where(finite, mag, jnp.zeros((), mag.dtype)),
-                     initial=np.array(0, mag.dtype))
-  max_abs = lax.bitcast_convert_type(max_bits, wide)
   return TensorStats(
-      size=jnp.asarray(x.size, jnp.int32),
+      size=jnp.asarray(size, jnp.int32),
       zeros=raw[_ZERO],
       nonfinite=raw[_NONFINITE],
       f16_underflow=below(-24),
@@ -329,38 +477,96 @@ def _leaf_stats(x: jax.Array, scale_exp: jax.Array, scale_mant: jax.Array,
   )
 
 
+# Jitted so that eager calls compile one program per leaf shape instead of
+# dispatching ~80 operations; inside a user's jit they are inlined.
+@jax.jit
+def _leaf_stats(x: jax.Array, loss_scale: jax.Array) -> TensorStats:
+  flat = x.reshape(-1)
+  parts, mag = _split(flat)
+  # The largest finite magnitude, from the bits (exact for subnormals too).
+  max_bits = jnp.max(jnp.where(parts.finite, mag, jnp.zeros((), mag.dtype)),
+                     initial=np.array(0, mag.dtype))
+  dtype = np.dtype(x.dtype)
+  if dtype == np.float64 or dtype == _F32:
+    max_abs = lax.bitcast_convert_type(max_bits, dtype)
+  elif dtype == np.dtype(jnp.bfloat16):   # bfloat16 is float32's top half
+    max_abs = lax.bitcast_convert_type(max_bits << 16, _F32)
+  elif dtype == np.dtype(jnp.float16):
+    max_abs = lax.bitcast_convert_type(
+        max_bits.astype(jnp.uint16), jnp.float16).astype(_F32)
+  else:  # other formats were widened to float32 by _split
+    max_abs = lax.bitcast_convert_type(max_bits, _F32)
+  return _stats_from_parts(parts, max_abs, loss_scale, x.size)
+
+
+@jax.jit
+def _host_leaf_stats(parts: _Parts, max_abs: jax.Array,
+                     loss_scale: jax.Array) -> TensorStats:
+  return _stats_from_parts(parts, max_abs, loss_scale, parts.exponent.size)
+
+
+_F32_INFO = np.finfo(np.float32)
+
+
+def _host_max_abs(largest: float) -> jax.Array:
+  """The largest magnitude of a NumPy float64 leaf as the widest float JAX
+  holds: float64 with x64; otherwise float32, rounded to nearest and
+  saturating — above float32's max it is that max, and a nonzero value below
+  its smallest subnormal is that subnormal (never 0 or inf)."""
+  if jax.dtypes.canonicalize_dtype(np.float64) == np.float64:
+    return jnp.asarray(largest, np.float64)
+  with np.errstate(over="ignore", under="ignore"):
+    value = np.float32(largest)
+  if np.isinf(value):
+    value = _F32_INFO.max
+  elif value == 0 and largest > 0:
+    value = _F32_INFO.smallest_subnormal
+  return jnp.asarray(value, _F32)
+
+
+def _is_host_float64(x: Any) -> bool:
+  """A NumPy float64 leaf that JAX (without x64) would narrow to float32."""
+  return (isinstance(x, (np.ndarray, np.generic))
+          and x.dtype == np.float64
+          and jax.dtypes.canonicalize_dtype(np.float64) != np.float64)
+
+
 def tensor_stats(tree: Any, loss_scale: Any = 1.0) -> Any:
   """Precision statistics of every floating leaf of ``tree``; jit-safe.
 
   Works on any pytree — gradients, activations (e.g. Flax's
   ``intermediates`` collection or ``nnx.pop(model, nnx.Intermediate)``),
-  params — of float16, bfloat16, float32 or float64 arrays. Each floating
-  leaf is replaced by a :class:`TensorStats` of scalar arrays (plus a
-  histogram); every other leaf (ints, bools, Python numbers, objects) is
-  skipped: it becomes ``None``. An empty tree gives an empty tree. A bare
+  params — of float16, bfloat16, float32 or float64 arrays (JAX or NumPy).
+  Each floating leaf is replaced by a :class:`TensorStats` of scalar arrays
+  (plus a histogram); every other leaf (ints, bools, Python numbers, objects)
+  is skipped: it becomes ``None``. An empty tree gives an empty tree. A bare
   array gives one :class:`TensorStats`.
 
-  The computation runs in float32 (float64 for float64 leaves), with no host
-  sync and no Python branch on values: call it inside a jitted train step,
-  every ``N`` steps with ``lax.cond``::
+  Every count and histogram bin is exact: decided on the exact real product
+  ``|x| * s``, ``s`` the loss scale as a float32 (the value
+  ``TensorStats.loss_scale`` holds), computed with integer operations (see
+  the module's notes). NumPy float64 leaves keep their range without x64 too
+  (split on the host; only ``max_abs`` is then a float32) — as NumPy arrays:
+  ``jax.jit`` narrows a NumPy argument to float32 before this function sees
+  it.
 
-    stats = jax.lax.cond(
-        step % 100 == 0,
-        lambda g: diagnostics.tensor_stats(g, scale),
-        lambda g: jax.tree.map(jnp.zeros_like, diagnostics.tensor_stats(g, scale)),
-        grads)
-
-  or from a second jitted function, and return the result: it is a pytree of
-  arrays. Turn it into a table with :func:`format_table` or :func:`report`.
+  There is no host sync and no Python branch on values: call it inside a
+  jitted train step — every ``N`` steps by branching the whole step with
+  ``lax.cond`` (the guide, ``docs/diagnostics.md``, shows how and what it
+  costs) — or from a second jitted function, and return the result: it is a
+  pytree of arrays. Turn it into a table with :func:`format_table` or
+  :func:`report`.
 
   Args:
     tree: any pytree.
     loss_scale: the factor the values are (or would be) multiplied by before
       they are held in half precision: a positive number, a scalar array
       (traced values too) or a loss scale object (its ``loss_scale`` is
-      used). Give *unscaled* gradients and the loss scale to see what a
-      float16 backward pass at that scale holds; give values that already
-      carry the scale with ``loss_scale=1``.
+      used), in [2**-126, 2**126] (jmp_lite's loss-scale range; a traced
+      scale cannot be checked: any positive finite float32 gives exact
+      counts). It is rounded to float32. Give *unscaled* gradients and the
+      loss scale to see what a float16 backward pass at that scale holds;
+      give values that already carry the scale with ``loss_scale=1``.
 
   Returns:
     ``tree`` with each floating leaf replaced by its :class:`TensorStats`.
@@ -368,8 +574,8 @@ def tensor_stats(tree: Any, loss_scale: Any = 1.0) -> Any:
   Raises:
     TypeError: if ``loss_scale`` is not a real number, scalar array or loss
       scale.
-    ValueError: if a concrete ``loss_scale`` is not positive and finite, or
-      not a scalar.
+    ValueError: if a concrete ``loss_scale`` is not a scalar, not positive
+      and finite, or outside [2**-126, 2**126].
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -380,12 +586,14 @@ def tensor_stats(tree: Any, loss_scale: Any = 1.0) -> Any:
     (True, 1, 1)
   """
   loss_scale = _check_loss_scale(loss_scale, "tensor_stats")
-  scale_exp, scale_mant, _, _, _ = _split(loss_scale)
 
   def stats(x):
-    if tree_lib.is_float_array(x):
-      return _leaf_stats(jnp.asarray(x), scale_exp, scale_mant, loss_scale)
-    return None
+    if not tree_lib.is_float_array(x):
+      return None
+    if _is_host_float64(x):
+      parts, largest = _split_host_float64(x)
+      return _host_leaf_stats(parts, _host_max_abs(largest), loss_scale)
+    return _leaf_stats(jnp.asarray(x), loss_scale)
 
   return jax.tree_util.tree_map(stats, tree)
 
@@ -948,9 +1156,57 @@ def _draw_row(ax, name: str, s: TensorStats, kind: str, xlim, first: bool):
   ax.set_ylabel("share", fontsize=7)
 
 
+def _check_path(path: Any, owner: str, optional: bool) -> None:
+  """A figure's path: a str or os.PathLike (``None`` too where optional)."""
+  if isinstance(path, (str, os.PathLike)) or (optional and path is None):
+    return
+  allowed = ("None (no figure) or a file path" if optional
+             else "a file path")
+  fix = ("" if optional else
+         " For the table without a figure, call format_table(stats) or "
+         "report(stats).")
+  raise TypeError(
+      f"{owner}: path must be {allowed}: a str or os.PathLike whose suffix "
+      "names the format, such as 'grads.png' or pathlib.Path('grads.svg'); "
+      f"got {type(path).__name__}: {path!r}.{fix}"
+  )
+
+
+def _check_dpi(dpi: Any, owner: str) -> None:
+  what = f"{owner}: dpi must be a positive number of dots per inch (e.g. 100)"
+  if isinstance(dpi, (bool, np.bool_)) or not isinstance(dpi, numbers.Real):
+    raise TypeError(f"{what}, got {type(dpi).__name__}: {dpi!r}.")
+  if not (math.isfinite(dpi) and dpi > 0):
+    raise ValueError(f"{what}, got {dpi!r}.")
+
+
+_FILE_HELP = ("file must be a writable text stream, such as sys.stdout or "
+              "open('out.txt', 'w'); to write a figure give path=")
+
+
+def _check_file(file: Any, owner: str) -> None:
+  """``file`` for ``print``: None or a writable, open text stream."""
+  if file is None:
+    return
+  if not callable(getattr(file, "write", None)):
+    raise TypeError(
+        f"{owner}: {_FILE_HELP}. Got {type(file).__name__}: {file!r}.")
+  if isinstance(file, (io.RawIOBase, io.BufferedIOBase)):
+    raise TypeError(
+        f"{owner}: {_FILE_HELP}. Got a binary stream ({type(file).__name__}):"
+        " open the file in text mode ('w', not 'wb').")
+  if getattr(file, "closed", False):
+    raise ValueError(f"{owner}: {_FILE_HELP}. Got a closed {type(file).__name__}.")
+  writable = getattr(file, "writable", None)
+  if callable(writable) and not writable():
+    raise ValueError(
+        f"{owner}: {_FILE_HELP}. Got a {type(file).__name__} that is not "
+        "writable (opened for reading?).")
+
+
 def plot_histograms(
     stats: Any,
-    path: str,
+    path: str | os.PathLike,
     *,
     activation_stats: Any = None,
     by: Any = None,
@@ -974,14 +1230,20 @@ def plot_histograms(
   Args:
     stats: a tree of :class:`TensorStats` (or of arrays, measured at loss
       scale 1): the gradients.
-    path: the file to write (the format follows the suffix, e.g. ``.png``).
+    path: the file to write, a str or os.PathLike (the format follows the
+      suffix, e.g. ``.png``).
     activation_stats: optionally, statistics (or values) of activations.
     by: grouping, as in :func:`group_stats`.
     title: the figure's title.
-    dpi: resolution.
+    dpi: resolution, a positive number of dots per inch.
 
   Returns:
     ``path``.
+
+  Raises:
+    TypeError: if ``path`` is not a str or os.PathLike, or ``dpi`` is not a
+      number (checked before anything is drawn).
+    ValueError: if ``dpi`` is not positive and finite.
 
   Example:
     >>> import os, tempfile, jax.numpy as jnp
@@ -990,6 +1252,8 @@ def plot_histograms(
     >>> diagnostics.plot_histograms({"w": jnp.array([1e-9, 1e-3, 1.0])}, path) == path
     True
   """
+  _check_path(path, "plot_histograms", optional=False)
+  _check_dpi(dpi, "plot_histograms")
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   rows = [("gradient", n, s) for n, s in
@@ -1021,7 +1285,7 @@ def plot_histograms(
 
 def report(
     grad_stats: Any,
-    path: str | None = None,
+    path: str | os.PathLike | None = None,
     *,
     activation_stats: Any = None,
     by: Any = None,
@@ -1041,17 +1305,25 @@ def report(
   Args:
     grad_stats: statistics of the gradients (from :func:`tensor_stats`), or
       the gradients themselves (then measured at loss scale 1).
-    path: where to write the figure (e.g. ``"grads.png"``); ``None``: no plot.
+    path: where to write the figure, a str or os.PathLike (e.g.
+      ``"grads.png"``); ``None``: no plot.
     activation_stats: optionally, statistics (or values) of activations.
     by: grouping, as in :func:`group_stats`.
     headroom: see :func:`advise`.
     max_underflow: see :func:`advise`.
     keep_f32_underflow: see :func:`advise`.
     title: a line printed first, and the figure's title.
-    file: where to print (default ``sys.stdout``).
+    file: where to print: a writable text stream (default ``sys.stdout``).
 
   Returns:
     The :class:`Advice`.
+
+  Raises:
+    TypeError: if ``file`` is not a text stream (no callable ``write``, or a
+      binary stream) or ``path`` is not None, a str or os.PathLike; checked
+      before anything is printed or drawn.
+    ValueError: if ``file`` is closed or not writable, or on bad advice
+      settings (see :func:`advise`).
 
   Example:
     >>> import io, jax.numpy as jnp
@@ -1061,6 +1333,8 @@ def report(
     >>> "| w |" in out.getvalue(), advice.dtype
     (True, 'float16')
   """
+  _check_file(file, "report")
+  _check_path(path, "report", optional=True)
   file = sys.stdout if file is None else file
   grad_stats = _as_stats(grad_stats)
   if activation_stats is not None:
@@ -1219,10 +1493,12 @@ def largest_magnitude(tree: Any) -> jax.Array:
 
 def _log2(x: jax.Array) -> jax.Array:
   """log2 of a float32 scalar, exact for powers of two (-inf for 0)."""
-  exponent, mantissa, zero, finite, _ = _split(x)
-  value = exponent.astype(jnp.float32) + jnp.log2(mantissa)
-  value = jnp.where(finite, value, jnp.inf)
-  return jnp.where(zero, -jnp.inf, value)
+  parts, _ = _split(x)
+  low, high = parts.limbs
+  mantissa = ((high << _LIMB) | low).astype(jnp.float32) * np.float32(2.0**-23)
+  value = parts.exponent.astype(jnp.float32) + jnp.log2(mantissa)
+  value = jnp.where(parts.finite, value, jnp.inf)
+  return jnp.where(parts.zero, -jnp.inf, value)
 
 
 def scale_check_update(check: ScaleCheck, scaled_grads: Any,
@@ -1247,7 +1523,8 @@ def scale_check_update(check: ScaleCheck, scaled_grads: Any,
   Raises:
     TypeError: if ``check`` is not a :class:`ScaleCheck` or ``loss_scale`` is
       not a number, scalar array or loss scale.
-    ValueError: if a concrete ``loss_scale`` is not positive and finite.
+    ValueError: if a concrete ``loss_scale`` is not a scalar in [2**-126,
+      2**126] (jmp_lite's loss-scale range).
 
   Example:
     >>> import jax.numpy as jnp
@@ -1260,6 +1537,7 @@ def scale_check_update(check: ScaleCheck, scaled_grads: Any,
     (1.0, 0)
   """
   _check_scale_check(check, "scale_check_update")
+  scale = _check_loss_scale(loss_scale, "scale_check_update")
   # One reduction gives both the largest magnitude and finiteness: NaN counts
   # as inf (XLA's vectorised max does not propagate NaN reliably).
   maxima = [
@@ -1270,7 +1548,7 @@ def scale_check_update(check: ScaleCheck, scaled_grads: Any,
   ]
   largest = (jnp.max(jnp.stack(maxima)) if maxima
              else jnp.zeros([], jnp.float32))
-  return scale_check_record(check, largest, loss_scale)
+  return _record(check, largest, scale)
 
 
 def _check_scale_check(check: Any, owner: str) -> None:
@@ -1303,7 +1581,8 @@ def scale_check_record(check: ScaleCheck, largest: Any,
   Raises:
     TypeError: if ``check`` is not a :class:`ScaleCheck`, or on a bad
       ``loss_scale``.
-    ValueError: if a concrete ``loss_scale`` is not positive and finite.
+    ValueError: if a concrete ``loss_scale`` is not a scalar in [2**-126,
+      2**126] (jmp_lite's loss-scale range).
 
   Example:
     >>> import jax.numpy as jnp
@@ -1320,6 +1599,12 @@ def scale_check_record(check: ScaleCheck, largest: Any,
     raise ValueError(
         f"scale_check_record: largest must be a scalar, got shape "
         f"{largest.shape}; reduce the gradients first (max of |g|).")
+  return _record(check, largest, scale)
+
+
+def _record(check: ScaleCheck, largest: jax.Array,
+            scale: jax.Array) -> ScaleCheck:
+  """The update of :func:`scale_check_record` on validated float32 scalars."""
   log2_max = _log2(jnp.where(jnp.isnan(largest), jnp.inf, largest))
   log2_scale = _log2(scale)
   valid = (largest > 0) & jnp.isfinite(log2_max)
