@@ -40,7 +40,9 @@ Step = Callable[[State, Batch], tuple[State, jax.Array]]
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 #: Where benchmarks write by default, so that running them leaves the clone
 #: unchanged.
-SCRATCH_DIR = pathlib.Path(tempfile.gettempdir()) / "jmp_lite" / "benchmarks"
+# "jmp-lite": a folder named like the package would shadow it (see
+# examples/common.py).
+SCRATCH_DIR = pathlib.Path(tempfile.gettempdir()) / "jmp-lite" / "benchmarks"
 
 
 def add_output_args(parser) -> None:

@@ -52,7 +52,10 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                            "results")
 #: Where the scripts write by default, so that running them leaves the clone
 #: unchanged.
-SCRATCH_DIR = os.path.join(tempfile.gettempdir(), "jmp_lite", "examples")
+# "jmp-lite", not "jmp_lite": a folder named like the package in the system
+# temp folder would shadow it (as a namespace package) for any script run
+# from there.
+SCRATCH_DIR = os.path.join(tempfile.gettempdir(), "jmp-lite", "examples")
 SMOOTHING = 25  # Window of the moving average in the loss plot.
 ACCURACY_TOLERANCE = 1.0  # Points of test accuracy that count as "matching".
 # Runs that train overlap in the loss plot: dashes tell them apart.

@@ -7,6 +7,9 @@ reaches with the default number of steps.
 """
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -88,3 +91,28 @@ def test_demo_json_has_the_four_runs_with_finite_figures(demo_run):
   zeros = {name: run["zero_grad_fraction"] for name, run in runs.items()}
   assert zeros["f16_unscaled"] > zeros["f32"] + 0.5
   assert zeros["f16_scaled"] < zeros["f32"] + 0.05
+
+
+def test_scratch_folders_cannot_shadow_the_package(tmp_path):
+  """The examples and benchmarks write to folders under the system temp
+  folder. Named "jmp_lite", such a folder was imported as a namespace package
+  by any script run from the temp folder afterwards (with the README's
+  editable install), hiding the real one: `jmp_lite.loss_scaling` was an
+  AttributeError there."""
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  env["TMPDIR"] = str(tmp_path)
+  made = subprocess.run(
+      [sys.executable, "-c",
+       "import os, examples.common as e, benchmarks.common as b\n"
+       "for d in (e.SCRATCH_DIR, b.SCRATCH_DIR): os.makedirs(d)\n"
+       "print(e.SCRATCH_DIR, b.SCRATCH_DIR)"],
+      cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+  assert all(d.startswith(str(tmp_path)) for d in made.stdout.split())
+  (tmp_path / "script.py").write_text(
+      "import jmp_lite\nprint(jmp_lite.loss_scaling.__name__)\n")
+  run = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+  if "No module named 'jmp_lite'" in run.stderr:
+    pytest.skip("jmp_lite is not installed (only on PYTHONPATH)")
+  assert run.returncode == 0, run.stderr
+  assert run.stdout.strip() == "loss_scaling"
