@@ -23,9 +23,10 @@ What tests/test_loss_scale.py and tests/test_optax.py do not cover:
 **Bitwise comparisons.** The fault-sequence runs compare the wrapper with the
 inner optimizer alone *eagerly* (op by op), where both execute the same float32
 operations in the same order, so the final params must be bit-identical. The
-accumulated mean is computed on the device (``jnp``) in the reference too:
-XLA:CPU divides as ``x * (1 / k)``, which differs from numpy's correctly
-rounded ``x / k`` by one ulp for about a third of the values when ``k = 3``.
+accumulated mean divides by the count as a runtime array in the reference, as
+the wrapper does: a division by a constant is turned into ``x * (1 / k)`` by
+some XLA:CPU versions (0.10) and not others (0.8), one ulp apart for about a
+third of the values when ``k = 3``.
 Under ``jax.jit`` the wrapper and the reference are two different XLA programs
 (different fusions, FMA contraction), so they agree to a few ulps per step,
 compounding: those runs are compared with ``rtol=RTOL_JIT``. Skipped steps are
@@ -426,7 +427,8 @@ def run_reference(inner, params, grads, flags, k):
       acc = jax.tree_util.tree_map(jnp.zeros_like, window[0])
       for g in window:
         acc = jax.tree_util.tree_map(jnp.add, acc, g)
-      mean = jax.tree_util.tree_map(lambda a: a / k, acc)
+      count = jnp.asarray(k, F32)  # A runtime divisor, as in the wrapper.
+      mean = jax.tree_util.tree_map(lambda a: a / count, acc)
     updates, state = inner.update(mean, state, params)
     params = optax.apply_updates(params, updates)
   return params, state

@@ -529,12 +529,12 @@ class _LossScaling:
         if tree_lib.is_float_array(a) else a,
         state.accumulated, grads,
     )
-    # 1 / k (1 / the micro-batches held, after such a restore): a multiply,
-    # as XLA computes a / k.
-    seen = jnp.maximum(state.micro_step + 1, self.k).astype(jnp.float32)
-    inv = jnp.where(seen == self.k, np.float32(1 / self.k), 1 / seen)
+    # The mean over k micro-batches (over all it holds, after such a
+    # restore). The count is a runtime value, so every XLA version divides
+    # exactly (some turn a division by a constant into a multiplication).
+    seen = jnp.maximum(state.micro_step + 1, self.k)
     mean = jax.tree_util.tree_map(
-        lambda a, g: a * inv.astype(a.dtype) if tree_lib.is_float_array(a)
+        lambda a, g: a / seen.astype(a.dtype) if tree_lib.is_float_array(a)
         else g, acc, grads)
     fields = dict(
         accumulated=tree_lib.select_tree(
