@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # The one way jmp_lite finds the sub-jaxprs of an equation (jit, scan, cond...).
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 
 HALF_DTYPES = ("float16", "bfloat16")
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")

@@ -22,22 +22,22 @@ Example:
   ('float16', True)
 """
 
-from jmp_lite._src.diagnostics import Advice
-from jmp_lite._src.diagnostics import advise
-from jmp_lite._src.diagnostics import DEFAULT_HEADROOM
-from jmp_lite._src.diagnostics import format_table
-from jmp_lite._src.diagnostics import group_stats
-from jmp_lite._src.diagnostics import HISTOGRAM_EXPONENTS
-from jmp_lite._src.diagnostics import largest_magnitude
-from jmp_lite._src.diagnostics import plot_histograms
-from jmp_lite._src.diagnostics import report
-from jmp_lite._src.diagnostics import ROOT_NAME
-from jmp_lite._src.diagnostics import scale_check_init
-from jmp_lite._src.diagnostics import scale_check_record
-from jmp_lite._src.diagnostics import scale_check_update
-from jmp_lite._src.diagnostics import ScaleCheck
-from jmp_lite._src.diagnostics import tensor_stats
-from jmp_lite._src.diagnostics import TensorStats
+from jmp_lite._src.diagnostics.stats import Advice
+from jmp_lite._src.diagnostics.stats import advise
+from jmp_lite._src.diagnostics.stats import DEFAULT_HEADROOM
+from jmp_lite._src.diagnostics.stats import format_table
+from jmp_lite._src.diagnostics.stats import group_stats
+from jmp_lite._src.diagnostics.stats import HISTOGRAM_EXPONENTS
+from jmp_lite._src.diagnostics.stats import largest_magnitude
+from jmp_lite._src.diagnostics.stats import plot_histograms
+from jmp_lite._src.diagnostics.stats import report
+from jmp_lite._src.diagnostics.stats import ROOT_NAME
+from jmp_lite._src.diagnostics.stats import scale_check_init
+from jmp_lite._src.diagnostics.stats import scale_check_record
+from jmp_lite._src.diagnostics.stats import scale_check_update
+from jmp_lite._src.diagnostics.stats import ScaleCheck
+from jmp_lite._src.diagnostics.stats import tensor_stats
+from jmp_lite._src.diagnostics.stats import TensorStats
 
 __all__ = (
     "Advice",

@@ -17,17 +17,17 @@ Example:
   dtype('float32')
 """
 
-from jmp_lite._src.flax_common import require_flax
+from jmp_lite._src.flax.rules import require_flax
 
 require_flax("jmp_lite.linen")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from jmp_lite._src.flax_linen import apply_policy
-from jmp_lite._src.flax_linen import DEFAULT_RULES
-from jmp_lite._src.flax_linen import FullPrecision
-from jmp_lite._src.flax_linen import PolicyModel
-from jmp_lite._src.flax_linen import PolicyRules
-from jmp_lite._src.flax_linen import UnmatchedRuleWarning
+from jmp_lite._src.flax.linen import apply_policy
+from jmp_lite._src.flax.linen import DEFAULT_RULES
+from jmp_lite._src.flax.linen import FullPrecision
+from jmp_lite._src.flax.linen import PolicyModel
+from jmp_lite._src.flax.linen import PolicyRules
+from jmp_lite._src.flax.linen import UnmatchedRuleWarning
 
 __all__ = (
     "DEFAULT_RULES",

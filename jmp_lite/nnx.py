@@ -21,17 +21,17 @@ Example:
   dtype('float32')
 """
 
-from jmp_lite._src.flax_common import require_flax
+from jmp_lite._src.flax.rules import require_flax
 
 require_flax("jmp_lite.nnx")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from jmp_lite._src.flax_nnx import apply_policy
-from jmp_lite._src.flax_nnx import DEFAULT_RULES
-from jmp_lite._src.flax_nnx import FullPrecision
-from jmp_lite._src.flax_nnx import PolicyModule
-from jmp_lite._src.flax_nnx import PolicyRules
-from jmp_lite._src.flax_nnx import UnmatchedRuleWarning
+from jmp_lite._src.flax.nnx import apply_policy
+from jmp_lite._src.flax.nnx import DEFAULT_RULES
+from jmp_lite._src.flax.nnx import FullPrecision
+from jmp_lite._src.flax.nnx import PolicyModule
+from jmp_lite._src.flax.nnx import PolicyRules
+from jmp_lite._src.flax.nnx import UnmatchedRuleWarning
 
 __all__ = (
     "DEFAULT_RULES",

@@ -19,7 +19,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F32 = np.dtype(jnp.float32)

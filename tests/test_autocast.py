@@ -21,7 +21,7 @@ import jmp_lite
 from jmp_lite import autocast
 from jmp_lite import autocast_disabled
 from jmp_lite import op_dtypes
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite.autocast_rules import DEFAULT_RULES
 from jmp_lite.autocast_rules import RULE_NAMES

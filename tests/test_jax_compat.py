@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 import jmp_lite
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import table as table_lib
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)

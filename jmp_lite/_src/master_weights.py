@@ -118,8 +118,8 @@ class MasterWeightsState(NamedTuple):
 
 def _refuse_loss_scaling_inside(inner_state: Any, owner: str) -> None:
   # Imported here: loss_scaling's module imports this one's neighbours only.
-  from jmp_lite._src import optax_wrapper  # pylint: disable=g-import-not-at-top
-  if tree_lib.find_nodes(inner_state, optax_wrapper.LossScaleState):
+  from jmp_lite._src import loss_scaling  # pylint: disable=g-import-not-at-top
+  if tree_lib.find_nodes(inner_state, loss_scaling.LossScaleState):
     raise TypeError(
         f"{owner} wraps loss_scaling, which must be the outermost "
         "transformation (a skipped step must leave this wrapper's state "

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 
 
 def _out_avals(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]):

@@ -11,7 +11,7 @@ import numpy as np
 from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.autocast import table as table_lib

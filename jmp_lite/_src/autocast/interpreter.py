@@ -45,7 +45,7 @@ import numpy as np
 from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 from jmp_lite._src.autocast import rules as rules_lib
 
 #: The ``jax.named_scope`` name that marks a region autocast must not touch.

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import dtypes
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 
 FLOAT32 = dtypes.FLOAT32
 

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jmp_lite._src.autocast import compat
+from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 

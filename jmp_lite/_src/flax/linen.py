@@ -34,7 +34,7 @@ import flax.linen as nn
 from flax.core import FrozenDict
 import jax
 
-from jmp_lite._src import flax_common as common
+from jmp_lite._src.flax import rules as common
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 

@@ -1,8 +1,8 @@
 """Per-module precision rules shared by the Flax linen and NNX integrations.
 
 Nothing here imports Flax: the framework-specific parts (which classes count as
-modules, how a model is walked and called) live in ``flax_linen.py`` and
-``flax_nnx.py``.
+modules, how a model is walked and called) live in ``linen.py`` and
+``nnx.py``.
 
 Vocabulary used by both integrations:
 

@@ -30,7 +30,7 @@ import warnings
 from flax import nnx
 import numpy as np
 
-from jmp_lite._src import flax_common as common
+from jmp_lite._src.flax import rules as common
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 

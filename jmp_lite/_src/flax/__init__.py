@@ -1,0 +1,1 @@
+"""Per-module precision policies for Flax linen and NNX (imports Flax)."""
