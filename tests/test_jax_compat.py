@@ -1,4 +1,4 @@
-"""autocast's isolation from JAX internals (``_src/autocast/compat.py``).
+"""Isolation from JAX internals (``_src/compat.py``).
 
 * Which expected primitives the installed jax lacks (reported, never fatal).
 * A jax whose internals moved: ``import jmp_lite`` still works, policies and
@@ -117,3 +117,24 @@ def test_scan_parameters_of_either_layout():
 def test_unknown_parameter_layout_is_a_clear_error():
   with pytest.raises(compat.UnsupportedJaxError, match="scan has neither"):
     compat.scan_parts({"jaxpr": None, "length": 1}, [])
+
+
+def test_the_supported_range_is_the_pins_of_pyproject():
+  """compat's version constants (used in error messages) say what
+  pyproject.toml pins, so the two cannot drift apart."""
+  import pathlib
+  import tomllib
+  from packaging.requirements import Requirement
+  project = tomllib.loads(
+      (pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+  )["project"]
+  specs = {r.name: r for r in map(Requirement, project["dependencies"])}
+  specs.update({r.name: r for r in map(
+      Requirement, project["optional-dependencies"]["flax"])})
+  assert specs["jax"] == Requirement(compat.JAX_REQUIREMENT)
+  floor = next(s.version for s in specs["jax"].specifier if s.operator == ">=")
+  top = next(s.version for s in specs["jax"].specifier if s.operator == "<")
+  major, minor = top.split(".")[:2]
+  assert compat.SUPPORTED_JAX == f"{floor} to {major}.{int(minor) - 1}.x"
+  assert next(s.version for s in specs["flax"].specifier
+              if s.operator == ">=") == compat.FLAX_FLOOR

@@ -1,11 +1,16 @@
-"""Every JAX internal autocast relies on, behind one small interface.
+"""Every JAX and optax internal jmp_lite relies on, and every version branch.
 
 autocast interprets jaxprs, so it depends on things JAX does not promise to keep
 stable: ``jax.extend`` and ``jax._src`` names, the parameters of higher-order
 primitives (``scan``'s ``num_consts``/``num_carry`` became a ``ft_in`` tree in
-jax 0.11), the jaxpr data structures, and ``get_bind_params``'s return value.
-All of that is read here and nowhere else in jmp_lite, so that a new JAX
-release means changing this file only.
+jax 0.11; ``shard_map``'s ``manual_axes`` became ``newly_manual_axes`` in
+0.10.2) and the jaxpr data structures. The rest of jmp_lite reads a few more
+internals: a primitive's output types (``save_half_residuals``), the varying
+marking of ``shard_map`` (``pmean_value_and_grad``) and the optax code running
+an init (``loss_scaling`` refusing wrappers around it). All of that is read
+here and nowhere else in jmp_lite, so that a new JAX or optax release means
+changing this file only. Branches serve only versions inside the supported
+range (:data:`SUPPORTED_JAX`); older ones are deleted.
 
 Importing this module never fails: a name JAX no longer has is recorded in
 :data:`PROBLEMS` and looked up as ``None``; a primitive that is missing is left
@@ -19,12 +24,17 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 
 #: The jax versions the test matrix covers (the pins in pyproject.toml).
-SUPPORTED_JAX = "0.8.1 to 0.12.x"
+SUPPORTED_JAX = "0.10.0 to 0.12.x"
+#: The pip requirement naming that range.
+JAX_REQUIREMENT = "jax>=0.10.0,<0.13"
+#: The oldest Flax jmp_lite supports (the first that runs on jax 0.10).
+FLAX_FLOOR = "0.12.7"
 
 #: What could not be found in the installed jax (``"module.name: error"``).
 PROBLEMS: list[str] = []
@@ -44,17 +54,6 @@ def _load(module: str, name: str | None = None) -> Any:
     return None
 
 
-def _first(*candidates: tuple[str, str]) -> Any:
-  """The first of several ``(module, name)`` locations that exists, or None."""
-  for module, name in candidates:
-    try:
-      return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-      continue
-  PROBLEMS.append(" or ".join(f"{m}.{n}" for m, n in candidates) + ": not found")
-  return None
-
-
 _core = _load("jax.extend.core")
 _primitives_module = _load("jax.extend.core.primitives")
 _linear_util = _load("jax.extend.linear_util")
@@ -64,17 +63,11 @@ Primitive: Any = getattr(_core, "Primitive", None)
 Jaxpr: Any = getattr(_core, "Jaxpr", None)
 ClosedJaxpr: Any = getattr(_core, "ClosedJaxpr", None)
 Literal: Any = getattr(_core, "Literal", None)
-# jax.extend.core has DropVar from jax 0.9; before, only jax._src.core does.
-DropVar: Any = _first(("jax.extend.core", "DropVar"), ("jax._src.core", "DropVar"))
-_jaxprs_in_params = _first(
-    ("jax.extend.core", "jaxprs_in_params"),  # jax >= 0.10
-    ("jax._src.core", "jaxprs_in_params"),
-)
+DropVar: Any = getattr(_core, "DropVar", None)
+_jaxprs_in_params = getattr(_core, "jaxprs_in_params", None)
 
 # Primitives that jax keeps outside jax.extend.core.primitives and jax.lax.
 _INTERNAL_PRIMITIVES = {
-    "remat_p": ("jax._src.ad_checkpoint",),  # jax.extend has it from 0.9
-    "name_p": ("jax._src.ad_checkpoint",),
     "shard_map_p": ("jax._src.shard_map",),
     "pvary_p": ("jax._src.core",),
     "psum_invariant_p": ("jax._src.lax.parallel",),
@@ -156,7 +149,7 @@ def unsupported(what: str, detail: str) -> UnsupportedJaxError:
   return UnsupportedJaxError(
       f"{what} cannot read the internals of jax {jax.__version__}: {detail}. "
       f"jmp_lite's autocast is tested with jax {SUPPORTED_JAX}; install one of "
-      "those (pip install 'jax>=0.8.1,<0.13'), or use jmp_lite.with_policy / "
+      f"those (pip install '{JAX_REQUIREMENT}'), or use jmp_lite.with_policy / "
       "the Flax policies, which do not depend on jax internals."
   )
 
@@ -265,16 +258,9 @@ def equation_context(eqn: Any):
 
 
 def bind(primitive_: Any, args: Sequence[Any], params: dict[str, Any]) -> Any:
-  """``primitive.bind(*args, **params)`` with a jaxpr equation's params.
-
-  Equation params must go through ``get_bind_params``, which returns the params
-  (jax >= 0.10) or ``(subfuns, params)`` (jax <= 0.9).
-  """
-  bind_params = primitive_.get_bind_params(params)
-  if isinstance(bind_params, tuple):
-    subfuns, bind_params = bind_params
-    return primitive_.bind(*subfuns, *args, **bind_params)
-  return primitive_.bind(*args, **bind_params)
+  """``primitive.bind(*args, **params)`` with a jaxpr equation's params (which
+  must go through ``get_bind_params``)."""
+  return primitive_.bind(*args, **primitive_.get_bind_params(params))
 
 
 def wrap_init(fn: Callable[..., Any], like: Any) -> Any:
@@ -389,13 +375,89 @@ def shard_map_parts(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
   """``(body jaxpr, keyword arguments of jax.shard_map)`` of a shard_map.
 
   The manual axes are ``newly_manual_axes`` from jax 0.10.2, ``manual_axes``
-  before; replication checking is ``check_vma`` (``check_rep`` in older jax).
+  in 0.10.0 and 0.10.1.
   """
   kwargs = dict(
       mesh=params["mesh"],
       in_specs=tuple(params["in_specs"]),
       out_specs=tuple(params["out_specs"]),
       axis_names=_param(params, "newly_manual_axes", "manual_axes"),
-      check_vma=_param(params, "check_vma", "check_rep"),
+      check_vma=params["check_vma"],
   )
   return params["jaxpr"], kwargs
+
+
+# -- outside autocast -----------------------------------------------------------
+
+
+def out_avals(primitive_: Any, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+  """The output abstract values a primitive gives for ``avals``.
+
+  ``abstract_eval`` returns ``(avals, effects)`` throughout the supported range.
+  """
+  out, _ = primitive_.abstract_eval(*avals, **params)
+  return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def to_varying(x: Any, axis_name: Any) -> Any:
+  """``x`` marked as varying over the ``shard_map`` axis ``axis_name``
+  (``lax.pcast(..., to="varying")``).
+
+  A no-op under ``pmap`` and ``shard_map(check_vma=False)``; values that are
+  already varying, and axes that are not shard_map axes (``vmap``'s), are left
+  as they are.
+  """
+  try:
+    return jax.lax.pcast(x, axis_name, to="varying")
+  except ValueError:
+    return x
+
+
+# -- optax: the transformations running an init --------------------------------
+
+
+def enclosing_optax_inits(skip: int) -> list[tuple[str, int]]:
+  """The optax transformations whose ``init`` is running above the caller.
+
+  optax wrappers call their inner transformation's ``init`` from their own, so
+  they are on the call stack (host-side, while ``init`` runs). Frames of
+  optax's own modules are read by their function's qualified name.
+
+  Args:
+    skip: how many frames above this function's caller to start from (1: the
+      caller's caller).
+
+  Returns:
+    ``(name, position)`` for each optax transformation, innermost first:
+    ``name`` is the optax function or class (``"chain"``, ``"MultiSteps"``,
+    ``"apply_if_finite"``...); ``position`` is, for ``chain`` and
+    ``named_chain``, the index of the element whose ``init`` is running (0 for
+    every other transformation, and where this optax lays out its chain
+    otherwise).
+  """
+  frame, callee = sys._getframe(skip + 1), None  # pylint: disable=protected-access
+  found = []
+  while frame is not None:
+    module = frame.f_globals.get("__name__", "")
+    if ((module == "optax" or module.startswith("optax."))
+        and not frame.f_code.co_name.startswith("<")):
+      name = frame.f_code.co_qualname.split(".")[0]
+      found.append((name, _chain_position(name, frame, callee)))
+    callee, frame = frame, frame.f_back
+  return found
+
+
+def _chain_position(name: str, frame: Any, callee: Any) -> int:
+  """Which element of an ``optax.chain``/``named_chain`` is initialising."""
+  if name == "chain":  # tuple(fn(params) for fn in init_fns)
+    running = callee.f_locals.get("fn") if callee is not None else None
+    elements = frame.f_locals.get("init_fns", ())
+  elif name == "named_chain":  # for name, tx in transforms: tx.init(params)
+    running = frame.f_locals.get("tx")
+    elements = [tx for _, tx in frame.f_locals.get("transforms", ())]
+  else:
+    return 0
+  for i, element in enumerate(elements):
+    if element is running:
+      return i
+  return 0

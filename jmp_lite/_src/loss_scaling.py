@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import sys
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite._src import compat
 from jmp_lite._src import dtypes
 from jmp_lite._src import loss_scale as loss_scale_lib
 from jmp_lite._src import tree as tree_lib
@@ -157,10 +157,9 @@ def _check_config(
 # ours, so the enclosing transformations are on the call stack (host-side,
 # at init time; nothing here runs in a train step).
 
-#: optax code that may run loss_scaling's init: transformations that apply
+#: optax transformations that may run loss_scaling's init: those applying
 #: their elements in order (loss_scaling first is fine), and flatten, which
-#: only reshapes. Any other optax transformation around loss_scaling is
-#: refused.
+#: only reshapes. Any other optax transformation around it is refused.
 _IN_ORDER = frozenset({"chain", "named_chain"})
 _TRANSPARENT = frozenset({"flatten"})
 
@@ -204,54 +203,27 @@ _ENCLOSING_FIXES = {
 }
 
 
-def _is_optax(frame: Any) -> bool:
-  module = frame.f_globals.get("__name__", "")
-  return module == "optax" or module.startswith("optax.")
-
-
-def _position_in_order(frame: Any, callee: Any) -> int:
-  """Where, in an ``optax.chain``/``named_chain``, the running element is."""
-  where = frame.f_code.co_qualname
-  if where.startswith("chain."):
-    running = callee.f_locals.get("fn") if callee is not None else None
-    elements = frame.f_locals.get("init_fns", ())
-  else:
-    running = frame.f_locals.get("tx")
-    elements = [tx for _, tx in frame.f_locals.get("transforms", ())]
-  for i, element in enumerate(elements):
-    if element is running:
-      return i
-  return 0  # An optax version laid out otherwise: nothing to report.
-
-
 def _enclosing_problem() -> str | None:
   """Why the optax transformations running this init break loss scaling, or
   None if loss_scaling is outermost (or first in a chain). Of several, the
   outermost (what the user wrote: multi_transform, not the masked inside)."""
-  frame, callee = sys._getframe(2), None  # The caller of loss_scaling's init.
   problem = None
-  while frame is not None:
-    if _is_optax(frame) and not frame.f_code.co_name.startswith("<"):
-      where = frame.f_code.co_qualname
-      name = where.split(".")[0]
-      if name in _IN_ORDER:
-        index = _position_in_order(frame, callee)
-        if index:
-          problem = (
-              f"optax.{name} runs {index} transformation(s) "
-              "before loss_scaling: they see the scaled gradients (a clip "
-              "clips them to 1/scale of their size, weight decay is divided "
-              "by the scale). Put them inside: jmp_lite.loss_scaling("
-              "optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),"
-              " loss_scale)")
-      elif name not in _TRANSPARENT:
-        why, fix = _ENCLOSING_FIXES.get(name, (
-            "optax transformations around loss_scaling see the scaled "
-            "gradients and do not know about skipped steps",
-            "jmp_lite.loss_scaling(<that transformation>, loss_scale)"))
-        problem = (f"loss_scaling is inside optax's {name} ({where}): {why}."
-                   f" Make loss_scaling the outermost transformation: {fix}")
-    callee, frame = frame, frame.f_back
+  for name, position in compat.enclosing_optax_inits(skip=2):
+    if name in _IN_ORDER:
+      if position:
+        problem = (
+            f"optax.{name} runs {position} transformation(s) before "
+            "loss_scaling: they see the scaled gradients (a clip clips them to"
+            " 1/scale of their size, weight decay is divided by the scale). "
+            "Put them inside: jmp_lite.loss_scaling(optax.chain("
+            "optax.clip_by_global_norm(1.0), optax.adam(1e-3)), loss_scale)")
+    elif name not in _TRANSPARENT:
+      why, fix = _ENCLOSING_FIXES.get(name, (
+          "optax transformations around loss_scaling see the scaled "
+          "gradients and do not know about skipped steps",
+          "jmp_lite.loss_scaling(<that transformation>, loss_scale)"))
+      problem = (f"loss_scaling is inside optax's {name}: {why}. Make "
+                 f"loss_scaling the outermost transformation: {fix}")
   return problem
 
 

@@ -40,6 +40,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
 
 
@@ -313,25 +314,6 @@ def _check_bound(axis_name: Any, caller: str) -> None:
     ) from None
 
 
-def _to_varying(x: Any, axis_name: Any) -> Any:
-  """``x`` marked as varying over ``axis_name`` (shard_map's ``check_vma``).
-
-  A no-op under ``pmap`` and ``shard_map(check_vma=False)``; values that are
-  already varying, and axes that are not shard_map axes (``vmap``'s), are
-  left as they are.
-  """
-  if not tree_lib.is_float_array(x):
-    return x
-  # Newer jax spells it lax.pcast(..., to="varying") (0.10, 0.12); jax 0.8 lax.pvary.
-  pcast = getattr(lax, "pcast", None)
-  try:
-    if pcast is not None:
-      return pcast(x, axis_name, to="varying")
-    return lax.pvary(x, axis_name)
-  except ValueError:
-    return x
-
-
 def pmean_value_and_grad(
     value_and_grad_fn: Callable[..., Any],
     axis_name: Any,
@@ -354,7 +336,7 @@ def pmean_value_and_grad(
   per-device data — after the cast to the compute dtype, so in half
   precision — and returns the gradient of the *sum* of the per-device losses.
   This function first marks the differentiated arguments (``argnums``) as
-  varying (``lax.pcast(..., to="varying")``, ``lax.pvary`` in jax 0.8),
+  varying (``lax.pcast(..., to="varying")``),
   so the backward pass returns per-device gradients in the params' dtype and
   the only reduction is the float32 average. Under ``pmap`` and
   ``shard_map(check_vma=False)`` that marking changes nothing.
@@ -401,7 +383,9 @@ def pmean_value_and_grad(
     _check_bound(axis_name, caller)
     args = list(args)
     for i in nums:
-      args[i] = jax.tree_util.tree_map(lambda x: _to_varying(x, axis_name), args[i])
+      args[i] = jax.tree_util.tree_map(
+          lambda x: compat.to_varying(x, axis_name)
+          if tree_lib.is_float_array(x) else x, args[i])
     loss, aux, grads = _split_value(value_and_grad_fn(*args, **kwargs), has_aux,
                                     caller)
     loss_dtype = loss.dtype

@@ -20,14 +20,6 @@ import numpy as np
 from jmp_lite._src import compat
 
 
-def _out_avals(prim: Any, avals: tuple[Any, ...], params: dict[str, Any]):
-  out = prim.abstract_eval(*avals, **params)
-  # Recent JAX returns (avals, effects); older returns the avals alone.
-  if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], (set, frozenset)):
-    out = out[0]
-  return out if isinstance(out, (list, tuple)) else [out]
-
-
 def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
   """``jax.checkpoint`` policy: save half-precision values only.
 
@@ -85,7 +77,7 @@ def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
   if getattr(prim, "name", None) in _FREE:
     return False
   try:
-    outs = _out_avals(prim, avals, params)
+    outs = compat.out_avals(prim, avals, params)
   except Exception:  # pylint: disable=broad-except
     return False
   return bool(outs) and all(

@@ -26,13 +26,11 @@ from typing import Any, ClassVar, Iterable, Sequence, Union
 
 import numpy as np
 
+from jmp_lite._src import compat
 from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 
 Path = tuple[Any, ...]
-
-#: The oldest Flax jmp_lite supports (Variable.get_value), as in pyproject.toml.
-FLAX_FLOOR = "0.12.1"
 
 
 def require_flax(module: str) -> None:
@@ -46,7 +44,7 @@ def require_flax(module: str) -> None:
   except ImportError as err:
     raise ImportError(
         f"{module} needs Flax, which is not installed: pip install "
-        f"'jmp_lite[flax]' (or pip install 'flax>={FLAX_FLOOR}'). The rest of "
+        f"'jmp_lite[flax]' (or pip install 'flax>={compat.FLAX_FLOOR}'). The rest of "
         "jmp_lite (policies, loss scaling, autocast) works without it."
     ) from err
 
