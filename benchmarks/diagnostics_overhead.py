@@ -3,10 +3,10 @@
 The question: what does it cost to compute the precision statistics of the
 gradients (``diagnostics.tensor_stats``: zero/underflow/overflow counts, the
 largest magnitude and the log2 histogram of every leaf) inside a jitted MLP
-train step, and what does the unscaled-gradient check
-(``diagnostics.scale_check_update``, kept in the train state) cost?
+train step? (The unscaled-gradient check lives in ``loss_scaling`` now; its
+cost is measured by ``wrapper_overhead``.)
 
-Five variants of the same step (``jmp_lite.loss_scaling(adam)`` +
+Four variants of the same step (``jmp_lite.loss_scaling(adam)`` +
 ``get_loss_scale`` + ``scaled_value_and_grad``, params f32, compute f16 or
 bf16, ``DynamicLossScale``), timed against each other:
 
@@ -16,8 +16,7 @@ bf16, ``DynamicLossScale``), timed against each other:
 * ``cond_stats``: plus the same under ``lax.cond(step % 100 == 0, ...)``
   around the statistics only (zeros otherwise);
 * ``cond_step``: ``lax.cond(step % 100 == 0, ...)`` choosing between the whole
-  step with the statistics and the whole step without them;
-* ``scale_check``: plus ``scale_check_update`` carried in the state.
+  step with the statistics and the whole step without them.
 
 A timed block of 4 steps rarely contains a collecting step (step % 100 == 0),
 so the two ``cond`` variants measure what collecting every N steps costs on
@@ -75,13 +74,12 @@ INITIAL_SCALE = 2.0**15
 LEARNING_RATE = 1e-3
 EVERY = 100
 CHECK_STEPS = 6
-VARIANTS = ("plain", "stats", "cond_stats", "cond_step", "scale_check")
+VARIANTS = ("plain", "stats", "cond_stats", "cond_step")
 DESCRIPTIONS = {
     "plain": "loss_scaling(adam) step",
     "stats": "+ tensor_stats(grads) every step",
     "cond_stats": f"+ tensor_stats under lax.cond(step % {EVERY} == 0), zeros otherwise",
     "cond_step": f"lax.cond(step % {EVERY} == 0) between the whole step with and without tensor_stats",
-    "scale_check": "+ scale_check_update in the state",
 }
 
 
@@ -136,14 +134,8 @@ def make_steps(loss_fn, opt) -> dict[str, Step]:
         step % EVERY == 0, branch(True), branch(False), params, opt_state)
     return (params, opt_state, step + 1, extra), (loss, collected)
 
-  def scale_check(state, batch):
-    params, opt_state, step, check = state
-    loss, grads, scale, params, opt_state = grads_and_update(params, opt_state)(batch)
-    check = diagnostics.scale_check_update(check, grads, scale)
-    return (params, opt_state, step + 1, check), loss
-
   return dict(plain=plain, stats=stats, cond_stats=cond_stats,
-              cond_step=cond_step, scale_check=scale_check)
+              cond_step=cond_step)
 
 
 def check_same(fns, states, batch) -> tuple[dict[str, State], dict[str, Any]]:
@@ -170,7 +162,7 @@ def run_workload(workload: Workload, steps: int, repeats: int, seed: int) -> dic
   step_fns = make_steps(make_loss_fn(apply_mlp, workload.policy), opt)
   states = {}
   for name in VARIANTS:
-    extra = diagnostics.scale_check_init() if name == "scale_check" else jnp.zeros([])
+    extra = jnp.zeros([])
     states[name] = fresh_copy(
         (params, opt.init(params), jnp.zeros([], jnp.int32), extra))
   fns, compile_info = {}, {}
@@ -227,9 +219,7 @@ def markdown_table(report: dict[str, Any]) -> str:
       "every step, returned from `jit`; **cond_stats** — the same under "
       f"`lax.cond(step % {EVERY} == 0, ...)` around the statistics only, zeros "
       "otherwise; **cond_step** — `lax.cond` choosing between the whole step "
-      "with the statistics and the whole step without; **scale_check** — "
-      "`diagnostics.scale_check_update` carried in the train state (one extra "
-      "reduction over the gradients). A "
+      "with the statistics and the whole step without. A "
       "timed block of 4 steps rarely contains a collecting step, so the cond "
       f"variants give the cost of collecting every {EVERY} steps on the other "
       "steps.",

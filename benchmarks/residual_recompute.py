@@ -31,7 +31,7 @@ compared (recomputation changes the rounding at most).
 
 * linen: a method interceptor, entered around ``PolicyModel.apply`` so that
   it runs before jmp_lite's boundary interceptor, replaces the call of every
-  module of a ``FullPrecision`` class of ``jmp_lite.linen.DEFAULT_RULES`` by
+  module of a ``FullPrecision`` class of ``jmp_lite.linen.DEFAULT_MODULE_RULES`` by
   ``nn.checkpoint(lambda m, *a: m(*a), policy=save_half_residuals)(module,
   ...)``, Flax's lifted remat (which carries ``batch_stats`` updates out
   correctly). The inner call goes through jmp_lite's boundary, so the cast to
@@ -135,7 +135,7 @@ def digits_cnn(compute: str, quick: bool) -> dict[str, Any]:
   key_x, key_init = jax.random.split(jax.random.PRNGKey(0))
   batch = {"x": jax.random.normal(key_x, (batch_size, 8, 8, 1), jnp.float32),
            "y": jnp.arange(batch_size, dtype=jnp.int32) % 10}
-  classes = _full_precision_classes(jlinen.DEFAULT_RULES, jlinen.FullPrecision)
+  classes = _full_precision_classes(jlinen.DEFAULT_MODULE_RULES, jlinen.FullPrecision)
   models = {"f32": jlinen.apply_policy(DigitsCNN(), "p=f32,c=f32,o=f32"),
             "policy": jlinen.apply_policy(DigitsCNN(), f"p=f32,c={compute},o=f32")}
   variables = models["policy"].init(key_init, batch["x"])
@@ -201,7 +201,7 @@ def char_lm(compute: str, quick: bool) -> dict[str, Any]:
       else (dict(d_model=128, num_heads=4, num_layers=2), 128, 16)
   tokens = jax.random.randint(jax.random.PRNGKey(0), (batch_size, seq + 1), 0, 256,
                               jnp.int32)
-  classes = _full_precision_classes(jnnx.DEFAULT_RULES, jnnx.FullPrecision)
+  classes = _full_precision_classes(jnnx.DEFAULT_MODULE_RULES, jnnx.FullPrecision)
 
   def make_loss(spec: str, remat_norms: bool):
     module = CharLM(256, max_len=seq, rngs=nnx.Rngs(0), **kwargs)

@@ -136,7 +136,7 @@ def train(name, label, spec, k, loss_scale, corrupted, data, init_params,
       params, opt_state, metrics = step(params, opt_state, x, y)
       window_losses.append(metrics["loss"])
     metrics, window_losses = jax.device_get((metrics, window_losses))
-    state = jmp_lite.get_loss_scale_state(opt_state)
+    state = opt_state  # The LossScaleState.
     finite_losses = [float(v) for v in window_losses if np.isfinite(v)]
     losses.append(float(np.mean(finite_losses)) if finite_losses
                   else float("nan"))
@@ -156,7 +156,7 @@ def train(name, label, spec, k, loss_scale, corrupted, data, init_params,
   evaluate = common.make_eval_fn(apply_fn)
   test_acc, test_ce = evaluate(params, data["x_test"], data["y_test"])
   _, train_ce = evaluate(params, data["x_train"], data["y_train"])
-  state = jmp_lite.get_loss_scale_state(opt_state)
+  state = opt_state  # The LossScaleState.
   adam = state.inner_state[0]
   return dict(
       label=label,

@@ -104,7 +104,7 @@ def train_step(model, optimizer, x, y):
 
   grads, loss = nnx.grad(loss_fn, has_aux=True)(model)
   optimizer.update(model, grads)
-  state = jmp_lite.get_loss_scale_state(optimizer.opt_state)
+  state = optimizer.opt_state  # The LossScaleState.
   return dict(loss=loss, finite=state.last_finite,
               loss_scale=jnp.asarray(loss_scale.loss_scale, jnp.float32))
 
@@ -182,7 +182,7 @@ def train(spec, data, args) -> dict:
                       skipped=len(log.skipped_at), refresh=False)
   bar.close()
 
-  state = jmp_lite.get_loss_scale_state(optimizer.opt_state)
+  state = optimizer.opt_state  # The LossScaleState.
   tail = log.losses[-min(50, len(log.losses)):]
   return dict(
       label=label,

@@ -1,8 +1,9 @@
 """jmp_lite: mixed precision for JAX, Flax and optax.
 
-Immutable precision policies, loss scaling that lives inside the optimizer, and
-jit-safe tree utilities. A drop-in successor to DeepMind's jmp:
-``import jmp_lite as jmp`` runs code written for jmp.
+Immutable precision policies, loss scaling that lives inside the optimizer,
+operation-level autocast, and the precision controls large models need. A
+drop-in successor to DeepMind's jmp: ``import jmp_lite as jmp`` runs code
+written for jmp.
 
 Example:
   >>> import jax.numpy as jnp, optax, jmp_lite
@@ -10,39 +11,39 @@ Example:
   >>> opt = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.DynamicLossScale(2.0**15))
 """
 
-from jmp_lite._src.autocast import autocast
-from jmp_lite._src.autocast import autocast_disabled
-from jmp_lite._src.autocast import in_float32
-from jmp_lite._src.autocast import op_dtypes
+# pylint: disable=g-importing-member
+# jmp's API (drop-in).
 from jmp_lite._src.dtypes import half_dtype
 from jmp_lite._src.loss_scale import DynamicLossScale
 from jmp_lite._src.loss_scale import LossScale
 from jmp_lite._src.loss_scale import NoOpLossScale
 from jmp_lite._src.loss_scale import StaticLossScale
-from jmp_lite._src.parallel import grouped_value_and_grad
-from jmp_lite._src.parallel import pmean_f32
-from jmp_lite._src.parallel import pmean_value_and_grad
-from jmp_lite._src.master_weights import get_master_params
-from jmp_lite._src.master_weights import master_weights
-from jmp_lite._src.master_weights import MasterWeightsState
-from jmp_lite._src.master_weights import with_state_dtype
-from jmp_lite._src.loss_scaling import get_loss_scale
-from jmp_lite._src.loss_scaling import get_loss_scale_state
-from jmp_lite._src.loss_scaling import loss_scaling
-from jmp_lite._src.loss_scaling import LossScaleState
-from jmp_lite._src.loss_scaling import scaled_value_and_grad
 from jmp_lite._src.policy import cast_to_full
 from jmp_lite._src.policy import cast_to_half
 from jmp_lite._src.policy import get_policy
 from jmp_lite._src.policy import Policy
-from jmp_lite._src.policy import PRESETS
-from jmp_lite._src.policy import with_policy
-from jmp_lite._src.residuals import save_half_residuals
 from jmp_lite._src.tree import all_finite
 from jmp_lite._src.tree import select_tree
+# Policies on functions, float32 islands.
+from jmp_lite._src.policy import in_float32
+from jmp_lite._src.policy import with_policy
+# The optimizer side.
+from jmp_lite._src.loss_scaling import get_loss_scale
+from jmp_lite._src.loss_scaling import loss_scaling
+from jmp_lite._src.loss_scaling import LossScaleState
+from jmp_lite._src.loss_scaling import scaled_value_and_grad
+from jmp_lite._src.master_weights import get_master_params
+from jmp_lite._src.master_weights import master_weights
+from jmp_lite._src.master_weights import with_state_dtype
+from jmp_lite._src.parallel import grouped_value_and_grad
+from jmp_lite._src.parallel import pmean_value_and_grad
+from jmp_lite._src.residuals import save_half_residuals
+# Operation-level precision.
+from jmp_lite._src.autocast import autocast
+from jmp_lite._src.autocast import op_dtypes
 
-# The diagnostics layer (jit-safe statistics, advice, report) as a public
-# submodule: jmp_lite.diagnostics.tensor_stats(...).
+# The diagnostics layer (jit-side statistics; advice and report on the host)
+# as a public submodule: jmp_lite.diagnostics.tensor_stats(...).
 from jmp_lite import diagnostics  # noqa: E402,F401  pylint: disable=g-bad-import-order
 
 __version__ = "0.1.0"
@@ -51,18 +52,14 @@ __all__ = (
     "DynamicLossScale",
     "LossScale",
     "LossScaleState",
-    "MasterWeightsState",
     "NoOpLossScale",
-    "PRESETS",
     "Policy",
     "StaticLossScale",
     "all_finite",
     "autocast",
-    "autocast_disabled",
     "cast_to_full",
     "cast_to_half",
     "get_loss_scale",
-    "get_loss_scale_state",
     "get_master_params",
     "get_policy",
     "grouped_value_and_grad",
@@ -71,7 +68,6 @@ __all__ = (
     "loss_scaling",
     "master_weights",
     "op_dtypes",
-    "pmean_f32",
     "pmean_value_and_grad",
     "save_half_residuals",
     "scaled_value_and_grad",

@@ -27,17 +27,17 @@ require_flax("jmp_lite.nnx")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from jmp_lite._src.flax.nnx import apply_policy
-from jmp_lite._src.flax.nnx import DEFAULT_RULES
+from jmp_lite._src.flax.nnx import DEFAULT_MODULE_RULES
 from jmp_lite._src.flax.nnx import FullPrecision
 from jmp_lite._src.flax.nnx import PolicyModule
-from jmp_lite._src.flax.nnx import PolicyRules
+from jmp_lite._src.flax.nnx import ModuleRules
 from jmp_lite._src.flax.nnx import UnmatchedRuleWarning
 
 __all__ = (
-    "DEFAULT_RULES",
+    "DEFAULT_MODULE_RULES",
     "FullPrecision",
     "PolicyModule",
-    "PolicyRules",
+    "ModuleRules",
     "UnmatchedRuleWarning",
     "apply_policy",
 )

@@ -84,11 +84,11 @@ def assert_all_f32(window):
 
 def assert_documented_with_examples(module, name):
   """``module.name`` has a docstring with an example (``>>>``), and so does
-  each public method of a class; ``DEFAULT_RULES`` has a ``#:`` comment."""
+  each public method of a class; ``DEFAULT_MODULE_RULES`` has a ``#:`` comment."""
   obj = getattr(module, name)
-  if name == "DEFAULT_RULES":
-    source = inspect.getsource(inspect.getmodule(module.PolicyRules))
-    assert re.search(r"^#:.*\n(#:.*\n)*DEFAULT_RULES = ", source, re.MULTILINE)
+  if name == "DEFAULT_MODULE_RULES":
+    source = inspect.getsource(inspect.getmodule(module.ModuleRules))
+    assert re.search(r"^#:.*\n(#:.*\n)*DEFAULT_MODULE_RULES = ", source, re.MULTILINE)
     return
   doc = inspect.getdoc(obj) or ""
   assert "Example" in doc and ">>>" in doc, name

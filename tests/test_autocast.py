@@ -19,13 +19,12 @@ import pytest
 
 import jmp_lite
 from jmp_lite import autocast
-from jmp_lite import autocast_disabled
 from jmp_lite import op_dtypes
 from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
-from jmp_lite.autocast_rules import DEFAULT_RULES
-from jmp_lite.autocast_rules import RULE_NAMES
-from jmp_lite.autocast_rules import RuleContext
+from jmp_lite.autocast_rules import DEFAULT_OP_RULES
+from jmp_lite.autocast_rules import OP_RULE_NAMES
+from jmp_lite.autocast_rules import OpRuleContext
 
 from helpers import all_eqns
 
@@ -503,7 +502,7 @@ def test_custom_jvp_with_integer_argument():
 
 def test_recursion_can_be_switched_off_per_primitive():
   fn = lambda w, x: lax.scan(lambda c, r: (c, r @ w), 0.0, x)[1].sum()
-  f = autocast(fn, jnp.float16, rules={P.scan_p: "passthrough"})
+  f = autocast(fn, jnp.float16, op_rules={P.scan_p: "passthrough"})
   jaxpr = jax.make_jaxpr(f)(W, X)
   assert input_dtypes(jaxpr, "dot_general") == [(F32, F32)]
 
@@ -517,7 +516,7 @@ def test_op_dtypes_lists_nested_operations():
 
 
 def test_the_default_table_recurses_into_exactly_the_registered_primitives():
-  recursing = {p for p, rule in DEFAULT_RULES.items() if rule == "recurse"}
+  recursing = {p for p, rule in DEFAULT_OP_RULES.items() if rule == "recurse"}
   assert recursing == set(interpreter_lib.HIGHER_ORDER)
   names = {p.name for p in recursing}
   assert {"jit", "scan", "while", "cond", "remat2", "custom_jvp_call",
@@ -527,20 +526,21 @@ def test_the_default_table_recurses_into_exactly_the_registered_primitives():
 # -- exclusion -----------------------------------------------------------------
 
 
-def test_disabled_region_context_manager():
+def test_float32_island_is_left_as_traced():
+  """in_float32 is autocast's one exclusion: a jit inside is not entered and
+  its matmul runs in float32."""
   def fn(w, x):
     h = x @ w
-    with autocast_disabled():
-      out = jax.jit(lambda a: jnp.exp(a @ w))(h)  # The jit is not entered.
-    return out @ w
+    out = jmp_lite.in_float32(jax.jit(lambda a, w: jnp.exp(a @ w)))(h, w)
+    return out.astype(h.dtype) @ w
 
   jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16))(W, X)
   half = np.dtype(jnp.float16)
   assert input_dtypes(jaxpr, "dot_general") == [(half, half), (F32, F32), (half, half)]
 
 
-def test_disabled_region_decorator_and_nested_autocast():
-  @autocast_disabled()
+def test_float32_island_as_decorator_and_nested_autocast():
+  @jmp_lite.in_float32
   def sensitive(a, w):
     return a @ w
 
@@ -562,16 +562,16 @@ def test_enabled_false_calls_fn_unchanged():
 
 
 def test_default_rule_lists():
-  assert DEFAULT_RULES[P.dot_general_p] == "lower"
-  assert DEFAULT_RULES[P.conv_general_dilated_p] == "lower"
+  assert DEFAULT_OP_RULES[P.dot_general_p] == "lower"
+  assert DEFAULT_OP_RULES[P.conv_general_dilated_p] == "lower"
   for prim in (P.exp_p, P.log_p, P.log1p_p, P.expm1_p, P.pow_p, P.rsqrt_p, P.erf_p,
                P.erf_inv_p, P.reduce_sum_p, P.cumsum_p, P.logistic_p):
-    assert DEFAULT_RULES[prim] == "f32", prim
+    assert DEFAULT_OP_RULES[prim] == "f32", prim
   for prim in (P.add_p, P.mul_p, P.div_p, P.max_p, P.select_n_p, P.concatenate_p):
-    assert DEFAULT_RULES[prim] == "promote", prim
-  assert set(RULE_NAMES) == {"lower", "f32", "promote", "passthrough", "recurse"}
+    assert DEFAULT_OP_RULES[prim] == "promote", prim
+  assert set(OP_RULE_NAMES) == {"lower", "f32", "promote", "passthrough", "recurse"}
   with pytest.raises(TypeError):
-    DEFAULT_RULES[P.exp_p] = "promote"  # Read-only.
+    DEFAULT_OP_RULES[P.exp_p] = "promote"  # Read-only.
 
 
 def test_conv_runs_in_compute_dtype():
@@ -589,16 +589,16 @@ def test_conv_runs_in_compute_dtype():
 def test_user_rules_override_defaults():
   fn = lambda w, x: jnp.exp(x @ w).sum()
   half = np.dtype(jnp.float16)
-  jaxpr = jax.make_jaxpr(autocast(fn, half, rules={P.exp_p: "promote"}))(W, X)
+  jaxpr = jax.make_jaxpr(autocast(fn, half, op_rules={P.exp_p: "promote"}))(W, X)
   assert input_dtypes(jaxpr, "exp") == [(half,)]
-  f = autocast(fn, half, rules={P.dot_general_p: "passthrough"})
+  f = autocast(fn, half, op_rules={P.dot_general_p: "passthrough"})
   jaxpr = jax.make_jaxpr(f)(W, X)
   assert input_dtypes(jaxpr, "dot_general") == [(F32, F32)]
 
 
 def test_user_lower_rule_on_another_primitive():
   fn = lambda x: jnp.tanh(x).sum()
-  jaxpr = jax.make_jaxpr(autocast(fn, jnp.bfloat16, rules={lax.tanh_p: "lower"}))(X)
+  jaxpr = jax.make_jaxpr(autocast(fn, jnp.bfloat16, op_rules={lax.tanh_p: "lower"}))(X)
   assert input_dtypes(jaxpr, "tanh") == [(np.dtype(jnp.bfloat16),)]
 
 
@@ -606,12 +606,12 @@ def test_callable_rule_sees_traced_avals_and_can_delegate():
   seen = []
 
   def tanh_rule(ctx, x, **params):
-    assert isinstance(ctx, RuleContext)
+    assert isinstance(ctx, OpRuleContext)
     seen.append((ctx.primitive, ctx.in_avals[0].dtype, x.dtype, ctx.compute_dtype))
     return ctx.apply("f32", x, **params)
 
   fn = lambda w, x: jnp.tanh(x @ w).sum()
-  jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16, rules={P.tanh_p: tanh_rule}))(W, X)
+  jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16, op_rules={P.tanh_p: tanh_rule}))(W, X)
   half = np.dtype(jnp.float16)
   assert seen == [(P.tanh_p, F32, half, half)]
   assert input_dtypes(jaxpr, "tanh") == [(F32,)]
@@ -625,7 +625,7 @@ def test_passthrough_for_unknown_higher_order_primitive_is_safe():
     sol = lax.custom_linear_solve(lambda v: a @ v, x[0], solve)
     return sol.sum()
 
-  assert P.linear_solve_p not in DEFAULT_RULES
+  assert P.linear_solve_p not in DEFAULT_OP_RULES
   got = jax.jit(autocast(fn, jnp.float16))(W, X)
   np.testing.assert_allclose(got, jax.jit(fn)(W, X), rtol=2e-2)
 
@@ -636,13 +636,13 @@ def test_passthrough_for_unknown_higher_order_primitive_is_safe():
 @pytest.mark.parametrize("key", ["exp", "matmul", 3, None])
 def test_rules_with_non_primitive_keys_raise(key):
   with pytest.raises(TypeError, match="keyed by primitive objects") as info:
-    autocast(mlp, jnp.float16, rules={key: "f32"})
+    autocast(mlp, jnp.float16, op_rules={key: "f32"})
   assert repr(key) in str(info.value)
 
 
 def test_rules_key_named_like_a_primitive_gets_a_hint():
   with pytest.raises(TypeError, match="exp_p"):
-    autocast(mlp, jnp.float16, rules={"exp": "f32"})
+    autocast(mlp, jnp.float16, op_rules={"exp": "f32"})
 
 
 @pytest.mark.parametrize(
@@ -656,7 +656,7 @@ def test_rules_key_named_like_a_primitive_gets_a_hint():
 )
 def test_bad_rules_raise(rules, error, match):
   with pytest.raises(error, match=match):
-    autocast(mlp, jnp.float16, rules=rules)
+    autocast(mlp, jnp.float16, op_rules=rules)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, "int8", jnp.complex64, None, object()])
@@ -672,7 +672,7 @@ def test_not_callable_raises():
 
 @pytest.mark.parametrize("fn", [3, None, "f"])
 def test_op_dtypes_of_a_non_callable_raises_a_clear_error(fn):
-  with pytest.raises(TypeError, match=r"op_dtypes.*must be a callable.*"
+  with pytest.raises(TypeError, match=r"op_dtypes expects a callable.*"
                      r"jmp_lite\.op_dtypes\(fn, \*args\)"):
     jmp_lite.op_dtypes(fn, jnp.ones(2))
 

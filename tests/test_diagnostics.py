@@ -1,4 +1,4 @@
-"""Tests of jmp_lite.diagnostics: precision statistics, advice, report, checks.
+"""Tests of jmp_lite.diagnostics: precision statistics, advice and report.
 
 Statistics are checked against hand-computed counts on constructed arrays
 (subnormals, exact powers of two at every threshold, inf/NaN, zeros) for
@@ -31,6 +31,12 @@ import pytest
 
 import jmp_lite
 from jmp_lite import diagnostics
+from jmp_lite._src import checks
+# Helpers behind diagnostics.report, tested directly.
+from jmp_lite._src.diagnostics.report import DEFAULT_HEADROOM
+from jmp_lite._src.diagnostics.report import format_table
+from jmp_lite._src.diagnostics.report import plot_histograms
+from jmp_lite._src.diagnostics.stats import ROOT_NAME
 
 from helpers import ROOT
 
@@ -89,7 +95,7 @@ def reference(x, scale):
   loss scale as a float32 (as ``TensorStats.loss_scale`` holds it)."""
   s = Fraction(float(np.float32(scale)))
   out = dict.fromkeys(COUNTS, 0)
-  hist = np.zeros(len(diagnostics.HISTOGRAM_EXPONENTS), int)
+  hist = np.zeros(len(diagnostics.TensorStats.HISTOGRAM_EXPONENTS), int)
   max_abs = 0.0
   for value in as_floats(x):
     if not math.isfinite(value):
@@ -146,7 +152,7 @@ def test_float32_thresholds_exactly(use_jit):
   assert int(stats.size) == x.size
   assert float(stats.max_abs) == float(above(BF16_MAX))
   assert int(jnp.sum(stats.histogram)) == x.size - 2 - 3
-  hist = dict(zip(diagnostics.HISTOGRAM_EXPONENTS.tolist(),
+  hist = dict(zip(diagnostics.TensorStats.HISTOGRAM_EXPONENTS.tolist(),
                   np.asarray(stats.histogram).tolist()))
   assert hist[-24] == 1 and hist[-25] == 1 and hist[-15] == 1
   assert hist[15] == 3 and hist[-149] == 1 and hist[127] == 2
@@ -199,7 +205,7 @@ def test_float64_inputs():
         f16_overflow=1, bf16_underflow=2, bf16_overflow=1)
     assert stats.max_abs.dtype == F64 and float(stats.max_abs) == 1e300
     assert stats.zeros.dtype == np.int32 and stats.histogram.dtype == np.int32
-    hist = dict(zip(diagnostics.HISTOGRAM_EXPONENTS.tolist(),
+    hist = dict(zip(diagnostics.TensorStats.HISTOGRAM_EXPONENTS.tolist(),
                     np.asarray(stats.histogram).tolist()))
     assert hist[-150] == 2 and hist[-24] == 1 and hist[149] == 1  # clipped ends
 
@@ -517,13 +523,13 @@ def test_empty_tree(use_jit):
   assert diagnostics.group_stats(stats) == {}
   assert diagnostics.tensor_stats({"a": [1, 2]}) == {"a": [None, None]}
   assert diagnostics.group_stats(diagnostics.tensor_stats({"a": [1, 2]})) == {}
-  assert diagnostics.format_table({}) == "(no floating-point leaves)"
+  assert format_table({}) == "(no floating-point leaves)"
 
 
 def test_a_bare_array_gives_one_stats():
   stats = diagnostics.tensor_stats(jnp.ones(4))
   assert isinstance(stats, diagnostics.TensorStats)
-  assert list(diagnostics.group_stats(stats)) == [diagnostics.ROOT_NAME]
+  assert list(diagnostics.group_stats(stats)) == [ROOT_NAME]
 
 
 def test_loss_scale_objects_and_traced_scales():
@@ -602,23 +608,26 @@ def test_fraction_under_jit_and_on_host():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan, -2**15])
-def test_non_positive_or_non_finite_scale_is_a_value_error(scale):
-  with pytest.raises(ValueError, match=r"loss_scale must be positive and finite"
-                     r".*1\.0 for unscaled"):
+@pytest.mark.parametrize("scale,problem", [
+    (0.0, "positive"), (-1.0, "positive"), (-2**15, "positive"),
+    (math.inf, "finite"), (math.nan, "finite")])
+def test_non_positive_or_non_finite_scale_is_a_value_error(scale, problem):
+  with pytest.raises(ValueError, match=(
+      rf"tensor_stats: loss_scale must be {problem}, got "
+      + re.escape(str(float(scale))) + r"\..*1\.0 for the values as they are")):
     diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
-  with pytest.raises(ValueError, match="loss_scale must be positive"):
-    diagnostics.scale_check_update(diagnostics.scale_check_init(), jnp.ones(2), scale)
 
 
 @pytest.mark.parametrize("scale", ["2", True, np.bool_(True), 1 + 2j, [2.0], object()],
                          ids=["str", "bool", "np_bool", "complex", "list", "object"])
 def test_wrong_scale_type_is_a_type_error(scale):
-  with pytest.raises(TypeError, match="tensor_stats: loss_scale must be"):
+  with pytest.raises(TypeError, match=(
+      r"tensor_stats: loss_scale must be .*got .*"
+      r"loss scale object such as jmp_lite\.get_loss_scale\(opt_state\)")):
     diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
 
 
-# jmp_lite's one loss-scale range, [SCALE_MIN, SCALE_MAX] = [2**-126, 2**126].
+# jmp_lite's one loss-scale range, checks.SCALE_MIN ... checks.SCALE_MAX.
 @pytest.mark.parametrize("scale", [
     1e300, 1e-50,
     2.0**127, 3e38, np.float32(3e38),                # float32, above 2**126
@@ -626,17 +635,16 @@ def test_wrong_scale_type_is_a_type_error(scale):
     float(np.nextafter(2.0**-126, 0)), float(np.nextafter(2.0**126, np.inf)),
 ])
 def test_scale_outside_the_loss_scale_range_is_a_value_error(scale):
-  match = r"loss_scale must lie in \[2\*\*-126, 2\*\*126\].*2\.0\*\*15"
-  with pytest.raises(ValueError, match="tensor_stats: " + match):
+  match = (r"tensor_stats: loss_scale=" + re.escape(f"{float(scale):g}")
+           + r" is outside \[2\*\*-126, 2\*\*126\].*powers of two.*"
+           r"1\.0 for the values as they are")
+  with pytest.raises(ValueError, match=match):
     diagnostics.tensor_stats({"w": jnp.ones(2)}, scale)
-  with pytest.raises(ValueError, match="scale_check_update: " + match):
-    diagnostics.scale_check_update(diagnostics.scale_check_init(), jnp.ones(2), scale)
 
 
-def test_the_loss_scale_range_is_the_loss_scale_modules():
-  from jmp_lite._src import loss_scale  # pylint: disable=g-import-not-at-top
-  assert (loss_scale.SCALE_MIN, loss_scale.SCALE_MAX) == (2.0**-126, 2.0**126)
-  for scale in (loss_scale.SCALE_MIN, loss_scale.SCALE_MAX):
+def test_the_loss_scale_range_is_the_one_of_checks():
+  assert (checks.SCALE_MIN, checks.SCALE_MAX) == (2.0**-126, 2.0**126)
+  for scale in (checks.SCALE_MIN, checks.SCALE_MAX):
     stats = diagnostics.tensor_stats(jnp.array([1.0]), scale)
     assert float(stats.loss_scale) == scale
     assert_matches_reference(stats, np.array([1.0], F32), scale)
@@ -647,7 +655,9 @@ def test_the_loss_scale_range_is_the_loss_scale_modules():
 
 
 def test_non_scalar_scale_is_a_value_error():
-  with pytest.raises(ValueError, match=r"must be a scalar, got shape \(2,\)"):
+  with pytest.raises(ValueError, match=(
+      r"tensor_stats: loss_scale must be a scalar, got an array of shape "
+      r"\(2,\)")):
     diagnostics.tensor_stats({"w": jnp.ones(2)}, jnp.ones(2))
 
 
@@ -698,11 +708,6 @@ def test_mixed_stats_and_arrays_is_a_type_error():
   tree = {"a": diagnostics.tensor_stats(jnp.ones(2)), "b": jnp.ones(2)}
   with pytest.raises(TypeError, match="at 'b'"):
     diagnostics.advise(tree)
-
-
-def test_scale_check_update_needs_a_scale_check():
-  with pytest.raises(TypeError, match="scale_check_init"):
-    diagnostics.scale_check_update({"x": 1}, jnp.ones(2), 1.0)
 
 
 # ---------------------------------------------------------------------------
@@ -797,6 +802,7 @@ def test_advice_on_empty_zero_and_non_finite_gradients():
 
 def test_advice_str_is_a_table_and_the_reasons():
   advice = diagnostics.advise({"w": jnp.array([1e-7, 1e-3])})
+  assert advice.headroom == DEFAULT_HEADROOM == 8.0   # the default
   text = str(advice)
   assert text.startswith("| advice | |\n|---|---|\n| dtype | float16 |")
   assert "| static loss scale | 2^22 |" in text
@@ -811,16 +817,16 @@ def test_advice_str_is_a_table_and_the_reasons():
 def test_format_table_rows_and_all():
   stats = diagnostics.tensor_stats(
       {"a": jnp.array([0.0, 1.0]), "b": jnp.array([1e-9, 1e5, 2.0, 3.0])}, 1.0)
-  table = diagnostics.format_table(stats, title="grad")
+  table = format_table(stats, title="grad")
   lines = table.splitlines()
   assert lines[0].startswith("| grad | entries | max abs | loss scale | zero % |")
   assert len(lines) == 5
   assert lines[2] == "| a | 2 | 1 | 1 | 50.0 | 0 | 0 | 0 | 0 | 0 | 0 |"
   assert lines[3] == "| b | 4 | 1e+05 | 1 | 0 | 25.0 | 25.0 | 25.0 | 0 | 0 | 0 |"
   assert lines[4].startswith("| all | 6 | 1e+05 |")
-  tiny = diagnostics.format_table({"w": jnp.concatenate([jnp.zeros(1), jnp.ones(9999)])})
+  tiny = format_table({"w": jnp.concatenate([jnp.zeros(1), jnp.ones(9999)])})
   assert "| <0.1 |" in tiny
-  assert "| 2^15 |" in diagnostics.format_table(diagnostics.tensor_stats(jnp.ones(2), 2.0**15))
+  assert "| 2^15 |" in format_table(diagnostics.tensor_stats(jnp.ones(2), 2.0**15))
 
 
 def assert_png(path):
@@ -863,7 +869,7 @@ def test_report_of_an_empty_tree(tmp_path):
 
 def test_plot_grouped_activations_only_rows(tmp_path):
   stats = diagnostics.tensor_stats({"m": {"a": jnp.ones(3), "b": jnp.full(2, 1e-30)}})
-  path = diagnostics.plot_histograms(stats, str(tmp_path / "g.png"), by=1)
+  path = plot_histograms(stats, str(tmp_path / "g.png"), by=1)
   assert path == str(tmp_path / "g.png")
   assert_png(tmp_path / "g.png")
 
@@ -873,9 +879,10 @@ def test_plot_grouped_activations_only_rows(tmp_path):
 def test_plot_histograms_path_must_be_a_path(path, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   with pytest.raises(TypeError, match=(
-      r"plot_histograms: path must be a file path: a str or os\.PathLike "
-      r".*'grads\.png'.*got " + type(path).__name__ + r".*format_table")):
-    diagnostics.plot_histograms({"w": jnp.ones(2)}, path)
+      r"plot_histograms: path must be a file path \(a str or os\.PathLike "
+      r"such as 'grads\.png'\), got " + type(path).__name__ + ": "
+      + re.escape(repr(path)))):
+    plot_histograms({"w": jnp.ones(2)}, path)
   assert list(tmp_path.iterdir()) == []
 
 
@@ -885,15 +892,16 @@ def test_plot_histograms_path_must_be_a_path(path, tmp_path, monkeypatch):
     (math.inf, ValueError),
 ])
 def test_plot_histograms_dpi_must_be_a_positive_number(dpi, error, tmp_path):
-  with pytest.raises(error, match=r"plot_histograms: dpi must be a positive "
-                     r"number of dots per inch \(e\.g\. 100\), got"):
-    diagnostics.plot_histograms({"w": jnp.ones(2)}, str(tmp_path / "x.png"), dpi=dpi)
+  with pytest.raises(error, match=(
+      r"plot_histograms: dpi \(dots per inch\) must be a positive(, finite)? "
+      r"number, got .*" + re.escape(repr(dpi)))):
+    plot_histograms({"w": jnp.ones(2)}, str(tmp_path / "x.png"), dpi=dpi)
   assert list(tmp_path.iterdir()) == []   # checked before drawing
 
 
 def test_plot_histograms_takes_a_pathlib_path_and_a_float_dpi(tmp_path):
   path = tmp_path / "p.png"
-  assert diagnostics.plot_histograms({"w": jnp.ones(2)}, path, dpi=50.5) == path
+  assert plot_histograms({"w": jnp.ones(2)}, path, dpi=50.5) == path
   assert_png(path)
 
 
@@ -929,8 +937,9 @@ def test_report_file_binary_closed_or_read_only(tmp_path):
 def test_report_path_must_be_none_or_a_path(path, tmp_path):
   out = io.StringIO()
   with pytest.raises(TypeError, match=(
-      r"report: path must be None \(no figure\) or a file path: a str or "
-      r"os\.PathLike")):
+      r"report: path must be a file path \(a str or os\.PathLike such as "
+      r"'grads\.png'\), got " + type(path).__name__ + ": " + re.escape(repr(path))
+      + r"\. Leave path=None .* without a figure")):
     diagnostics.report({"w": jnp.ones(2)}, path, file=out)
   assert out.getvalue() == ""   # checked before printing
 
@@ -1083,123 +1092,6 @@ def test_nnx_every_layer_output_via_capture_method_outputs():
 
 
 # ---------------------------------------------------------------------------
-# Catching gradients that were never scaled.
-# ---------------------------------------------------------------------------
-
-
-def _softmax_regression_data():
-  kx, kw = jax.random.split(jax.random.key(0))
-  x = jax.random.normal(kx, (256, 16))
-  y = jnp.argmax(x @ jax.random.normal(kw, (16, 10)), axis=-1)
-  return x, y
-
-
-def _train(loss_scale, scale_the_loss, steps):
-  """SGD on softmax regression with loss_scaling, the check in the loop."""
-  x, y = _softmax_regression_data()
-  params = {"w": jnp.zeros((16, 10)), "b": jnp.zeros(10)}
-  opt = jmp_lite.loss_scaling(optax.sgd(0.5), loss_scale)
-
-  def loss_fn(p):
-    logits = x @ p["w"] + p["b"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-  @jax.jit
-  def step(params, state, check):
-    scale = jmp_lite.get_loss_scale(state)
-    if scale_the_loss:
-      _, grads = jmp_lite.scaled_value_and_grad(loss_fn, scale)(params)
-    else:  # the mistake: gradients of the unscaled loss
-      grads = jax.grad(loss_fn)(params)
-    check = diagnostics.scale_check_update(check, grads, scale)
-    updates, state = opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, check
-
-  state, check = opt.init(params), diagnostics.scale_check_init()
-  for _ in range(steps):
-    params, state, check = step(params, state, check)
-  return float(loss_fn(params)), check
-
-
-def test_unscaled_gradients_with_a_static_scale_stall_and_are_flagged():
-  scale = jmp_lite.StaticLossScale(2.0**15)
-  good_loss, good = _train(scale, True, 60)
-  bad_loss, bad = _train(scale, False, 60)
-  assert good_loss < 0.5 * bad_loss  # the mistake stalls training silently
-  assert bad_loss > 0.95 * math.log(10)
-  assert bool(bad.looks_unscaled()) and int(bad.suspect_steps) == 60
-  assert not bool(good.looks_unscaled()) and int(good.suspect_steps) == 0
-  assert math.isnan(float(good.response_ratio))  # a static scale never moves
-
-
-def test_unscaled_gradients_with_a_dynamic_scale_do_not_follow_it():
-  scale = jmp_lite.DynamicLossScale(2.0**4, period=3)
-  _, good = _train(scale, True, 40)
-  _, bad = _train(scale, False, 40)
-  assert float(bad.scale_change) >= 10 and float(good.scale_change) >= 10
-  assert abs(float(bad.response_ratio)) < 0.2
-  assert abs(float(good.response_ratio) - 1) < 0.2
-  assert bool(bad.looks_unscaled())
-  assert not bool(good.looks_unscaled())
-
-
-def test_a_scale_too_small_is_suspect_until_the_response_clears_it():
-  """Correctly scaled but tiny gradients (the digits demo's setting) fail the
-  headroom test; once a dynamic scale has moved, the response clears them."""
-  check = diagnostics.scale_check_init()
-  rng = np.random.default_rng(0)
-  g = jnp.asarray(rng.standard_normal(1000) * 1e-7, F32)
-  update = jax.jit(diagnostics.scale_check_update)
-  scale = 2.0**4
-  for i in range(30):
-    check = update(check, g * rng.uniform(0.9, 1.1) * scale, scale)
-    if i == 19:  # 20 suspect steps, the scale has moved by one binade
-      assert int(check.suspect_steps) == 20
-      assert float(check.scale_change) == 1.0
-      assert bool(check.looks_unscaled())
-    if i % 10 == 9:
-      scale *= 2
-  assert float(check.scale_change) == 2.0
-  assert abs(float(check.response_ratio) - 1) < 0.2
-  assert not bool(check.looks_unscaled())
-
-
-def test_non_finite_and_zero_steps_leave_the_check_unchanged():
-  check = diagnostics.scale_check_update(
-      diagnostics.scale_check_init(), jnp.array([1.0]), 2.0**15)
-  for grads in (jnp.array([jnp.inf, 1.0]), jnp.zeros(2), {"n": jnp.array(3)}):
-    same = diagnostics.scale_check_update(check, grads, 2.0**14)
-    for a, b in zip(same, check):
-      np.testing.assert_array_equal(a, b)
-
-
-def test_scale_check_record_matches_update():
-  check = diagnostics.scale_check_init()
-  by_update, by_record = check, check
-  for scale, grads in ((2.0**10, jnp.array([0.5, -3.0])), (2.0**11, jnp.array([1.0, 6.0])),
-                       (2.0**11, jnp.array([jnp.nan, 1.0])), (2.0**12, jnp.array([2.0, 12.0]))):
-    by_update = diagnostics.scale_check_update(by_update, grads, scale)
-    largest = jnp.max(jnp.where(jnp.isnan(grads), jnp.inf, jnp.abs(grads)))
-    by_record = jax.jit(diagnostics.scale_check_record)(by_record, largest, scale)
-  for a, b in zip(by_update, by_record):
-    np.testing.assert_array_equal(a, b)
-  assert float(by_record.response_ratio) == pytest.approx(1.0, abs=1e-6)
-  with pytest.raises(ValueError, match="largest must be a scalar"):
-    diagnostics.scale_check_record(check, jnp.ones(2), 1.0)
-  with pytest.raises(TypeError, match="scale_check_record: check must be"):
-    diagnostics.scale_check_record(None, 1.0, 1.0)
-
-
-def test_largest_magnitude():
-  assert float(diagnostics.largest_magnitude({})) == 0.0
-  tree = {"a": jnp.array([1.0, -5.0], BF16), "b": jnp.array([jnp.nan, 2.0]),
-          "i": jnp.array([7])}
-  assert float(jax.jit(diagnostics.largest_magnitude)(tree)) == 5.0
-  # Python numbers are not arrays (outside jit): skipped, like ints.
-  assert float(diagnostics.largest_magnitude(dict(tree, c=9.0))) == 5.0
-
-
-# ---------------------------------------------------------------------------
 # docs/diagnostics.md: every code block runs; every cost figure is committed.
 # ---------------------------------------------------------------------------
 
@@ -1213,7 +1105,7 @@ def test_every_code_block_of_the_guide_runs(tmp_path, monkeypatch, capsys):
   namespace, as a reader would paste them (in a scratch directory)."""
   monkeypatch.chdir(tmp_path)
   blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-  assert len(blocks) == 5
+  assert len(blocks) == 4
   namespace = {}
   for i, block in enumerate(blocks):
     capsys.readouterr()
@@ -1247,8 +1139,7 @@ def test_every_cost_figure_of_the_guide_is_in_the_committed_results():
   cost = text[text.index("**Cost**"):text.index("## Per leaf and per module")]
   variants = {"`tensor_stats` of the gradients every step": "stats",
               "`lax.cond` around the whole step": "cond_step",
-              "`lax.cond` around the statistics only": "cond_stats",
-              "`scale_check_update` every step": "scale_check"}
+              "`lax.cond` around the statistics only": "cond_stats"}
   seen = set()
   for line in cost.splitlines():
     for label, variant in variants.items():
@@ -1283,6 +1174,56 @@ def test_every_cost_figure_of_the_guide_is_in_the_committed_results():
 # ---------------------------------------------------------------------------
 # The public surface.
 # ---------------------------------------------------------------------------
+
+
+def test_the_public_names_are_the_six_a_user_calls():
+  assert sorted(diagnostics.__all__) == sorted(
+      ["tensor_stats", "group_stats", "TensorStats", "advise", "Advice",
+       "report"])
+  public = {n for n in vars(diagnostics) if not n.startswith("_")}
+  assert public == set(diagnostics.__all__)
+
+
+def test_the_guide_uses_public_names_only():
+  text = DOC.read_text()
+  assert "jmp_lite._src" not in text
+  used = set(re.findall(r"diagnostics\.(\w+)", "\n".join(
+      re.findall(r"```python\n(.*?)```", text, re.DOTALL))))
+  assert used and used <= set(diagnostics.__all__), used - set(diagnostics.__all__)
+
+
+def test_the_layer_imports_trees_dtypes_and_checks_only():
+  """No loss-scale module (its range comes from checks), no matplotlib at
+  module level, no Flax or optax."""
+  import ast  # pylint: disable=g-import-not-at-top
+  allowed = {"jmp_lite._src.checks", "jmp_lite._src.tree",
+             "jmp_lite._src.dtypes", "jmp_lite._src.diagnostics.stats"}
+  package = ROOT / "jmp_lite" / "_src" / "diagnostics"
+  for path in sorted(package.glob("*.py")):
+    tree = ast.parse(path.read_text())
+    for node in tree.body:   # module level only: the plot imports lazily
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module if node.module != "jmp_lite._src" else
+                 f"jmp_lite._src.{a.name}" for a in node.names]
+      else:
+        continue
+      for name in names:
+        assert not name.startswith(("matplotlib", "flax", "optax")), (path, name)
+        if name.startswith("jmp_lite"):
+          assert name in allowed, (path.name, name)
+
+
+def test_histogram_exponents_are_a_read_only_class_attribute():
+  exponents = diagnostics.TensorStats.HISTOGRAM_EXPONENTS
+  assert exponents.tolist() == list(range(-150, 150))
+  assert "HISTOGRAM_EXPONENTS" not in diagnostics.TensorStats._fields
+  stats = diagnostics.tensor_stats(jnp.ones(2))
+  assert stats.HISTOGRAM_EXPONENTS is exponents
+  assert len(stats.histogram) == len(exponents)
+  with pytest.raises(ValueError, match="read-only"):
+    exponents[0] = 7
 
 
 def test_public_names_are_documented_with_examples():

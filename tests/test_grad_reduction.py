@@ -35,6 +35,7 @@ import pytest
 
 import distributed_worker as worker
 import jmp_lite
+from jmp_lite._src import parallel  # The float32 pmean inside.
 
 N = 8
 F16 = np.dtype(jnp.float16)
@@ -427,7 +428,7 @@ def test_pmean_value_and_grad_has_aux_and_argnums():
 def test_pmean_f32_reduces_in_f32(dtype):
   big = 49152.0  # 1.5 * 2**15, exact in every dtype; 8x it overflows float16.
   tree = {"g": jnp.full((N, 2), big, dtype), "step": jnp.ones(N, jnp.int32)}
-  pmean = jax.vmap(lambda t: jmp_lite.pmean_f32(t, "i"), axis_name="i")
+  pmean = jax.vmap(lambda t: parallel._pmean_f32(t, "i"), axis_name="i")
   out = pmean(tree)
   assert out["g"].dtype == F32 and out["step"].dtype == np.int32
   np.testing.assert_array_equal(out["g"], np.full((N, 2), big, F32))
@@ -439,17 +440,9 @@ def test_pmean_f32_reduces_in_f32(dtype):
 
 @needs_devices
 def test_pmean_f32_collective_is_f32_under_pmap():
-  fn = jax.pmap(lambda g: jmp_lite.pmean_f32(g, "i"), axis_name="i")
+  fn = jax.pmap(lambda g: parallel._pmean_f32(g, "i"), axis_name="i")
   g = jnp.ones((N, 4, 4), BF16)
   _assert_all(worker.all_reduce_types(fn.lower(g).as_text(dialect="hlo")), F32)
-
-
-def test_pmean_f32_errors():
-  with pytest.raises(TypeError, match="axis_name"):
-    jmp_lite.pmean_f32(jnp.ones(2), 0)
-  with pytest.raises(ValueError, match="no such axis is bound"):
-    jmp_lite.pmean_f32(jnp.ones(2), "nope")
-  assert jmp_lite.pmean_f32({"n": 3, "s": "x"}, "nope") == {"n": 3, "s": "x"}
 
 
 # ---------------------------------------------------------------------------

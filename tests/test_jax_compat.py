@@ -19,7 +19,7 @@ import pytest
 import jmp_lite
 from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
-from jmp_lite._src.autocast import table as table_lib
+from jmp_lite._src.autocast import default_rules as table_lib
 
 from helpers import example_env
 
@@ -42,12 +42,12 @@ def test_lists_the_expected_primitives_this_jax_lacks():
     prim = compat.primitive(name)
     assert (prim is None) == (name in missing)
     if prim is not None:
-      assert prim in table_lib.DEFAULT_RULES, name
+      assert prim in table_lib.DEFAULT_OP_RULES, name
 
 
 def test_every_registered_higher_order_primitive_is_entered():
   assert set(interpreter_lib.HIGHER_ORDER) == {
-      p for p, rule in table_lib.DEFAULT_RULES.items() if rule == "recurse"}
+      p for p, rule in table_lib.DEFAULT_OP_RULES.items() if rule == "recurse"}
   assert {compat.primitive(n) for n in interpreter_lib.HIGHER_ORDER_HANDLERS
           if compat.primitive(n) is not None} == set(interpreter_lib.HIGHER_ORDER)
 

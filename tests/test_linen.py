@@ -428,7 +428,7 @@ def _matmul_dtype_by_shape(model, x):
 
 
 def test_override_by_path_is_inherited_by_submodules():
-  rules = jlinen.PolicyRules(("decoder", "p=f32,c=f32,o=f16")) + jlinen.DEFAULT_RULES
+  rules = jlinen.ModuleRules(("decoder", "p=f32,c=f32,o=f16")) + jlinen.DEFAULT_MODULE_RULES
   model = jlinen.apply_policy(TwoTower(), "mixed_float16", rules)
   assert _matmul_dtype_by_shape(model, _x()) == [(F16, F16), (F32, F32), (F16, F16)]
   policies = model.module_policies(model.init(jax.random.key(0), _x()), _x())
@@ -439,8 +439,8 @@ def test_override_by_path_is_inherited_by_submodules():
 def test_override_by_glob_and_regex():
   # Mid-model rules hand back the surrounding compute dtype (as FullPrecision).
   inner = "p=f32,c=f32,o=bf16"
-  glob = jlinen.PolicyRules(("*/inner", inner)) + jlinen.DEFAULT_RULES
-  regex = jlinen.PolicyRules((re.compile(r"dec\w+/inner"), inner)) + jlinen.DEFAULT_RULES
+  glob = jlinen.ModuleRules(("*/inner", inner)) + jlinen.DEFAULT_MODULE_RULES
+  regex = jlinen.ModuleRules((re.compile(r"dec\w+/inner"), inner)) + jlinen.DEFAULT_MODULE_RULES
   for rules in (glob, regex):
     model = jlinen.apply_policy(TwoTower(), "mixed_bfloat16", rules)
     assert _matmul_dtype_by_shape(model, _x()) == [
@@ -452,7 +452,7 @@ def test_override_by_glob_and_regex():
 def test_a_rule_output_dtype_flows_on_as_in_nnx():
   """Only boundaries cast (as in jmp_lite.nnx): a mid-model rule with float32
   outputs makes the next layer compute in float32 too."""
-  rules = jlinen.PolicyRules(("*/inner", "f32")) + jlinen.DEFAULT_RULES
+  rules = jlinen.ModuleRules(("*/inner", "f32")) + jlinen.DEFAULT_MODULE_RULES
   model = jlinen.apply_policy(TwoTower(), "mixed_bfloat16", rules)
   assert _matmul_dtype_by_shape(model, _x()) == [
       (BF16, BF16), (F32, F32), (F32, F32)
@@ -461,9 +461,9 @@ def test_a_rule_output_dtype_flows_on_as_in_nnx():
 
 def test_override_by_class_and_first_match_wins():
   # All Dense layers in f32, except the head (the earlier rule wins).
-  rules = jlinen.PolicyRules(
+  rules = jlinen.ModuleRules(
       ("head", "mixed_float16"), (nn.Dense, "f32")
-  ) + jlinen.DEFAULT_RULES
+  ) + jlinen.DEFAULT_MODULE_RULES
   model = jlinen.apply_policy(TwoTower(), "mixed_float16", rules)
   assert _matmul_dtype_by_shape(model, _x()) == [(F32, F32), (F32, F32), (F16, F16)]
 
@@ -471,7 +471,7 @@ def test_override_by_class_and_first_match_wins():
 # Flax's own norm layers are not strict-promotion clean with half inputs.
 @pytest.mark.standard_promotion
 def test_rules_can_send_a_norm_back_to_half():
-  rules = jlinen.PolicyRules(("decoder/ln", "mixed_bfloat16")) + jlinen.DEFAULT_RULES
+  rules = jlinen.ModuleRules(("decoder/ln", "mixed_bfloat16")) + jlinen.DEFAULT_MODULE_RULES
   model = jlinen.apply_policy(TwoTower(), "mixed_bfloat16", rules)
   x = _x()
   jaxpr = jax.make_jaxpr(model.apply)(model.init(jax.random.key(0), x), x)
@@ -486,7 +486,7 @@ def test_rules_can_send_a_norm_back_to_half():
 
 
 def test_no_rules_means_norms_follow_the_policy():
-  model = jlinen.apply_policy(MLP(), "p=bf16,c=bf16,o=bf16", rules=None)
+  model = jlinen.apply_policy(MLP(), "p=bf16,c=bf16,o=bf16", module_rules=None)
   variables = model.init(jax.random.key(0), _x())
   assert set(_dtypes(variables).values()) == {BF16}
 
@@ -497,10 +497,10 @@ def test_no_rules_means_norms_follow_the_policy():
 
 
 def test_rules_are_immutable_hashable_and_static():
-  a = jlinen.PolicyRules((nn.LayerNorm, jlinen.FullPrecision()), ("h*", "f32"))
-  b = jlinen.PolicyRules((nn.LayerNorm, jlinen.FullPrecision()), ("h*", "p=f32"))
+  a = jlinen.ModuleRules((nn.LayerNorm, jlinen.FullPrecision()), ("h*", "f32"))
+  b = jlinen.ModuleRules((nn.LayerNorm, jlinen.FullPrecision()), ("h*", "p=f32"))
   assert a == b and hash(a) == hash(b)
-  assert a != jlinen.PolicyRules(("h*", "f32"), (nn.LayerNorm, jlinen.FullPrecision()))
+  assert a != jlinen.ModuleRules(("h*", "f32"), (nn.LayerNorm, jlinen.FullPrecision()))
   with pytest.raises(dataclasses.FrozenInstanceError):
     a.entries = ()
   assert isinstance(a.entries, tuple)
@@ -537,20 +537,20 @@ def test_rules_are_immutable_hashable_and_static():
 
 def test_rule_class_that_is_not_a_module():
   with pytest.raises(TypeError, match=r"builtins\.int is not a flax\.linen module class"):
-    jlinen.PolicyRules((int, "f32"))
+    jlinen.ModuleRules((int, "f32"))
   with pytest.raises(TypeError, match="pass the class LayerNorm itself"):
-    jlinen.PolicyRules((nn.LayerNorm(), "f32"))
-  with pytest.raises(TypeError, match=r"jmp_lite\.nnx\.PolicyRules"):
-    jlinen.PolicyRules((nnx.LayerNorm, "f32"))
+    jlinen.ModuleRules((nn.LayerNorm(), "f32"))
+  with pytest.raises(TypeError, match=r"jmp_lite\.nnx\.ModuleRules"):
+    jlinen.ModuleRules((nnx.LayerNorm, "f32"))
   with pytest.raises(TypeError, match=r"\(match, policy\) pair"):
-    jlinen.PolicyRules(nn.LayerNorm)
+    jlinen.ModuleRules(nn.LayerNorm)
   with pytest.raises(TypeError, match=r"FullPrecision\(\)"):
-    jlinen.PolicyRules((nn.LayerNorm, jlinen.FullPrecision))
+    jlinen.ModuleRules((nn.LayerNorm, jlinen.FullPrecision))
 
 
 def test_policy_strings_that_do_not_parse():
   with pytest.raises(ValueError, match=r"entry 0 \('dec/\*'\).*'f17'.*Valid dtype names"):
-    jlinen.PolicyRules(("dec/*", "p=f32,c=f17"))
+    jlinen.ModuleRules(("dec/*", "p=f32,c=f17"))
   with pytest.raises(ValueError, match=r"unknown key 'compute_dtype'"):
     jlinen.apply_policy(MLP(), "compute_dtype=f16")
 
@@ -562,15 +562,15 @@ def test_wrong_framework_and_wrong_objects():
     jlinen.apply_policy(MLP, "mixed_float16")
   with pytest.raises(
       TypeError,
-      match=r"got jmp_lite\.nnx\.PolicyRules.*models need jmp_lite\.linen\.PolicyRules",
+      match=r"got jmp_lite\.nnx\.ModuleRules.*models need jmp_lite\.linen\.ModuleRules",
   ):
-    jlinen.apply_policy(MLP(), "mixed_float16", jnnx.DEFAULT_RULES)
+    jlinen.apply_policy(MLP(), "mixed_float16", jnnx.DEFAULT_MODULE_RULES)
   with pytest.raises(TypeError, match="Cannot combine"):
-    _ = jlinen.DEFAULT_RULES + jnnx.DEFAULT_RULES
+    _ = jlinen.DEFAULT_MODULE_RULES + jnnx.DEFAULT_MODULE_RULES
 
 
 def test_pattern_matching_nothing_warns_and_can_be_silenced():
-  rules = jlinen.PolicyRules(("decodr/*", "f32")) + jlinen.DEFAULT_RULES
+  rules = jlinen.ModuleRules(("decodr/*", "f32")) + jlinen.DEFAULT_MODULE_RULES
   model = jlinen.apply_policy(TwoTower(), "mixed_float16", rules)
   x = _x()
   with pytest.warns(jlinen.UnmatchedRuleWarning, match=r"'decodr/\*'.*'decoder/inner'"):
@@ -589,7 +589,7 @@ def test_pattern_matching_nothing_warns_and_can_be_silenced():
 
 def test_pattern_for_params_of_unused_method_does_not_warn():
   model = jlinen.apply_policy(
-      Encoder(), "mixed_float16", jlinen.PolicyRules(("dec", "f32"))
+      Encoder(), "mixed_float16", jlinen.ModuleRules(("dec", "f32"))
   )
   variables = model.init(jax.random.key(0), _x())
   with warnings.catch_warnings():

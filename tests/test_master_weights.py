@@ -26,7 +26,7 @@ import jmp_lite
 
 from jmp_lite import get_master_params
 from jmp_lite import master_weights
-from jmp_lite import MasterWeightsState
+from jmp_lite._src.master_weights import MasterWeightsState
 from jmp_lite import with_state_dtype
 
 from helpers import assert_exited_cleanly
@@ -728,14 +728,17 @@ def test_non_optax_inner_raises_type_error(factory, inner):
 
 @pytest.mark.parametrize("factory", [master_weights, with_state_dtype],
                          ids=["master_weights", "with_state_dtype"])
-@pytest.mark.parametrize("dtype,shown", [
-    (jnp.int32, "int32"), ("int8", "int8"), (np.bool_, "bool"),
-    (None, "None"), ("nonsense", "nonsense"), (object(), "object"),
-    (jnp.complex64, "complex64"),
+@pytest.mark.parametrize("dtype,shown,error", [
+    (jnp.int32, "int32", ValueError), ("int8", "int8", ValueError),
+    (np.bool_, "bool", ValueError), (jnp.complex64, "complex64", ValueError),
+    (None, "None", TypeError), ("nonsense", "nonsense", TypeError),
+    (object(), "object", TypeError),
 ])
-def test_non_floating_dtype_raises_type_error(factory, dtype, shown):
-  with pytest.raises(TypeError, match=rf"{factory.__name__}'s dtype must be a "
-                     rf"floating dtype, got .*{shown}"):
+def test_non_floating_dtype_raises(factory, dtype, shown, error):
+  """Not a dtype at all: TypeError; a dtype of the wrong kind: ValueError
+  (the one dtype validator's rule, as for policies)."""
+  with pytest.raises(error, match=rf"{factory.__name__}'s dtype must be a "
+                     rf"floating dtype.*{shown}"):
     factory(optax.sgd(0.1), dtype)
 
 

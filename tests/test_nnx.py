@@ -320,7 +320,7 @@ def test_train_steps_with_optimizer_and_loss_scaling_adam(half):
 
   losses = [float(step(model, optimizer, x, y)) for _ in range(15)]
   assert len(traces) == 1  # no recompilation
-  state = jmp_lite.get_loss_scale_state(optimizer.opt_state)
+  state = optimizer.opt_state  # The LossScaleState.
   assert int(state.skipped_steps) <= 2 and bool(state.last_finite)
   assert set(_dtypes(nnx.state(module, nnx.Param)).values()) == {F32}
   assert np.isfinite(losses).all()
@@ -341,7 +341,7 @@ def test_overflowing_f16_step_is_skipped_with_sgd():
     optimizer.update(model, grads)
 
   step(model, optimizer, _x())
-  state = jmp_lite.get_loss_scale_state(optimizer.opt_state)
+  state = optimizer.opt_state  # The LossScaleState.
   assert int(state.skipped_steps) == 1
   assert float(state.loss_scale.loss_scale) == 2.0**39
   after = nnx.to_pure_dict(nnx.state(module, nnx.Param))
@@ -354,7 +354,7 @@ def test_overflowing_f16_step_is_skipped_with_sgd():
 
 
 def test_override_by_path_with_list_indices():
-  rules = jnnx.PolicyRules(("blocks/1", jnnx.FullPrecision())) + jnnx.DEFAULT_RULES
+  rules = jnnx.ModuleRules(("blocks/1", jnnx.FullPrecision())) + jnnx.DEFAULT_MODULE_RULES
   model = jnnx.apply_policy(Towers(nnx.Rngs(0)), "mixed_float16", rules)
   assert matmul_dtypes(forward_jaxpr(model, _x((2, 8)))) == [
       (F16, F16), (F32, F32), (F16, F16), (F16, F16)
@@ -365,10 +365,10 @@ def test_override_by_path_with_list_indices():
 
 
 def test_override_by_class_regex_and_first_match_wins():
-  rules = jnnx.PolicyRules(
+  rules = jnnx.ModuleRules(
       (re.compile(r"blocks/[2-9]/d\w+"), "p=f32,c=bf16,o=bf16"),  # wins
       (nnx.Linear, "p=f32,c=f32,o=bf16"),
-  ) + jnnx.DEFAULT_RULES
+  ) + jnnx.DEFAULT_MODULE_RULES
   model = jnnx.apply_policy(Towers(nnx.Rngs(0)), "mixed_bfloat16", rules)
   assert matmul_dtypes(forward_jaxpr(model, _x((2, 8)))) == [
       (F32, F32), (F32, F32), (BF16, BF16), (F32, F32)
@@ -376,14 +376,14 @@ def test_override_by_class_regex_and_first_match_wins():
 
 
 def test_no_rules_and_rule_sets_are_static_config():
-  a = jnnx.PolicyRules((nnx.LayerNorm, jnnx.FullPrecision()), ("head", "f32"))
-  b = jnnx.PolicyRules((nnx.LayerNorm, jnnx.FullPrecision()), ("head", "p=f32"))
+  a = jnnx.ModuleRules((nnx.LayerNorm, jnnx.FullPrecision()), ("head", "f32"))
+  b = jnnx.ModuleRules((nnx.LayerNorm, jnnx.FullPrecision()), ("head", "p=f32"))
   assert a == b and hash(a) == hash(b)
   model_a = jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_float16", a)
   model_b = jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_float16", b)
   assert nnx.graphdef(model_a) == nnx.graphdef(model_b)
   assert hash(nnx.graphdef(model_a)) == hash(nnx.graphdef(model_b))
-  bare = jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_float16", rules=None)
+  bare = jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_float16", module_rules=None)
   assert str(bare.module_policies()["norm"]) == "p=full,c=f16,o=f16"
 
 
@@ -416,26 +416,26 @@ def test_wrong_objects_and_frameworks():
   with pytest.raises(TypeError, match=(
       r"flax\.linen\.normalization\.LayerNorm is not a flax\.nnx module class"
       r".*jmp_lite\.linen")):
-    jnnx.PolicyRules((nn.LayerNorm, "f32"))
+    jnnx.ModuleRules((nn.LayerNorm, "f32"))
   with pytest.raises(TypeError, match=r"builtins\.str.*not a flax\.nnx module class"):
-    jnnx.PolicyRules(((nnx.Linear, str), "f32"))
-  with pytest.raises(TypeError, match=r"got jmp_lite\.linen\.PolicyRules"):
-    jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_float16", jlinen.DEFAULT_RULES)
+    jnnx.ModuleRules(((nnx.Linear, str), "f32"))
+  with pytest.raises(TypeError, match=r"got jmp_lite\.linen\.ModuleRules"):
+    jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_float16", jlinen.DEFAULT_MODULE_RULES)
   with pytest.raises(ValueError, match=r"Unknown dtype or preset 'mixed_f16'"):
     jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_f16")
   with pytest.raises(ValueError, match=r"entry 0 \(Linear\).*unknown key 'x'"):
-    jnnx.PolicyRules((nnx.Linear, "x=f16"))
+    jnnx.ModuleRules((nnx.Linear, "x=f16"))
 
 
 def test_pattern_matching_nothing_warns_and_can_be_silenced():
-  rules = jnnx.PolicyRules(("blocks/3/*", "f32"))
+  rules = jnnx.ModuleRules(("blocks/3/*", "f32"))
   with pytest.warns(jnnx.UnmatchedRuleWarning, match=r"'blocks/3/\*'.*'blocks/2/dense'"):
     jnnx.apply_policy(Towers(nnx.Rngs(0)), "mixed_float16", rules)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     warnings.filterwarnings("ignore", category=jnnx.UnmatchedRuleWarning)
     jnnx.apply_policy(Towers(nnx.Rngs(0)), "mixed_float16", rules)
-    jnnx.apply_policy(Towers(nnx.Rngs(0)), "mixed_float16", jnnx.PolicyRules(
+    jnnx.apply_policy(Towers(nnx.Rngs(0)), "mixed_float16", jnnx.ModuleRules(
         ("blocks/2/*", "f32"), (nnx.BatchNorm, "f32")))  # class rules never warn
 
 

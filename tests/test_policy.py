@@ -11,6 +11,7 @@ import pytest
 
 import jmp_lite
 from jmp_lite._src import compat
+from jmp_lite._src import policy as policy_lib
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -142,7 +143,7 @@ def test_presets(preset, expected):
   expected = tuple(resolve(d) for d in expected)
   assert_policy(jmp_lite.get_policy(preset), *expected)
   assert_policy(jmp_lite.get_policy(f"  {preset.upper()} "), *expected)
-  assert jmp_lite.get_policy(jmp_lite.PRESETS[preset]) == jmp_lite.get_policy(preset)
+  assert jmp_lite.get_policy(policy_lib.PRESETS[preset]) == jmp_lite.get_policy(preset)
 
 
 @pytest.mark.parametrize(

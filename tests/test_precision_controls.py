@@ -213,7 +213,7 @@ class _LinenNet(nn.Module):
 
 
 def test_linen_policy_precision_and_per_module_rules():
-  rules = jlinen.PolicyRules(("head", "p=f32,c=f32,o=f32,m=bf16_bf16_f32_x3"))
+  rules = jlinen.ModuleRules(("head", "p=f32,c=f32,o=f32,m=bf16_bf16_f32_x3"))
   model = jlinen.apply_policy(_LinenNet(), "tf32", rules)
   variables = model.init(jax.random.key(0), X)
   dots = _dots(lambda v, x: model.apply(v, x), variables, X)
@@ -222,7 +222,7 @@ def test_linen_policy_precision_and_per_module_rules():
 
 @pytest.mark.standard_promotion  # Flax's LayerNorm on bfloat16 inputs
 def test_full_precision_modules_run_full_float32_matmuls():
-  rules = jlinen.PolicyRules((nn.Dense, jlinen.FullPrecision()))
+  rules = jlinen.ModuleRules((nn.Dense, jlinen.FullPrecision()))
   model = jlinen.apply_policy(_LinenNet(), "mixed_bfloat16", rules)
   variables = model.init(jax.random.key(0), X)
   dots = _dots(lambda v, x: model.apply(v, x), variables, X)
@@ -242,7 +242,7 @@ class _NnxNet(nnx.Module):
 
 
 def test_nnx_policy_precision_and_per_module_rules():
-  rules = jnnx.PolicyRules(("head", "p=f32,c=f32,o=f32,m=f32"))
+  rules = jnnx.ModuleRules(("head", "p=f32,c=f32,o=f32,m=f32"))
   model = jnnx.apply_policy(_NnxNet(nnx.Rngs(0)), "tf32", rules)
   graphdef, state = nnx.split(model)
 

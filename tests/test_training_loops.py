@@ -760,6 +760,132 @@ def test_state_of_another_accumulation_config_is_refused(made_with, used_with,
 
 
 # ---------------------------------------------------------------------------
+# The scaling check: gradients handed to loss_scaling without being scaled.
+# ---------------------------------------------------------------------------
+
+
+def _softmax_regression_data():
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (256, 16))
+  y = jnp.argmax(x @ jax.random.normal(kw, (16, 10)), axis=-1)
+  return x, y
+
+
+def _train_checked(loss_scale, scale_the_loss, steps, **options):
+  """SGD on softmax regression through loss_scaling (its check on)."""
+  x, y = _softmax_regression_data()
+  params = {"w": jnp.zeros((16, 10)), "b": jnp.zeros(10)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.5), loss_scale, **options)
+
+  def loss_fn(p):
+    logits = x @ p["w"] + p["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @jax.jit
+  def step(params, state):
+    if scale_the_loss:
+      _, grads = jmp_lite.scaled_value_and_grad(loss_fn, state)(params)
+    else:  # the mistake: gradients of the unscaled loss
+      grads = jax.grad(loss_fn)(params)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = opt.init(params)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return float(loss_fn(params)), state
+
+
+def _ratio(check):
+  return float(check.response) / float(check.scale_change)
+
+
+def test_unscaled_gradients_with_a_static_scale_stall_and_are_flagged():
+  scale = jmp_lite.StaticLossScale(2.0**15)
+  good_loss, good = _train_checked(scale, True, 60)
+  bad_loss, bad = _train_checked(scale, False, 60)
+  assert good_loss < 0.5 * bad_loss  # the mistake stalls training silently
+  assert bad_loss > 0.95 * math.log(10)
+  assert bool(bad.looks_unscaled) and int(bad.scaling_check.suspect_steps) == 60
+  assert not bool(good.looks_unscaled)
+  assert int(good.scaling_check.suspect_steps) == 0
+  assert float(good.scaling_check.scale_change) == 0  # a static scale
+
+
+def test_unscaled_gradients_with_a_dynamic_scale_do_not_follow_it():
+  scale = jmp_lite.DynamicLossScale(2.0**4, period=3)
+  _, good = _train_checked(scale, True, 40)
+  _, bad = _train_checked(scale, False, 40)
+  assert float(bad.scaling_check.scale_change) >= 10
+  assert float(good.scaling_check.scale_change) >= 10
+  assert abs(_ratio(bad.scaling_check)) < 0.2
+  assert abs(_ratio(good.scaling_check) - 1) < 0.2
+  assert bool(bad.looks_unscaled) and not bool(good.looks_unscaled)
+
+
+def test_without_the_check_nothing_is_kept_and_nothing_is_flagged():
+  scale = jmp_lite.StaticLossScale(2.0**15)
+  loss_on, on = _train_checked(scale, False, 30)
+  loss_off, off = _train_checked(scale, False, 30, check_scaling=False)
+  assert off.scaling_check is None and not bool(off.looks_unscaled)
+  assert bool(on.looks_unscaled)
+  assert loss_on == loss_off  # the check changes nothing else
+
+
+def test_a_scale_too_small_is_suspect_until_the_response_clears_it():
+  """Correctly scaled but tiny gradients (the digits demo's setting) fail the
+  headroom test; once the scale has moved, the response clears them."""
+  from jmp_lite._src.loss_scaling import ScalingCheck  # pylint: disable=g-import-not-at-top
+  check = ScalingCheck.initial()
+  rng = np.random.default_rng(0)
+  largest = np.float32(np.max(np.abs(rng.standard_normal(1000))) * 1e-7)
+  record = jax.jit(lambda c, m, s: c.record(m, s))
+  scale = 2.0**4
+  for i in range(30):
+    check = record(check, largest * np.float32(rng.uniform(0.9, 1.1) * scale),
+                   scale)
+    if i == 19:  # 20 suspect steps, the scale has moved by one binade
+      assert int(check.suspect_steps) == 20
+      assert float(check.scale_change) == 1.0
+      assert bool(check.looks_unscaled())
+    if i % 10 == 9:
+      scale *= 2
+  assert float(check.scale_change) == 2.0
+  assert abs(_ratio(check) - 1) < 0.2
+  assert not bool(check.looks_unscaled())
+
+
+@JIT_IDS
+def test_non_finite_and_zero_steps_leave_the_check_unchanged(jit):
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), _DLS(2.0**15))
+  update = jax.jit(opt.update) if jit else opt.update
+  params = {"w": jnp.zeros(2, F32)}
+  _, state = update({"w": jnp.ones(2, F32)}, opt.init(params), params)
+  for w in (jnp.array([jnp.inf, 1.0]), jnp.array([jnp.nan, 1.0]), jnp.zeros(2)):
+    _, same = update({"w": w}, state, params)
+    _assert_bit_identical(same.scaling_check, state.scaling_check)
+
+
+@JIT_IDS
+def test_one_reduction_decides_finiteness_with_nan_and_half_leaves(jit):
+  """The wrapper's one reduction (largest magnitude, NaN as inf) skips a NaN
+  anywhere and reads half-precision leaves."""
+  opt = jmp_lite.loss_scaling(optax.sgd(1.0), jmp_lite.StaticLossScale(4.0))
+  update = jax.jit(opt.update) if jit else opt.update
+  params = {"a": jnp.zeros(2, BF16), "b": jnp.zeros(2, F32)}
+  state = opt.init(params)
+  grads = {"a": jnp.array([4.0, -20.0], BF16), "b": jnp.array([8.0, 2.0])}
+  updates, state = update(grads, state, params)
+  assert bool(state.last_finite)
+  np.testing.assert_array_equal(updates["a"], [-1.0, 5.0])
+  assert float(state.scaling_check.last_log2_max) == pytest.approx(
+      math.log2(20.0))
+  grads["b"] = jnp.array([jnp.nan, 2.0])
+  _, state = update(grads, state, params)
+  assert not bool(state.last_finite)
+
+
+# ---------------------------------------------------------------------------
 # Several optimizers sharing one scale.
 # ---------------------------------------------------------------------------
 

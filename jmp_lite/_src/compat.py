@@ -63,6 +63,8 @@ Primitive: Any = getattr(_core, "Primitive", None)
 Jaxpr: Any = getattr(_core, "Jaxpr", None)
 ClosedJaxpr: Any = getattr(_core, "ClosedJaxpr", None)
 Literal: Any = getattr(_core, "Literal", None)
+#: The abstract value of a jaxpr variable (``jax.core.ShapedArray``).
+ShapedArray: Any = getattr(jax.core, "ShapedArray", None)
 DropVar: Any = getattr(_core, "DropVar", None)
 _jaxprs_in_params = getattr(_core, "jaxprs_in_params", None)
 

@@ -95,42 +95,68 @@ def parse_dtype(value: str) -> np.dtype:
     ) from None
 
 
-def canonical_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
-  """Turns a dtype-like (name, numpy/jax dtype or scalar type) into a policy dtype.
+def floating_dtype(dtype: Any, what: str = "dtype", *, policy: bool = True,
+                   example: str = "jnp.float16 or 'bf16'") -> np.dtype:
+  """The one dtype validator: a floating dtype given by the user.
 
   Args:
-    dtype: a dtype name understood by :func:`parse_dtype`, a ``numpy.dtype``,
-      or a scalar type such as ``jnp.float16`` or ``np.float32``.
+    dtype: a dtype name understood by :func:`parse_dtype` (or, with
+      ``policy=False``, a numpy name such as ``"float8_e4m3fn"``), a
+      ``numpy.dtype``, or a scalar type such as ``jnp.float16``.
     what: how to refer to the value in error messages.
+    policy: only the dtypes a policy may hold (float32, float16, bfloat16,
+      float64); ``False`` accepts every real floating dtype (float8 too).
+    example: what to suggest in error messages.
 
   Returns:
     The canonical ``numpy.dtype``; equal inputs give equal, equally hashing
     outputs.
 
   Raises:
-    TypeError: if ``dtype`` is not dtype-like.
-    ValueError: if it is not one of the floating dtypes a policy may hold.
+    TypeError: if ``dtype`` is not dtype-like (``None``, an object, an unknown
+      name).
+    ValueError: if it is a dtype but not an allowed floating one.
   """
   if isinstance(dtype, str):
-    return parse_dtype(dtype)
+    try:
+      return parse_dtype(dtype)
+    except ValueError as err:
+      if policy:
+        raise
+      try:
+        dtype = np.dtype(dtype.strip())  # A numpy name: judged below.
+      except TypeError:
+        raise TypeError(
+            f"{what} must be a floating dtype or a dtype name, got {dtype!r}."
+            f" {err} Or pass e.g. {example}.") from None
   if dtype is None:  # np.dtype(None) would silently mean float64.
     raise TypeError(
         f"{what} must be a floating dtype or a dtype name, got None. Use e.g."
-        " jnp.float16 or 'bf16'."
+        f" {example}."
     )
   try:
     result = np.dtype(dtype)
   except TypeError:
     raise TypeError(
         f"{what} must be a floating dtype or a dtype name, got "
-        f"{type(dtype).__name__}: {dtype!r}. Use e.g. jnp.float16 or 'bf16'."
+        f"{type(dtype).__name__}: {dtype!r}. Use e.g. {example}."
     ) from None
-  if result not in _DTYPE_NAMES:
+  if policy and result not in _DTYPE_NAMES:
     raise ValueError(
         f"{what} must be one of float32, float16, bfloat16 or float64, got "
         f"{result.name}. Mixed-precision policies only hold floating dtypes."
     )
+  if not is_floating(result):
+    raise ValueError(
+        f"{what} must be a floating dtype, got {result.name}. Use e.g. "
+        f"{example}."
+    )
   return result
+
+
+def canonical_dtype(dtype: Any, what: str = "dtype") -> np.dtype:
+  """A dtype a policy may hold (:func:`floating_dtype` with ``policy=True``)."""
+  return floating_dtype(dtype, what)
 
 
 def scalar_type(dtype: Any, what: str = "dtype") -> type:

@@ -20,14 +20,13 @@ long run cannot grow the scale into a value that silently zeroes every update.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from typing import Any, Protocol, TypeVar, Union, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import checks
 from jmp_lite._src import dtypes
 from jmp_lite._src import tree as tree_lib
 
@@ -37,46 +36,8 @@ _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
 
 
-#: The smallest loss scale: the smallest normal float32, 2**-126.
-SCALE_MIN = 2.0**-126
-#: The largest loss scale, 2**126: its reciprocal is still a normal float32.
-SCALE_MAX = 2.0**126
-_INT32_MAX = 2**31 - 1
-
-
-def _is_concrete(x: Any) -> bool:
-  """Whether ``x``'s value can be read (it is not a tracer)."""
-  return not isinstance(x, jax.core.Tracer)
-
-
-def _is_complex(x: Any) -> bool:
-  return isinstance(x, complex) or (
-      tree_lib.is_array(x) and jnp.issubdtype(x.dtype, jnp.complexfloating)
-  )
-
-
-def _is_bool(x: Any) -> bool:
-  return isinstance(x, (bool, np.bool_)) or (
-      tree_lib.is_array(x) and x.dtype == np.bool_
-  )
-
-
-def _check_scalar(x: Any, what: str, owner: str) -> None:
-  """A user-given loss-scale leaf must be a real scalar (number or array)."""
-  if _is_bool(x):
-    raise TypeError(f"{owner}: {what} must be a number, got a bool ({x!r}).")
-  if _is_complex(x):
-    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
-  if not (isinstance(x, numbers.Real) or tree_lib.is_array(x)):
-    raise TypeError(
-        f"{owner}: {what} must be a number or a scalar array, got "
-        f"{type(x).__name__}: {x!r}. Pass e.g. 2.0**15."
-    )
-  if np.ndim(x) != 0:
-    raise ValueError(
-        f"{owner}: {what} must be a scalar, got an array of shape "
-        f"{np.shape(x)}. Pass a single number such as 2.0**15."
-    )
+SCALE_MIN = checks.SCALE_MIN
+SCALE_MAX = checks.SCALE_MAX
 
 
 def _scalar_leaf(x: Any, dtype: np.dtype) -> jax.Array:
@@ -86,77 +47,17 @@ def _scalar_leaf(x: Any, dtype: np.dtype) -> jax.Array:
   return jnp.asarray(x, dtype=dtype)
 
 
-def _static_number(x: Any, what: str, owner: str) -> float:
-  """Reads static config (a Python or numpy number, or a concrete array)."""
-  if not _is_concrete(x):
-    raise TypeError(
-        f"{owner}: {what} is static configuration and cannot be a traced value;"
-        " pass a Python number."
-    )
-  if _is_complex(x):
-    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
-  if _is_bool(x) or not (
-      isinstance(x, numbers.Real) or (tree_lib.is_array(x) and np.ndim(x) == 0)
-  ):
-    raise TypeError(
-        f"{owner}: {what} must be a real number, got {type(x).__name__}: {x!r}."
-    )
-  value = float(x)
-  if not math.isfinite(value):
-    raise ValueError(f"{owner}: {what} must be finite, got {value}.")
-  return value
-
-
-def _whole_number(x: Any, what: str, owner: str, low: int, high: int) -> int:
-  """Reads an integral config value (an int, or a float such as ``5.0``)."""
-  value = _static_number(x, what, owner)
-  if not value.is_integer():
-    raise ValueError(f"{owner}: {what} must be a whole number, got {x!r}.")
-  if not low <= value <= high:
-    raise ValueError(
-        f"{owner}: {what} must be between {low} and {high} (it is stored as an"
-        f" int32), got {int(value)}."
-    )
-  return int(value)
-
-
-def _scale_value(x: Any, what: str, owner: str) -> float | None:
-  """Checks a concrete scale value lies in [SCALE_MIN, SCALE_MAX]; returns it.
-
-  Returns None for a traced value (checked nowhere; ``adjust`` clamps).
-  """
-  if not _is_concrete(x):
-    return None
-  value = _static_number(x, what, owner)
-  if value <= 0:
-    raise ValueError(f"{owner}: {what} must be positive, got {value}.")
-  if not SCALE_MIN <= value <= SCALE_MAX:
-    raise ValueError(
-        f"{owner}: {what}={value:g} is outside [2**-126, 2**126], the range in"
-        " which a float32 scale and its reciprocal are both normal numbers "
-        "(outside it, scaling or unscaling rounds to 0 or inf). Typical "
-        "scales are 1 to 2**24."
-    )
-  return value
-
-
 def _counter_leaf(x: Any, owner: str) -> jax.Array:
   """Validates ``counter`` (a whole number >= 0, or a traced int array)."""
-  if _is_concrete(x):
-    if _is_bool(x) or _is_complex(x) or not (
-        isinstance(x, numbers.Real) or (tree_lib.is_array(x) and np.ndim(x) == 0)
-    ):
-      raise TypeError(
-          f"{owner}: counter must be a whole number >= 0 (finite steps since "
-          f"the scale last changed), got {type(x).__name__}: {x!r}."
-      )
-    return jnp.asarray(_whole_number(x, "counter", owner, 0, _INT32_MAX), _I32)
-  _check_scalar(x, "counter", owner)
+  if checks.is_concrete(x):
+    return jnp.asarray(
+        checks.integer(x, "counter", owner, whole_floats=True), _I32)
+  checks.real_scalar(x, "counter", owner)
   return _scalar_leaf(x, _I32)
 
 
-def _above_one(x: Any, what: str, owner: str) -> float:
-  value = _static_number(x, what, owner)
+def _growth(x: Any, what: str, owner: str) -> float:
+  value = checks.static_number(x, what, owner)
   if not np.float32(value) > 1:
     raise ValueError(
         f"{owner}: {what} must be > 1 in float32 (the scale is multiplied by "
@@ -166,8 +67,8 @@ def _above_one(x: Any, what: str, owner: str) -> float:
   return value
 
 
-def _below_one(x: Any, what: str, owner: str) -> float:
-  value = _static_number(x, what, owner)
+def _backoff(x: Any, what: str, owner: str) -> float:
+  value = checks.static_number(x, what, owner)
   if not 0 < np.float32(value) < 1:
     raise ValueError(
         f"{owner}: {what} must be in (0, 1) in float32 (the scale is "
@@ -179,7 +80,7 @@ def _below_one(x: Any, what: str, owner: str) -> float:
 
 def _floor(x: Any, owner: str) -> float:
   """``min_loss_scale``: 0 (no floor of one's own) or a valid scale."""
-  value = _static_number(x, "min_loss_scale", owner)
+  value = checks.static_number(x, "min_loss_scale", owner)
   if value == 0:
     return 0.0
   if value < 0:
@@ -191,7 +92,7 @@ def _floor(x: Any, owner: str) -> float:
         " floor of your own (the scale then stops at 2**-126), or a value of "
         "at least 2**-126."
     )
-  return _scale_value(value, "min_loss_scale", owner)
+  return checks.loss_scale_value(value, "min_loss_scale", owner)
 
 
 def _register(cls):
@@ -264,11 +165,6 @@ class LossScale(Protocol):
     """Returns the loss scale for the next step."""
 
 
-def _is_number(x: Any) -> bool:
-  """A Python or numpy real number (not a bool): ``scale`` scales these too."""
-  return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
-
-
 def _scale_tree(tree: T, loss_scale: Any) -> T:
   """``x * loss_scale`` for floating leaves, in ``promote_types(x.dtype, f32)``.
 
@@ -277,9 +173,9 @@ def _scale_tree(tree: T, loss_scale: Any) -> T:
   """
 
   def scale(x):
-    if _is_number(x) and not tree_lib.is_array(x):
+    if checks.is_real_number(x) and not checks.is_array(x):
       return jnp.asarray(x, _F32) * jnp.asarray(loss_scale, _F32)
-    if not tree_lib.is_float_array(x):
+    if not tree_lib.is_float(x):
       return x
     dtype = dtypes.at_least_f32(x.dtype)
     return jnp.asarray(x, dtype) * jnp.asarray(loss_scale).astype(dtype)
@@ -298,7 +194,7 @@ def _unscale_tree(tree: T, loss_scale: Any) -> T:
   inv = 1.0 / jnp.asarray(loss_scale, _F32)
 
   def unscale(x):
-    if not tree_lib.is_float_array(x):
+    if not tree_lib.is_float(x):
       return x
     dtype = dtypes.at_least_f32(x.dtype)
     return jnp.asarray(x, dtype) * inv.astype(dtype)
@@ -335,7 +231,7 @@ class NoOpLossScale:
 
   def adjust(self, grads_finite: Any) -> "NoOpLossScale":
     """Returns ``self`` (after checking ``grads_finite`` is a scalar bool)."""
-    tree_lib.check_predicate(grads_finite, "NoOpLossScale.adjust's grads_finite")
+    checks.predicate(grads_finite, "NoOpLossScale.adjust's grads_finite")
     return self
 
 
@@ -367,8 +263,8 @@ class StaticLossScale:
 
   def __init__(self, loss_scale: Any):
     owner = "StaticLossScale"
-    _check_scalar(loss_scale, "loss_scale", owner)
-    _scale_value(loss_scale, "loss_scale", owner)
+    checks.real_scalar(loss_scale, "loss_scale", owner)
+    checks.loss_scale_value(loss_scale, "loss_scale", owner)
     object.__setattr__(self, "loss_scale", _scalar_leaf(loss_scale, _F32))
 
   def scale(self, tree: T) -> T:
@@ -382,7 +278,7 @@ class StaticLossScale:
 
   def adjust(self, grads_finite: Any) -> "StaticLossScale":
     """Returns ``self`` (after checking ``grads_finite`` is a scalar bool)."""
-    tree_lib.check_predicate(grads_finite, "StaticLossScale.adjust's grads_finite")
+    checks.predicate(grads_finite, "StaticLossScale.adjust's grads_finite")
     return self
 
 
@@ -485,8 +381,9 @@ class DynamicLossScale:
         owner, period, factor, growth_factor, backoff_factor, hysteresis,
         min_loss_scale, max_loss_scale,
     )
-    _check_scalar(loss_scale, "loss_scale", owner)
-    _check_within(_scale_value(loss_scale, "loss_scale", owner), config, owner)
+    checks.real_scalar(loss_scale, "loss_scale", owner)
+    _check_within(checks.loss_scale_value(loss_scale, "loss_scale", owner),
+                  config, owner)
     scale_leaf = _scalar_leaf(loss_scale, _F32)
     counter_leaf = _counter_leaf(counter, owner)
     for name, value in (("loss_scale", scale_leaf), ("counter", counter_leaf),
@@ -521,7 +418,7 @@ class DynamicLossScale:
     Raises:
       TypeError / ValueError: if ``grads_finite`` is not a scalar bool.
     """
-    finite = tree_lib.check_predicate(
+    finite = checks.predicate(
         grads_finite, "DynamicLossScale.adjust's grads_finite"
     )
     scale = jnp.asarray(self.loss_scale, _F32)
@@ -553,9 +450,9 @@ def _dynamic_config(
     min_loss_scale, max_loss_scale,
 ) -> dict[str, Any]:
   """Validates DynamicLossScale's static configuration; returns its fields."""
-  factor = _above_one(factor, "factor", owner)
+  factor = _growth(factor, "factor", owner)
   if growth_factor is not None:
-    growth = _above_one(growth_factor, "growth_factor", owner)
+    growth = _growth(growth_factor, "growth_factor", owner)
     if factor not in (2.0, growth):
       raise ValueError(
           f"{owner}: growth_factor={growth} contradicts factor={factor}; they"
@@ -565,24 +462,25 @@ def _dynamic_config(
   if backoff_factor is None:
     backoff = 1.0 / factor
   else:
-    backoff = _below_one(backoff_factor, "backoff_factor", owner)
+    backoff = _backoff(backoff_factor, "backoff_factor", owner)
   floor = _floor(min_loss_scale, owner)
   cap = None
   if max_loss_scale is not None:
-    _static_number(max_loss_scale, "max_loss_scale", owner)  # Not traced.
-    cap = _scale_value(max_loss_scale, "max_loss_scale", owner)
+    checks.static_number(max_loss_scale, "max_loss_scale", owner)  # Static.
+    cap = checks.loss_scale_value(max_loss_scale, "max_loss_scale", owner)
     if cap < floor:
       raise ValueError(
           f"{owner}: max_loss_scale ({cap}) must be >= min_loss_scale "
           f"({floor})."
       )
   return dict(
-      period=_whole_number(period, "period", owner, 1, _INT32_MAX),
+      period=checks.integer(period, "period", owner, 1, whole_floats=True),
       factor=factor,
       min_loss_scale=floor,
       max_loss_scale=cap,
       backoff_factor=backoff,
-      hysteresis=_whole_number(hysteresis, "hysteresis", owner, 1, _INT32_MAX),
+      hysteresis=checks.integer(hysteresis, "hysteresis", owner, 1,
+                                whole_floats=True),
   )
 
 

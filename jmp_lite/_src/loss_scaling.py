@@ -1,16 +1,22 @@
-"""Loss scaling that lives inside an optax optimizer."""
+"""Loss scaling that lives inside an optax optimizer: the wrapper, its state,
+the lookup of its scale, the scaled value-and-grad helper, and the check that
+the gradients it receives were computed from the scaled loss.
+
+Guide: ``docs/training_loops.md``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes
 from jmp_lite._src import loss_scale as loss_scale_lib
@@ -22,129 +28,69 @@ from jmp_lite._src import tree as tree_lib
 #: per step).
 ON_MAX_SKIPS = ("flag", "raise")
 
+_F16_MAX = 65504.0
 
-class LossScaleState(NamedTuple):
-  """State of :func:`loss_scaling`.
+# -- messages ----------------------------------------------------------------------
 
-  Attributes:
-    inner_state: the wrapped optimizer's state. It is left untouched (step
-      counts included) on a step whose gradients are not finite.
-    loss_scale: the loss scale to use for the *next* forward pass; read it with
-      :func:`get_loss_scale`. ``loss_scale.loss_scale`` is the float32 value to
-      log. ``None`` when the wrapper shares a scale passed to every ``update``
-      (``loss_scaling(inner)`` without a scale).
-    skipped_steps: int32, the number of optimizer steps skipped so far because
-      the gradients were not finite (with accumulation: windows).
-    consecutive_skips: int32, optimizer steps skipped in a row (0 after a
-      finite step); a value that keeps growing once the scale sits at its
-      floor means the model itself produces NaN/inf.
-    accumulated: with ``accumulation_steps > 1``, the float32 sum of the
-      unscaled gradients of the finite micro-batches of the current window;
-      ``None`` otherwise.
-    micro_step: with accumulation, the micro-batches already seen in the
-      current window (int32); ``None`` otherwise.
-    window_finite: with accumulation, whether every micro-batch of the current
-      window was finite so far (bool); ``None`` otherwise.
-    max_consecutive_skips: the limit given to :func:`loss_scaling` (int32), or
-      ``None``.
-    last_finite: (property) bool array, whether the last optimizer step's
-      gradients were finite: ``consecutive_skips == 0``. Derived rather than
-      stored, since returning the all-finite flag as its own output costs XLA
-      a fusion.
-    gave_up: (property) bool array, ``consecutive_skips >=
-      max_consecutive_skips``: the run has stalled (always False without a
-      limit).
+_NESTED = (
+    "loss_scaling wraps an optimizer that already contains loss_scaling: the "
+    "gradients would be unscaled twice and training would stall. Use one "
+    "loss_scaling, outermost (e.g. loss_scaling(optax.chain(clip, adam), "
+    "scale))."
+)
+_MULTISTEPS_INSIDE = (
+    "loss_scaling wraps optax.MultiSteps: each micro-batch would adjust the "
+    "loss scale and a non-finite one would be dropped alone instead of "
+    "invalidating its window. Accumulate inside the wrapper instead: "
+    "jmp_lite.loss_scaling(inner, loss_scale, accumulation_steps=k)."
+)
+_NO_SHARED_SCALE = (
+    "This loss_scaling was built without a loss scale, to share one: pass it "
+    "to every update, opt.update(grads, state, params, loss_scale=scale), and "
+    "adjust it once per step yourself."
+)
+_OWN_AND_SHARED = (
+    "loss_scaling got loss_scale= in update, but it keeps its own scale in its"
+    " state. To share one scale between optimizers, build each with "
+    "loss_scaling(inner) (no scale)."
+)
+_RESTORED_AS_DICT = (
+    "The optimizer state's loss_scale is a plain dict ({keys}): it came back "
+    "from a checkpoint restored without a target, which loses the loss "
+    "scale's class and its static configuration (period, factor, "
+    "min_loss_scale...). Restore with the state from opt.init as the target "
+    "(orbax: checkpointer.restore(path, target=opt.init(params)), or "
+    "ocp.args.StandardRestore(abstract_state))."
+)
+_GAVE_UP = (
+    "jmp_lite.loss_scaling gave up: {skips} optimizer steps in a row had "
+    "non-finite gradients (max_consecutive_skips={limit}); the loss scale is "
+    "now {scale:g}. A scale that keeps backing off to its floor means the "
+    "model itself makes NaN/inf (learning rate, data, a log of 0...), or that "
+    "the gradients handed to update were not computed from a scaled loss."
+)
+_STATE_ACCUMULATES = (
+    "loss_scaling(accumulation_steps=1) got a state that accumulates "
+    "micro-batches (made with accumulation_steps > 1): its current window "
+    "would be dropped. Build the optimizer with the accumulation_steps the "
+    "state was made with, or start from opt.init(params)."
+)
+_STATE_DOES_NOT_ACCUMULATE = (
+    "loss_scaling(accumulation_steps={k}) got a state made without "
+    "accumulation (it has no accumulator, micro_step or window_finite). Make "
+    "the state with this optimizer's init (opt.init(params)); to restore a "
+    "checkpoint, restore it into opt.init(params) of the optimizer that "
+    "wrote it."
+)
+_GRADS_NOT_LIKE_PARAMS = (
+    "loss_scaling(accumulation_steps>1) accumulates gradients in a buffer "
+    "shaped like the params given to init, but the gradients have another "
+    "structure:\n  gradients: {grads}\n  params:    {params}\nPass gradients "
+    "with the structure of the params (for optax.lookahead, whose params are "
+    "LookaheadParams, accumulate without it or use accumulation_steps=1)."
+)
 
-  Example:
-    >>> import jax.numpy as jnp, optax, jmp_lite
-    >>> opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0**15))
-    >>> state = opt.init({"w": jnp.zeros(2)})
-    >>> int(state.skipped_steps), bool(state.last_finite), bool(state.gave_up)
-    (0, True, False)
-  """
-
-  inner_state: Any
-  loss_scale: Any
-  skipped_steps: jax.Array
-  consecutive_skips: jax.Array
-  accumulated: Any = None
-  micro_step: Any = None
-  window_finite: Any = None
-  max_consecutive_skips: Any = None
-
-  @property
-  def last_finite(self) -> jax.Array:
-    """Whether the last optimizer step's gradients were finite (bool array)."""
-    return self.consecutive_skips == 0
-
-  @property
-  def gave_up(self) -> jax.Array:
-    """Whether ``max_consecutive_skips`` steps in a row were skipped."""
-    if self.max_consecutive_skips is None:
-      return jnp.zeros_like(self.consecutive_skips, dtype=bool)
-    return self.consecutive_skips >= self.max_consecutive_skips
-
-
-def _check_loss_scale(loss_scale: Any) -> None:
-  if loss_scale is None:
-    return
-  if isinstance(loss_scale, type):
-    raise TypeError(
-        f"loss_scaling expects a loss-scale object, got the class "
-        f"{loss_scale.__name__}; create one: jmp_lite.{loss_scale.__name__}("
-        f"{'' if loss_scale is loss_scale_lib.NoOpLossScale else '2.0**15'})."
-    )
-  if isinstance(loss_scale, (int, float)) or tree_lib.is_array(loss_scale):
-    raise TypeError(
-        f"loss_scaling expects a loss-scale object, got the number {loss_scale!r}."
-        " Wrap it: jmp_lite.DynamicLossScale(2.0**15) to adapt the scale, or "
-        "jmp_lite.StaticLossScale(value) to keep it fixed."
-    )
-  if not isinstance(loss_scale, loss_scale_lib.LossScale):
-    raise TypeError(
-        "loss_scaling expects a jmp_lite loss scale (NoOpLossScale, "
-        "StaticLossScale or DynamicLossScale), got "
-        f"{type(loss_scale).__name__}: {loss_scale!r}."
-    )
-
-
-def _check_config(
-    loss_scale: Any, accumulation_steps: Any, max_consecutive_skips: Any,
-    on_max_skips: Any,
-) -> None:
-  """Validates loss_scaling's options (each error names the option)."""
-  for name, value in (("accumulation_steps", accumulation_steps),
-                      ("max_consecutive_skips", max_consecutive_skips)):
-    if value is None and name == "max_consecutive_skips":
-      continue
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-      raise TypeError(
-          f"loss_scaling: {name} must be an int >= 1, got "
-          f"{type(value).__name__}: {value!r}."
-      )
-    if not 1 <= value < 2**31:
-      raise ValueError(
-          f"loss_scaling: {name} must be an int >= 1 (and < 2**31), got {value!r}."
-      )
-  if on_max_skips not in ON_MAX_SKIPS:
-    raise ValueError(
-        f"loss_scaling: on_max_skips must be one of {ON_MAX_SKIPS}, got "
-        f"{on_max_skips!r}."
-    )
-  if on_max_skips == "raise" and max_consecutive_skips is None:
-    raise ValueError(
-        "loss_scaling: on_max_skips='raise' needs max_consecutive_skips, the "
-        "number of skipped steps in a row after which to raise."
-    )
-  if loss_scale is None and accumulation_steps > 1:
-    raise ValueError(
-        "loss_scaling: accumulation_steps needs the wrapper's own loss scale "
-        "(it changes the scale once per window); a shared scale you adjust "
-        "yourself cannot know where windows end. Pass the loss scale."
-    )
-
-
-# -- what wraps loss_scaling ---------------------------------------------------
+# -- what may wrap loss_scaling -------------------------------------------------------
 #
 # loss_scaling must be the outermost optax transformation. An optax wrapper
 # around it either sees the scaled gradients (a clip before it clips them to
@@ -154,8 +100,8 @@ def _check_config(
 # moves the params on a skipped step (schedule_free, lookahead), or counts
 # skipped steps in its schedules (inject_hyperparams). Its init is the only
 # place the wrapper can see what encloses it: an optax wrapper's init calls
-# ours, so the enclosing transformations are on the call stack (host-side,
-# at init time; nothing here runs in a train step).
+# ours, so the enclosing transformations are on the call stack
+# (compat.enclosing_optax_inits; host-side, at init time).
 
 #: optax transformations that may run loss_scaling's init: those applying
 #: their elements in order (loss_scaling first is fine), and flatten, which
@@ -163,6 +109,17 @@ def _check_config(
 _IN_ORDER = frozenset({"chain", "named_chain"})
 _TRANSPARENT = frozenset({"flatten"})
 
+_BEFORE_IN_CHAIN = (
+    "optax.{name} runs {count} transformation(s) before loss_scaling: they see"
+    " the scaled gradients (a clip clips them to 1/scale of their size, "
+    "weight decay is divided by the scale). Put them inside: "
+    "jmp_lite.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
+    "optax.adam(1e-3)), loss_scale)."
+)
+_INSIDE_WRAPPER = (
+    "loss_scaling is inside optax's {name}: {why}. Make loss_scaling the "
+    "outermost transformation: {fix}."
+)
 #: Per enclosing optax transformation: what goes wrong, and what to write.
 _ENCLOSING_FIXES = {
     "MultiSteps": (
@@ -201,6 +158,10 @@ _ENCLOSING_FIXES = {
         "the other partitions would receive scaled gradients",
         "jmp_lite.loss_scaling(optax.multi_transform(...), loss_scale)"),
 }
+_UNKNOWN_WRAPPER = (
+    "optax transformations around loss_scaling see the scaled gradients and "
+    "do not know about skipped steps",
+    "jmp_lite.loss_scaling(<that transformation>, loss_scale)")
 
 
 def _enclosing_problem() -> str | None:
@@ -211,50 +172,208 @@ def _enclosing_problem() -> str | None:
   for name, position in compat.enclosing_optax_inits(skip=2):
     if name in _IN_ORDER:
       if position:
-        problem = (
-            f"optax.{name} runs {position} transformation(s) before "
-            "loss_scaling: they see the scaled gradients (a clip clips them to"
-            " 1/scale of their size, weight decay is divided by the scale). "
-            "Put them inside: jmp_lite.loss_scaling(optax.chain("
-            "optax.clip_by_global_norm(1.0), optax.adam(1e-3)), loss_scale)")
+        problem = _BEFORE_IN_CHAIN.format(name=name, count=position)
     elif name not in _TRANSPARENT:
-      why, fix = _ENCLOSING_FIXES.get(name, (
-          "optax transformations around loss_scaling see the scaled "
-          "gradients and do not know about skipped steps",
-          "jmp_lite.loss_scaling(<that transformation>, loss_scale)"))
-      problem = (f"loss_scaling is inside optax's {name}: {why}. Make "
-                 f"loss_scaling the outermost transformation: {fix}")
+      why, fix = _ENCLOSING_FIXES.get(name, _UNKNOWN_WRAPPER)
+      problem = _INSIDE_WRAPPER.format(name=name, why=why, fix=fix)
   return problem
 
 
-def _refuse_nesting(inner_state: Any) -> None:
-  """Compositions that would silently break are errors at init."""
-  if tree_lib.find_nodes(inner_state, LossScaleState):
-    raise TypeError(
-        "loss_scaling wraps an optimizer that already contains loss_scaling: "
-        "the gradients would be unscaled twice and training would stall. Use "
-        "one loss_scaling, outermost (e.g. loss_scaling(optax.chain(clip, "
-        "adam), scale))."
-    )
-  if tree_lib.find_nodes(inner_state, optax.MultiStepsState):
-    raise TypeError(
-        "loss_scaling wraps optax.MultiSteps: each micro-batch would adjust "
-        "the loss scale and a non-finite one would be dropped alone instead of"
-        " invalidating its window. Accumulate inside the wrapper instead: "
-        "jmp_lite.loss_scaling(inner, loss_scale, accumulation_steps=k)."
+# -- the check that gradients were scaled ----------------------------------------------
+
+
+class ScalingCheck(NamedTuple):
+  """Running evidence that gradients reach :func:`loss_scaling` unscaled.
+
+  The mistake it catches: gradients of the *unscaled* loss handed to
+  ``update``, which divides them by the scale, so updates shrink by that
+  factor and training stalls with no error. It costs nothing beyond the
+  wrapper's own reduction over the gradients (their largest magnitude, which
+  also decides finiteness) and a few scalars. Two signals, both from the
+  largest magnitude ``m`` of the gradients handed to ``update`` and the scale
+  ``s`` of their step (``docs/training_loops.md`` explains them):
+
+  * headroom: scaled gradients still fitting float16 after a *second*
+    multiplication by ``s >= 2`` (``m * s <= 65504``) are suspect;
+  * response: between finite steps whose scale changed, ``log2 m`` of scaled
+    gradients moves with ``log2 s``, that of unscaled ones does not.
+
+  Attributes:
+    suspect_steps: int32, finite steps in a row that failed the headroom test.
+    last_log2_max: float32, ``log2 m`` at the last finite nonzero step (NaN
+      before any).
+    last_log2_scale: float32, ``log2 s`` at that step.
+    scale_change: float32, total ``|change of log2 s|`` between such steps.
+    response: float32, total change of ``log2 m`` between them, signed by the
+      direction of the scale's change.
+  """
+
+  suspect_steps: Any
+  last_log2_max: Any
+  last_log2_scale: Any
+  scale_change: Any
+  response: Any
+
+  @classmethod
+  def initial(cls) -> "ScalingCheck":
+    """No evidence yet (a buffer per leaf: states may be donated)."""
+    return cls(jnp.zeros([], jnp.int32), jnp.full([], jnp.nan, jnp.float32),
+               jnp.full([], jnp.nan, jnp.float32), jnp.zeros([], jnp.float32),
+               jnp.zeros([], jnp.float32))
+
+  def looks_unscaled(self) -> jax.Array:
+    """True once the scale has changed by 2 binades and the gradients followed
+    less than half of it, or, before that, after 20 suspect steps in a row."""
+    change = jnp.asarray(self.scale_change, jnp.float32)
+    decided = change >= 2.0
+    ratio = jnp.asarray(self.response, jnp.float32) / jnp.where(
+        decided, change, 1.0)
+    by_response = decided & (ratio < 0.5)
+    by_headroom = ~decided & (jnp.asarray(self.suspect_steps) >= 20)
+    return by_response | by_headroom
+
+  def record(self, largest: jax.Array, scale: Any) -> "ScalingCheck":
+    """Adds one step: ``largest`` is the largest magnitude of the gradients
+    handed to ``update`` (inf if any is not finite), ``scale`` its scale."""
+    scale = jnp.asarray(scale, jnp.float32)
+    log2_max, log2_scale = _log2(largest), _log2(scale)
+    valid = (largest > 0) & jnp.isfinite(largest)
+    suspect = (log2_scale >= 1) & (largest * scale <= _F16_MAX)
+    suspect_steps = jnp.where(
+        valid, jnp.where(suspect, optax.safe_increment(self.suspect_steps),
+                         jnp.zeros_like(self.suspect_steps)),
+        self.suspect_steps)
+    delta = log2_scale - self.last_log2_scale
+    pair = valid & jnp.isfinite(self.last_log2_max) & (jnp.abs(delta) > 1e-3)
+    zero = jnp.zeros([], jnp.float32)
+    return ScalingCheck(
+        suspect_steps=suspect_steps,
+        last_log2_max=jnp.where(valid, log2_max, self.last_log2_max),
+        last_log2_scale=jnp.where(valid, log2_scale, self.last_log2_scale),
+        scale_change=self.scale_change + jnp.where(pair, jnp.abs(delta), zero),
+        response=self.response + jnp.where(
+            pair, (log2_max - self.last_log2_max) * jnp.sign(delta), zero),
     )
 
 
-def _gave_up(consecutive_skips, limit, loss_scale) -> None:
-  """Host callback of on_max_skips='raise'."""
-  if int(consecutive_skips) >= int(limit):
-    raise FloatingPointError(
-        f"jmp_lite.loss_scaling gave up: {int(consecutive_skips)} optimizer "
-        f"steps in a row had non-finite gradients (max_consecutive_skips="
-        f"{int(limit)}); the loss scale is now {float(loss_scale):g}. A scale "
-        "that keeps backing off to its floor means the model itself makes "
-        "NaN/inf (learning rate, data, a log of 0...), or that the gradients "
-        "handed to update were not computed from a scaled loss."
+def _log2(x: jax.Array) -> jax.Array:
+  """log2 of a positive float32 scalar, exact for powers of two."""
+  mantissa, exponent = jnp.frexp(x)  # x = mantissa * 2**exponent, [0.5, 1)
+  return (exponent - 1).astype(jnp.float32) + jnp.log2(2 * mantissa)
+
+
+def _largest_magnitude(tree: Any) -> jax.Array:
+  """The largest ``|x|`` over the floating leaves, as a float32 scalar; inf if
+  any entry is inf or NaN (one reduction answers finiteness too: NaN counts
+  as inf, since XLA's vectorised max does not propagate NaN reliably)."""
+  maxima = [
+      jnp.max(jnp.where(jnp.isnan(x), jnp.full((), jnp.inf, x.dtype),
+                        jnp.abs(x)), initial=np.array(0, x.dtype))
+      .astype(jnp.float32)
+      for x in jax.tree_util.tree_leaves(tree) if tree_lib.is_float(x)
+  ]
+  return jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros([], jnp.float32)
+
+
+# -- the state ----------------------------------------------------------------------
+
+
+class LossScaleState(NamedTuple):
+  """State of :func:`loss_scaling`.
+
+  Attributes:
+    inner_state: the wrapped optimizer's state. It is left untouched (step
+      counts included) on a step whose gradients are not finite.
+    loss_scale: the loss scale to use for the *next* forward pass; read it with
+      :func:`get_loss_scale`. ``loss_scale.loss_scale`` is the float32 value to
+      log. ``None`` when the wrapper shares a scale passed to every ``update``.
+    skipped_steps: int32, optimizer steps skipped so far because the
+      gradients were not finite (with accumulation: windows).
+    consecutive_skips: int32, optimizer steps skipped in a row (0 after a
+      finite step).
+    accumulated: with ``accumulation_steps > 1``, the float32 sum of the
+      unscaled gradients of the finite micro-batches of the current window;
+      ``None`` otherwise.
+    micro_step: with accumulation, the micro-batches already seen in the
+      current window (int32); ``None`` otherwise.
+    window_finite: with accumulation, whether every micro-batch of the current
+      window was finite so far (bool); ``None`` otherwise.
+    max_consecutive_skips: the limit given to :func:`loss_scaling` (int32), or
+      ``None``.
+    scaling_check: the evidence behind ``looks_unscaled`` (a
+      ``ScalingCheck``), or ``None`` with ``check_scaling=False``.
+
+  Read a field from anywhere inside an optimizer state with
+  ``optax.tree.get(opt_state, "skipped_steps")``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jmp_lite
+    >>> opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0**15))
+    >>> state = opt.init({"w": jnp.zeros(2)})
+    >>> int(state.skipped_steps), bool(state.last_finite), bool(state.gave_up)
+    (0, True, False)
+  """
+
+  inner_state: Any
+  loss_scale: Any
+  skipped_steps: jax.Array
+  consecutive_skips: jax.Array
+  accumulated: Any = None
+  micro_step: Any = None
+  window_finite: Any = None
+  max_consecutive_skips: Any = None
+  scaling_check: Any = None
+
+  @property
+  def last_finite(self) -> jax.Array:
+    """Whether the last optimizer step's gradients were finite (bool array).
+
+    Derived (``consecutive_skips == 0``) rather than stored: returning the
+    all-finite flag as an output of its own costs XLA a fusion.
+    """
+    return self.consecutive_skips == 0
+
+  @property
+  def gave_up(self) -> jax.Array:
+    """Whether ``max_consecutive_skips`` steps in a row were skipped (always
+    False without a limit)."""
+    if self.max_consecutive_skips is None:
+      return jnp.zeros_like(self.consecutive_skips, dtype=bool)
+    return self.consecutive_skips >= self.max_consecutive_skips
+
+  @property
+  def looks_unscaled(self) -> jax.Array:
+    """Whether the gradients handed to ``update`` look as if they were not
+    computed from the scaled loss (or the scale is far too small for them);
+    always False with ``check_scaling=False``."""
+    if self.scaling_check is None:
+      return jnp.zeros_like(self.consecutive_skips, dtype=bool)
+    return self.scaling_check.looks_unscaled()
+
+
+# -- the wrapper ---------------------------------------------------------------------
+
+
+def _check_loss_scale(loss_scale: Any) -> None:
+  if loss_scale is None:
+    return
+  if isinstance(loss_scale, type):
+    raise TypeError(
+        f"loss_scaling expects a loss-scale object, got the class "
+        f"{loss_scale.__name__}; create one: jmp_lite.{loss_scale.__name__}("
+        f"{'' if loss_scale is loss_scale_lib.NoOpLossScale else '2.0**15'})."
+    )
+  if checks.is_real_number(loss_scale) or checks.is_array(loss_scale):
+    raise TypeError(
+        f"loss_scaling expects a loss-scale object, got the number "
+        f"{loss_scale!r}. Wrap it: jmp_lite.DynamicLossScale(2.0**15) to adapt"
+        " the scale, or jmp_lite.StaticLossScale(value) to keep it fixed."
+    )
+  if not isinstance(loss_scale, loss_scale_lib.LossScale):
+    raise TypeError(
+        "loss_scaling expects a jmp_lite loss scale (NoOpLossScale, "
+        "StaticLossScale or DynamicLossScale), got "
+        f"{type(loss_scale).__name__}: {loss_scale!r}."
     )
 
 
@@ -264,65 +383,39 @@ def loss_scaling(
     *,
     axis_name: Any = None,
     accumulation_steps: int = 1,
+    check_scaling: bool = True,
     max_consecutive_skips: int | None = None,
     on_max_skips: str = "flag",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with loss scaling and non-finite step skipping.
 
-  ``update(grads, state, params, **extra_args)`` takes gradients of the *scaled*
-  loss (see :func:`get_loss_scale` and :func:`scaled_value_and_grad`) and:
-
-  1. unscales them with the scale used for this step's forward pass, computing
-     in float32 and handing the inner optimizer float32 (or wider) gradients,
-     so small half-precision gradients do not underflow again;
-  2. checks that they are all finite (agreed across devices when
-     ``axis_name`` is given);
-  3. runs the inner update; on a non-finite step returns zero updates (in the
-     dtypes the inner update returns) and keeps the inner state exactly as it
-     was, step counts included;
-  4. adjusts the loss scale (``DynamicLossScale`` backs off or grows).
-
-  Every choice is made with ``lax.select``: no host sync, no recompilation.
-  The inner state keeps the dtypes its ``init`` gave it.
-
-  **Gradient clipping goes inside** (``loss_scaling(optax.chain(
-  optax.clip_by_global_norm(1.0), optax.adam(1e-3)), scale)``): the inner
-  optimizer sees unscaled gradients. Outside, it would clip the still-scaled
-  gradients down to a norm of 1 / scale.
-
-  **Gradient accumulation** (``accumulation_steps=k``): every ``update`` is a
-  micro-batch; the inner optimizer steps on the mean of ``k`` unscaled
-  gradients, accumulated in float32, and returns zero updates in between.
-  A non-finite micro-batch invalidates its whole window (no NaN enters the
-  accumulator or a later window); the scale stays fixed within a window and
-  adjusts once at its end, so growth counts optimizer steps (torch's
-  ``GradScaler`` semantics). ``optax.MultiSteps`` around or inside this
-  wrapper is refused with an error pointing here.
-
-  **Several optimizers, one scale** (a GAN's two, torch's one ``GradScaler``
-  for two optimizers): build each wrapper without a scale
-  (``loss_scaling(optax.adam(1e-4))``) and pass the shared scale to every
-  update (``update(grads, state, params, loss_scale=scale)``); each optimizer
-  skips on its own non-finite gradients. Then adjust the scale once per step,
-  backing off if any optimizer skipped:
-  ``scale = scale.adjust(state_a.last_finite & state_b.last_finite)``.
+  ``update(grads, state, params, **extra_args)`` takes gradients of the
+  *scaled* loss (see :func:`get_loss_scale`, :func:`scaled_value_and_grad`)
+  and unscales them in float32 with the scale of this step's forward pass,
+  checks they are finite (agreed across devices with ``axis_name``), runs the
+  inner update -- or, on a non-finite step, returns zero updates and keeps the
+  inner state exactly as it was, step counts included -- and adjusts the
+  scale. Every choice is a ``lax.select``: no host sync, no recompilation.
+  ``loss_scaling`` must be the outermost transformation (clipping goes
+  inside); ``init`` refuses optax wrappers around it.
 
   Args:
-    inner: the optax optimizer to wrap (``GradientTransformation`` or
-      ``GradientTransformationExtraArgs``).
+    inner: the optax optimizer to wrap.
     loss_scale: the initial ``NoOpLossScale``, ``StaticLossScale`` or
       ``DynamicLossScale``; ``None`` to use a scale passed to every
       ``update`` as ``loss_scale=`` (shared between optimizers).
-    axis_name: mapped axis name(s) under ``pmap``/``shard_map`` over which the
-      finiteness check is agreed, so all replicas keep the same scale. Not
-      needed with ``jax.jit`` and sharded arrays.
-    accumulation_steps: micro-batches per optimizer step (1: none).
+    axis_name: mapped axis name(s) under ``pmap``/``shard_map`` over which
+      finiteness is agreed. Not needed with ``jax.jit`` and sharded arrays.
+    accumulation_steps: micro-batches per optimizer step (1: none); the inner
+      optimizer steps on their mean, accumulated in float32, and a non-finite
+      micro-batch voids its window.
+    check_scaling: keep the evidence behind ``state.looks_unscaled`` (a few
+      scalars; the reduction it reads is the one that decides finiteness).
     max_consecutive_skips: optional limit on optimizer steps skipped in a row;
-      reaching it sets ``state.gave_up`` (see ``on_max_skips``).
-    on_max_skips: ``"flag"`` (default: ``state.gave_up`` only, jit-safe, no
-      host sync) or ``"raise"`` (the step fails with a ``FloatingPointError``
-      explaining why, which JAX reports as a runtime error at the next
-      synchronisation; it costs a host callback on every step).
+      reaching it sets ``state.gave_up``.
+    on_max_skips: ``"flag"`` (default: ``state.gave_up`` only, jit-safe) or
+      ``"raise"`` (a ``FloatingPointError`` from the step; it costs a host
+      callback on every step).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -330,13 +423,14 @@ def loss_scaling(
 
   Raises:
     TypeError: if ``inner`` is not an optax transformation, ``loss_scale`` is
-      not a loss scale (a class instead of an instance, a number...), or an
-      option has the wrong type; from ``init``, if ``inner`` contains another
-      ``loss_scaling`` or ``optax.MultiSteps``.
-    ValueError: for an option out of range.
+      not a loss scale, or an option has the wrong type; from ``init``, if an
+      optax wrapper encloses it or ``inner`` contains another ``loss_scaling``
+      or ``optax.MultiSteps``.
+    ValueError: for an option out of range; from ``update``, for a state made
+      with another accumulation setting.
 
   Example:
-    >>> import jax, jax.numpy as jnp, optax, jmp_lite
+    >>> import jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.loss_scaling(
     ...     optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
     ...     jmp_lite.DynamicLossScale(2.0**10))
@@ -346,29 +440,53 @@ def loss_scaling(
     >>> loss, grads = jmp_lite.scaled_value_and_grad(loss_fn, state)(params)
     >>> updates, state = opt.update(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
-    >>> params["w"].dtype, bool(state.last_finite)
-    (dtype('float32'), True)
+    >>> bool(state.last_finite), bool(state.looks_unscaled)
+    (True, False)
+
+  See ``docs/training_loops.md`` for accumulation, shared scales, what may
+  wrap ``loss_scaling``, the stall guard and the scaling check.
   """
-  if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise TypeError(
-        "loss_scaling expects an optax GradientTransformation such as "
-        f"optax.adam(1e-3), got {type(inner).__name__}: {inner!r}."
-    )
+  owner = "loss_scaling"
+  inner = checks.optax_transformation(inner, owner)
   _check_loss_scale(loss_scale)
-  _check_config(loss_scale, accumulation_steps, max_consecutive_skips,
-                on_max_skips)
+  k = checks.integer(accumulation_steps, "accumulation_steps", owner, 1)
+  max_skips = None if max_consecutive_skips is None else checks.integer(
+      max_consecutive_skips, "max_consecutive_skips", owner, 1)
+  if not isinstance(check_scaling, (bool, np.bool_)):
+    raise TypeError(
+        f"{owner}: check_scaling must be a bool, got {check_scaling!r}.")
+  if on_max_skips not in ON_MAX_SKIPS:
+    raise ValueError(
+        f"{owner}: on_max_skips must be one of {ON_MAX_SKIPS}, got "
+        f"{on_max_skips!r}."
+    )
+  if on_max_skips == "raise" and max_skips is None:
+    raise ValueError(
+        f"{owner}: on_max_skips='raise' needs max_consecutive_skips, the "
+        "number of skipped steps in a row after which to raise."
+    )
+  if loss_scale is None and k > 1:
+    raise ValueError(
+        f"{owner}: accumulation_steps needs the wrapper's own loss scale (it "
+        "changes the scale once per window); a shared scale you adjust "
+        "yourself cannot know where windows end. Pass the loss scale."
+    )
   if axis_name is not None:
-    tree_lib.check_axis_name(axis_name)
+    checks.axis_name(axis_name)
   wrapper = _LossScaling(
-      inner=optax.with_extra_args_support(inner),
-      loss_scale=loss_scale,
-      axis_name=axis_name,
-      k=int(accumulation_steps),
-      max_skips=None if max_consecutive_skips is None
-      else int(max_consecutive_skips),
+      inner=inner, loss_scale=loss_scale, axis_name=axis_name, k=k,
+      check_scaling=bool(check_scaling), max_skips=max_skips,
       raise_on_max_skips=on_max_skips == "raise",
   )
   return optax.GradientTransformationExtraArgs(wrapper.init, wrapper.update)
+
+
+def _gave_up(consecutive_skips, limit, loss_scale) -> None:
+  """Host callback of on_max_skips='raise'."""
+  if int(consecutive_skips) >= int(limit):
+    raise FloatingPointError(_GAVE_UP.format(
+        skips=int(consecutive_skips), limit=int(limit),
+        scale=float(loss_scale)))
 
 
 class _Window(NamedTuple):
@@ -388,19 +506,23 @@ class _LossScaling:
   loss_scale: Any
   axis_name: Any
   k: int
+  check_scaling: bool
   max_skips: int | None
   raise_on_max_skips: bool
 
   def init(self, params: Any) -> LossScaleState:
     problem = _enclosing_problem()
     if problem is not None:
-      raise TypeError(problem + ".")
+      raise TypeError(problem)
     inner_state = self.inner.init(params)
-    _refuse_nesting(inner_state)
+    if tree_lib.find(inner_state, LossScaleState, "loss_scale"):
+      raise TypeError(_NESTED)
+    if tree_lib.find(inner_state, optax.MultiStepsState, "mini_step"):
+      raise TypeError(_MULTISTEPS_INSIDE)
     accumulating = dict(
         accumulated=jax.tree_util.tree_map(
             lambda p: jnp.zeros(p.shape, dtypes.at_least_f32(p.dtype))
-            if tree_lib.is_float_array(p) else p,
+            if tree_lib.is_float(p) else p,
             params,
         ),
         micro_step=jnp.zeros([], jnp.int32),
@@ -415,6 +537,7 @@ class _LossScaling:
         consecutive_skips=jnp.zeros([], jnp.int32),
         max_consecutive_skips=None if self.max_skips is None
         else jnp.asarray(self.max_skips, jnp.int32),
+        scaling_check=ScalingCheck.initial() if self.check_scaling else None,
         **accumulating,
     )
 
@@ -429,8 +552,12 @@ class _LossScaling:
                                 extra_args.pop("loss_scale", None))
     # Unscale in f32 (or wider) and keep that precision for the inner update.
     grads = current.unscale(tree_lib.widen_floating(updates))
-    window = self._window(
-        grads, tree_lib.all_finite(grads, axis_name=self.axis_name), state)
+    # One reduction decides finiteness and feeds the scaling check.
+    largest = _largest_magnitude(grads)
+    if self.axis_name is not None:
+      checks.bound_axis(self.axis_name, "loss_scaling")
+      largest = lax.pmax(largest, self.axis_name)  # Replicas agree.
+    window = self._window(grads, jnp.isfinite(largest), state)
     out_updates, out_inner = self._inner_step(
         window.grads, window.step_ends & window.finite, state, params,
         extra_args)
@@ -446,6 +573,10 @@ class _LossScaling:
       scale_now = current if new_scale is None else new_scale
       jax.debug.callback(_gave_up, consecutive, state.max_consecutive_skips,
                          scale_now.loss_scale)
+    scaling_check = state.scaling_check
+    if scaling_check is not None:
+      scale = jnp.asarray(current.loss_scale, jnp.float32)
+      scaling_check = scaling_check.record(largest * scale, scale)
     return out_updates, state._replace(
         inner_state=out_inner,
         loss_scale=new_scale,
@@ -453,6 +584,7 @@ class _LossScaling:
             skipped, optax.safe_increment(state.skipped_steps),
             state.skipped_steps),
         consecutive_skips=consecutive,
+        scaling_check=scaling_check,
         **window.fields,
     )
 
@@ -463,42 +595,25 @@ class _LossScaling:
     if accumulates == (self.k > 1):
       return
     if accumulates:
-      raise ValueError(
-          "loss_scaling(accumulation_steps=1) got a state that accumulates "
-          "micro-batches (made with accumulation_steps > 1): its current "
-          "window would be dropped. Build the optimizer with the "
-          "accumulation_steps the state was made with, or start from "
-          "opt.init(params).")
-    raise ValueError(
-        f"loss_scaling(accumulation_steps={self.k}) got a state made without"
-        " accumulation (it has no accumulator, micro_step or window_finite). "
-        "Make the state with this optimizer's init (opt.init(params)); to "
-        "restore a checkpoint, restore it into opt.init(params) of the "
-        "optimizer that wrote it.")
+      raise ValueError(_STATE_ACCUMULATES)
+    raise ValueError(_STATE_DOES_NOT_ACCUMULATE.format(k=self.k))
 
   def _window(self, grads: Any, finite: Any, state: LossScaleState) -> _Window:
     """Accumulation: where this micro-batch's unscaled gradients go."""
     if self.k == 1:
       return _Window(grads, jnp.ones([], bool), finite, {})
+    structure = jax.tree_util.tree_structure
+    if structure(grads) != structure(state.accumulated):
+      raise ValueError(_GRADS_NOT_LIKE_PARAMS.format(
+          grads=structure(grads), params=structure(state.accumulated)))
     # ">=": a state restored from a run with more micro-batches per window
     # ends its window now, with the mean of all it holds, instead of never.
     step_ends = state.micro_step >= self.k - 1
     window_ok = state.window_finite & finite
-    if (jax.tree_util.tree_structure(grads)
-        != jax.tree_util.tree_structure(state.accumulated)):
-      raise ValueError(
-          "loss_scaling(accumulation_steps>1) accumulates gradients in a "
-          "buffer shaped like the params given to init, but the gradients "
-          "have another structure:\n"
-          f"  gradients: {jax.tree_util.tree_structure(grads)}\n"
-          f"  params:    {jax.tree_util.tree_structure(state.accumulated)}\n"
-          "Pass gradients with the structure of the params (for "
-          "optax.lookahead, whose params are LookaheadParams, accumulate "
-          "without it or use accumulation_steps=1).")
     # A non-finite micro-batch is never added: no NaN enters the sum.
     acc = jax.tree_util.tree_map(
         lambda a, g: a + jnp.where(finite, g, jnp.zeros_like(g))
-        if tree_lib.is_float_array(a) else a,
+        if tree_lib.is_float(a) else a,
         state.accumulated, grads,
     )
     # The mean over k micro-batches (over all it holds, after such a
@@ -506,7 +621,7 @@ class _LossScaling:
     # exactly (some turn a division by a constant into a multiplication).
     seen = jnp.maximum(state.micro_step + 1, self.k)
     mean = jax.tree_util.tree_map(
-        lambda a, g: a / seen.astype(a.dtype) if tree_lib.is_float_array(a)
+        lambda a, g: a / seen.astype(a.dtype) if tree_lib.is_float(a)
         else g, acc, grads)
     fields = dict(
         accumulated=tree_lib.select_tree(
@@ -524,7 +639,7 @@ class _LossScaling:
     # Keep the state's dtypes stable across steps (as its init made them).
     new_inner = tree_lib.cast_like(new_inner, state.inner_state)
     zeros = jax.tree_util.tree_map(
-        lambda u: jnp.zeros_like(u) if tree_lib.is_array(u) else u, new_updates
+        lambda u: jnp.zeros_like(u) if checks.is_array(u) else u, new_updates
     )
     return (tree_lib.select_tree(ok, new_updates, zeros),
             tree_lib.select_tree(ok, new_inner, state.inner_state))
@@ -534,118 +649,43 @@ def _scale_for_update(own: Any, shared: Any) -> Any:
   """The loss scale this update unscales with: the state's, or the shared one."""
   if own is None:
     if shared is None:
-      raise TypeError(
-          "This loss_scaling was built without a loss scale, to share one: "
-          "pass it to every update, opt.update(grads, state, params, "
-          "loss_scale=scale), and adjust it once per step yourself."
-      )
+      raise TypeError(_NO_SHARED_SCALE)
     _check_loss_scale(shared)
     return shared
   if shared is not None:
-    raise TypeError(
-        "loss_scaling got loss_scale= in update, but it keeps its own scale in"
-        " its state. To share one scale between optimizers, build each with "
-        "loss_scaling(inner) (no scale)."
-    )
+    raise TypeError(_OWN_AND_SHARED)
   return _restored(own)
 
 
 def _restored(loss_scale: Any) -> Any:
   """The state's loss scale, or a clear error if a checkpoint lost its class."""
   if isinstance(loss_scale, Mapping):
-    raise TypeError(
-        "The optimizer state's loss_scale is a plain dict "
-        f"({sorted(loss_scale)}): it came back from a checkpoint restored "
-        "without a target, which loses the loss scale's class and its static "
-        "configuration (period, factor, min_loss_scale...). Restore with the "
-        "state from opt.init as the target (orbax: "
-        "checkpointer.restore(path, target=opt.init(params)), or "
-        "ocp.args.StandardRestore(abstract_state))."
-    )
+    raise TypeError(_RESTORED_AS_DICT.format(keys=sorted(loss_scale)))
   return loss_scale
 
 
-def _find_states(tree: Any) -> Sequence[LossScaleState]:
-  """The LossScaleStates inside an optimizer state."""
-  return tree_lib.find_nodes(tree, LossScaleState)
-
-
-def get_loss_scale_state(opt_state: Any) -> LossScaleState:
-  """Returns the :class:`LossScaleState` from anywhere inside an optimizer state.
-
-  The state may sit at the top, inside ``optax.chain``, ``optax.MultiSteps``,
-  ``optax.inject_hyperparams``, dicts or named tuples, or an
-  ``nnx.Optimizer``'s ``opt_state``. Its loss scale and counters come back as
-  plain arrays even where a framework keeps them in wrapper pytrees (NNX
-  variables); ``inner_state`` is returned as it is stored.
-
-  Args:
-    opt_state: the state of an optimizer built with :func:`loss_scaling`.
-
-  Returns:
-    The ``LossScaleState``: log its ``skipped_steps``, ``last_finite`` and
-    ``loss_scale.loss_scale``.
-
-  Raises:
-    ValueError: if the state holds no loss scaling, or more than one (then
-      pass the sub-state you mean).
-
-  Example:
-    >>> import jax.numpy as jnp, optax, jmp_lite
-    >>> opt = optax.chain(jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale(8.0)),
-    ...                   optax.scale_by_schedule(lambda step: 0.5))
-    >>> state = jmp_lite.get_loss_scale_state(opt.init({"w": jnp.zeros(2)}))
-    >>> int(state.skipped_steps), float(state.loss_scale.loss_scale)
-    (0, 8.0)
-  """
-  return _the_state(opt_state, "get_loss_scale_state")
-
-
-def _the_state(opt_state: Any, caller: str) -> LossScaleState:
-  found = _find_states(opt_state)
-  if not found:
-    raise ValueError(
-        f"{caller} found no loss-scaling state in the optimizer state "
-        f"(a {type(opt_state).__name__}). Build the optimizer with "
-        "jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**15)) and "
-        "pass the state its init returned."
-    )
-  if len(found) > 1:
-    raise ValueError(
-        f"{caller} found {len(found)} loss-scaling states in the optimizer"
-        " state, so which scale to use is ambiguous. Pass the sub-state of the"
-        " optimizer whose loss you are scaling."
-    )
-  state = found[0]
-  if state.loss_scale is None:
-    raise ValueError(
-        f"{caller}: this loss_scaling shares a loss scale passed to each "
-        "update (it was built without one), so its state holds none: use the "
-        "scale you pass to update."
-    )
-  return state._replace(
-      loss_scale=_fields_as_arrays(_restored(state.loss_scale)),
-      skipped_steps=_as_array(state.skipped_steps),
-      consecutive_skips=_as_array(state.consecutive_skips),
-  )
+# -- reading the scale -------------------------------------------------------------
 
 
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
   """Returns the current loss scale from an optimizer state.
 
-  The :class:`LossScaleState` may sit anywhere inside ``opt_state``, as for
-  :func:`get_loss_scale_state`; a loss scale passed in is returned as it is.
+  The wrapper's state may sit anywhere inside ``opt_state`` (``optax.chain``,
+  dicts, named tuples, an ``nnx.Optimizer``'s state); a loss scale passed in
+  is returned as it is.
 
   Args:
     opt_state: the state of an optimizer built with :func:`loss_scaling`.
 
   Returns:
     The loss scale to use for this step's forward pass (``scale`` the loss
-    with it; ``update`` unscales with the same one).
+    with it; ``update`` unscales with the same one), its fields plain arrays.
 
   Raises:
-    ValueError: if the state holds no loss scaling, or more than one (then
-      pass the sub-state you mean).
+    ValueError: if the state holds no loss scaling, more than one (pass the
+      sub-state you mean), or a shared scale's wrapper (use the scale you
+      pass to ``update``).
+    TypeError: if a checkpoint restored the scale as a plain dict.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -655,7 +695,27 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
   """
   if isinstance(opt_state, loss_scale_lib.LossScale):
     return opt_state
-  return _the_state(opt_state, "get_loss_scale").loss_scale
+  found = tree_lib.find(opt_state, LossScaleState, "loss_scale")
+  if not found:
+    raise ValueError(
+        "get_loss_scale found no loss-scaling state in the optimizer state (a"
+        f" {type(opt_state).__name__}). Build the optimizer with "
+        "jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**15)) and "
+        "pass the state its init returned."
+    )
+  if len(found) > 1:
+    raise ValueError(
+        f"get_loss_scale found {len(found)} loss-scaling states in the "
+        "optimizer state, so which scale to use is ambiguous. Pass the "
+        "sub-state of the optimizer whose loss you are scaling."
+    )
+  if found[0] is None:
+    raise ValueError(
+        "get_loss_scale: this loss_scaling shares a loss scale passed to each "
+        "update (it was built without one), so its state holds none: use the "
+        "scale you pass to update."
+    )
+  return _fields_as_arrays(_restored(found[0]))
 
 
 def _as_array(x: Any) -> Any:
@@ -664,7 +724,7 @@ def _as_array(x: Any) -> Any:
   Frameworks may keep optimizer state in wrapper pytrees (``nnx.Optimizer``
   keeps it in NNX variables). No framework is imported or named here.
   """
-  if tree_lib.is_array(x):
+  if checks.is_array(x):
     return x
   leaves = jax.tree_util.tree_leaves(x)
   return leaves[0] if len(leaves) == 1 else x
@@ -687,9 +747,8 @@ def scaled_value_and_grad(
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss.
 
-  The gradients are those of ``loss_scale.scale(fun(...))`` — still scaled, as
-  the :func:`loss_scaling` optimizer expects (it unscales them). Without that
-  wrapper, call ``loss_scale.unscale(grads)`` yourself.
+  The gradients are those of ``loss_scale.scale(fun(...))`` -- still scaled,
+  as the :func:`loss_scaling` optimizer expects (it unscales them).
 
   Args:
     fun: a function returning a scalar loss (or ``(loss, aux)`` with
@@ -713,10 +772,7 @@ def scaled_value_and_grad(
     >>> float(loss), grads.tolist()
     (2.0, [8.0, 8.0])
   """
-  if not callable(fun):
-    raise TypeError(
-        f"scaled_value_and_grad expects a loss function, got {type(fun).__name__}."
-    )
+  checks.function(fun, "scaled_value_and_grad", "a loss function")
   loss_scale = get_loss_scale(loss_scale)
 
   def scaled_fun(*args, **kwargs):

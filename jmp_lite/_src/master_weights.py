@@ -23,46 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jmp_lite._src import checks
 from jmp_lite._src import dtypes
 from jmp_lite._src import tree as tree_lib
 
 # -- shared helpers ----------------------------------------------------------
-
-
-def _check_inner(
-    inner: Any, owner: str
-) -> optax.GradientTransformationExtraArgs:
-  if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise TypeError(
-        f"{owner} expects an optax GradientTransformation such as "
-        f"optax.adam(1e-3) as its first argument, got {type(inner).__name__}: "
-        f"{inner!r}."
-    )
-  return optax.with_extra_args_support(inner)
-
-
-def _floating_dtype(dtype: Any, what: str, example: str) -> np.dtype:
-  """Validates a floating dtype given by the user (dtype, scalar type, name)."""
-  if isinstance(dtype, str):
-    try:
-      return np.dtype(dtypes.parse_dtype(dtype))
-    except ValueError:
-      pass  # Perhaps a numpy name such as "int32": judged below.
-  try:
-    result = None if dtype is None else np.dtype(dtype)
-  except TypeError:
-    result = None
-  if result is None:
-    raise TypeError(
-        f"{what} must be a floating dtype, got {type(dtype).__name__}: "
-        f"{dtype!r}. Pass e.g. {example}."
-    )
-  if not dtypes.is_floating(result):
-    raise TypeError(
-        f"{what} must be a floating dtype, got {result.name} ({dtype!r}). "
-        f"Pass e.g. {example}."
-    )
-  return result
 
 
 def _check_enabled(dtype: np.dtype, what: str) -> None:
@@ -119,7 +84,7 @@ class MasterWeightsState(NamedTuple):
 def _refuse_loss_scaling_inside(inner_state: Any, owner: str) -> None:
   # Imported here: loss_scaling's module imports this one's neighbours only.
   from jmp_lite._src import loss_scaling  # pylint: disable=g-import-not-at-top
-  if tree_lib.find_nodes(inner_state, loss_scaling.LossScaleState):
+  if tree_lib.find(inner_state, loss_scaling.LossScaleState, "loss_scale"):
     raise TypeError(
         f"{owner} wraps loss_scaling, which must be the outermost "
         "transformation (a skipped step must leave this wrapper's state "
@@ -197,20 +162,20 @@ def master_weights(
     Array([0.988281, 0.988281, 0.988281], dtype=bfloat16)
   """
   owner = "master_weights"
-  inner = _check_inner(inner, owner)
-  master_dtype = _floating_dtype(
-      dtype, f"{owner}'s dtype", "jnp.float32 (the default)"
-  )
+  inner = checks.optax_transformation(inner, owner)
+  master_dtype = dtypes.floating_dtype(
+      dtype, f"{owner}'s dtype", policy=False,
+      example="jnp.float32 (the default)")
 
   def needs_copy(p):
-    return tree_lib.is_float_array(p) and np.dtype(p.dtype) != master_dtype
+    return tree_lib.is_float(p) and np.dtype(p.dtype) != master_dtype
 
   def init_fn(params):
     _check_enabled(master_dtype, f"{owner}'s dtype")
     narrower = [
         (jax.tree_util.keystr(path), np.dtype(p.dtype))
         for path, p in jax.tree_util.tree_leaves_with_path(params)
-        if tree_lib.is_float_array(p)
+        if tree_lib.is_float(p)
         and not _represents(master_dtype, np.dtype(p.dtype))
     ]
     if narrower:
@@ -314,7 +279,7 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
     >>> jmp_lite.get_master_params(opt.init(params), params)["w"]
     Array([1., 1.], dtype=float32)
   """
-  found = tree_lib.find_nodes(opt_state, MasterWeightsState)
+  found = tree_lib.find(opt_state, MasterWeightsState, "master_params")
   if not found:
     raise ValueError(
         "get_master_params found no master weights in the optimizer state "
@@ -327,7 +292,7 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
         "optimizer state, so which one to return is ambiguous. Pass the "
         "sub-state of the optimizer you mean."
     )
-  master = found[0].master_params
+  master = found[0]
   try:
     return _inner_params(params, master)
   except ValueError as err:
@@ -342,7 +307,7 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
 
 def _is_moment(x: Any) -> bool:
   """The state leaves :func:`with_state_dtype` stores in its dtype."""
-  return tree_lib.is_float_array(x) and np.ndim(x) >= 1
+  return tree_lib.is_float(x) and np.ndim(x) >= 1
 
 
 def with_state_dtype(
@@ -407,10 +372,10 @@ def with_state_dtype(
     (dtype('float32'), dtype(bfloat16))
   """
   owner = "with_state_dtype"
-  inner = _check_inner(inner, owner)
-  store_dtype = _floating_dtype(
-      dtype, f"{owner}'s dtype", "jnp.bfloat16 or jnp.float32"
-  )
+  inner = checks.optax_transformation(inner, owner)
+  store_dtype = dtypes.floating_dtype(
+      dtype, f"{owner}'s dtype", policy=False,
+      example="jnp.bfloat16 or jnp.float32")
 
   def store(state):
     return jax.tree_util.tree_map(
@@ -424,7 +389,7 @@ def with_state_dtype(
     _check_enabled(store_dtype, f"{owner}'s dtype")
     state = inner.init(params)
     _refuse_loss_scaling_inside(state, owner)
-    if tree_lib.find_nodes(state, MasterWeightsState):
+    if tree_lib.find(state, MasterWeightsState, "master_params"):
       raise ValueError(
           f"{owner} wraps an optimizer containing master_weights, so the "
           f"float32 master copy would be stored in {store_dtype.name} too. "

@@ -1,34 +1,12 @@
 """Cross-device gradient reduction in float32 (or wider).
 
-In data-parallel training every device computes the gradient of its share of
-the batch, and the gradients are averaged across devices (an all-reduce).
-With a half-precision compute dtype that all-reduce can run in half precision:
-
-* under ``jax.jit`` with a sharded batch, the SPMD partitioner inserts the
-  all-reduce right after the backward matmul that produces a device's partial
-  weight gradient, in that matmul's output dtype (float16/bfloat16), *before*
-  the cast back to the float32 param dtype;
-* under ``shard_map`` (with its default ``check_vma=True``), JAX itself sums
-  the gradient of a replicated param in the backward pass, where the param
-  (its half-precision copy) met the per-device data: in half precision again;
-* under ``pmap``, a user's ``lax.pmean(grads, axis)`` reduces in the dtype of
-  the gradients: float32 for float32 params, half for half-precision params.
-
-A half-precision sum of eight scaled float16 gradients overflows where the
-float32 one does not, and rounds each partial sum to 8 (bfloat16) or 11
-(float16) significant bits. The functions here make the reduction float32:
-
-* :func:`grouped_value_and_grad` for ``jax.jit`` + sharding: it computes one
-  gradient per device group with ``jax.vmap`` and averages the groups in
-  float32, so the all-reduce is float32;
-* :func:`pmean_value_and_grad` for ``pmap``/``shard_map``: per-device
-  gradients, averaged across the mapped axis in float32;
-* :func:`pmean_f32`: the collective itself (``lax.pmean`` in float32).
-
-All three return float32 (or wider) floating gradients, also for
-half-precision params: casting the average back to half would throw away what
-the float32 reduction kept, and :func:`jmp_lite.loss_scaling` and
-:func:`jmp_lite.master_weights` take float32 gradients anyway.
+With a half-precision compute dtype the data-parallel all-reduce of the
+gradients runs in half precision (under ``jax.jit`` + sharding, right after
+each backward matmul; under ``shard_map``, inside the backward pass; under
+``pmap``, in the gradients' dtype). Two functions make it float32:
+:func:`grouped_value_and_grad` under ``jax.jit`` + sharding,
+:func:`pmean_value_and_grad` under ``pmap``/``shard_map``. Both return
+float32 (or wider) gradients. Guide: ``docs/precision.md``.
 """
 
 from __future__ import annotations
@@ -40,46 +18,9 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
-
-
-def _check_fn(fn: Any, caller: str) -> None:
-  if not callable(fn):
-    raise TypeError(
-        f"{caller} expects a value-and-grad function, such as "
-        "jax.value_and_grad(loss_fn) or jmp_lite.scaled_value_and_grad(loss_fn,"
-        f" opt_state), got {type(fn).__name__}: {fn!r}."
-    )
-
-
-def _check_int(value: Any, name: str, caller: str, low: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{caller}: {name} must be an int >= {low}, got {value!r}.")
-  if value < low:
-    raise ValueError(f"{caller}: {name} must be an int >= {low}, got {value!r}.")
-
-
-def _argnums_tuple(argnums: Any, name: str, caller: str) -> tuple[int, ...]:
-  nums = tuple(argnums) if isinstance(argnums, (tuple, list)) else (argnums,)
-  if not nums:
-    raise ValueError(f"{caller}: {name} must name at least one argument, got {argnums!r}.")
-  for n in nums:
-    _check_int(n, name, caller, 0)
-  if len(set(nums)) != len(nums):
-    raise ValueError(f"{caller}: {name} has duplicates: {argnums!r}.")
-  return tuple(int(n) for n in nums)
-
-
-def _check_in_range(nums: tuple[int, ...], name: str, nargs: int, caller: str) -> None:
-  bad = [n for n in nums if n >= nargs]
-  if bad:
-    raise ValueError(
-        f"{caller}: {name}={nums if len(nums) > 1 else nums[0]!r} but the "
-        f"function was called with {nargs} positional argument(s) (valid "
-        f"indices: 0..{nargs - 1}). Pass the batch positionally, or fix "
-        f"{name}."
-    )
 
 
 def _split_value(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any, Any]:
@@ -91,7 +32,7 @@ def _split_value(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any, Any]:
     )
   value, grads = out
   if not has_aux:
-    if not tree_lib.is_array(value):
+    if not checks.is_array(value):
       raise TypeError(
           f"{caller}: the value must be the loss (an array), got "
           f"{type(value).__name__}. If the function returns ((loss, aux), "
@@ -113,9 +54,9 @@ def _join(loss: Any, aux: Any, grads: Any, has_aux: bool) -> Any:
 
 def _mean_groups(x: Any) -> Any:
   """The mean over the leading (group) axis, computed in float32 or wider."""
-  if tree_lib.is_float_array(x):
+  if tree_lib.is_float(x):
     return jnp.mean(tree_lib.widen_floating(x), axis=0)
-  return x[0] if tree_lib.is_array(x) else x
+  return x[0] if checks.is_array(x) else x
 
 
 def grouped_value_and_grad(
@@ -192,13 +133,13 @@ def grouped_value_and_grad(
     (9.0, dtype('float32'), (3, 2))
   """
   caller = "grouped_value_and_grad"
-  _check_fn(value_and_grad_fn, caller)
-  _check_int(num_groups, "num_groups", caller, 1)
-  num_groups = int(num_groups)
-  batch_nums = _argnums_tuple(batch_argnums, "batch_argnums", caller)
+  checks.function(value_and_grad_fn, caller, "a value-and-grad function "
+                  "such as jax.value_and_grad(loss_fn)")
+  num_groups = checks.integer(num_groups, "num_groups", caller, 1)
+  batch_nums = checks.argnums(batch_argnums, "batch_argnums", caller)
 
   def split_leaf(path, x):
-    if not tree_lib.is_array(x) or np.ndim(x) == 0:
+    if not checks.is_array(x) or np.ndim(x) == 0:
       return x, None
     size = x.shape[0]
     if size % num_groups:
@@ -220,7 +161,7 @@ def grouped_value_and_grad(
             jax.tree_util.tree_unflatten(treedef, [a for _, a in out]))
 
   def wrapped(*args, **kwargs):
-    _check_in_range(batch_nums, "batch_argnums", len(args), caller)
+    checks.argnums_in_range(batch_nums, "batch_argnums", len(args), caller)
     args = list(args)
     in_axes: list[Any] = [None] * len(args)
     for i in batch_nums:
@@ -240,78 +181,18 @@ def grouped_value_and_grad(
   return wrapped
 
 
-def pmean_f32(tree: Any, axis_name: Any) -> Any:
-  """``lax.pmean`` in float32: averages floating leaves across a mapped axis.
-
-  Each floating leaf is cast to float32 (float64 stays) *before* the
-  collective, so the all-reduce sums in float32 whatever the leaf's dtype, and
-  the average is returned in float32. A float16 sum of scaled gradients
-  overflows where the float32 one does not: eight devices holding 40000.0 in
-  float16 give ``inf`` with ``lax.pmean`` and 40000.0 here. Non-floating
-  leaves pass through unchanged.
-
-  Use it under ``pmap``, or ``shard_map(..., check_vma=False)``, on
-  per-device gradients. Under ``shard_map`` with its default
-  ``check_vma=True``, JAX has already summed (in half precision) the
-  gradient of a param that entered replicated, before this runs; use
-  :func:`pmean_value_and_grad`, which prevents that.
-
-  Args:
-    tree: any pytree, typically per-device gradients.
-    axis_name: the mapped axis name (a string, or a tuple of them) of
-      ``pmap``/``shard_map``.
-
-  Returns:
-    A tree of the same structure; floating leaves averaged, in float32 or
-    wider.
-
-  Raises:
-    TypeError: if ``axis_name`` is not a string or a tuple of strings.
-    ValueError: if the axis is not bound (called outside ``pmap`` /
-      ``shard_map`` over it).
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jmp_lite
-    >>> grads = jnp.full((8, 2), 40000.0, jnp.float16)     # one row per device
-    >>> jax.vmap(lambda g: jax.lax.pmean(g, "i"), axis_name="i")(grads)[0]
-    Array([inf, inf], dtype=float16)
-    >>> jax.vmap(lambda g: jmp_lite.pmean_f32(g, "i"), axis_name="i")(grads)[0]
-    Array([40000., 40000.], dtype=float32)
-  """
-  tree_lib.check_axis_name(axis_name)
+def _pmean_f32(tree: Any, axis_name: Any) -> Any:
+  """``lax.pmean`` in float32: each floating leaf is cast to float32 (float64
+  stays) before the collective, so the all-reduce sums in float32; other
+  leaves pass through. (A float16 sum of eight 40000.0 is inf.)"""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  where = [i for i, x in enumerate(leaves) if tree_lib.is_float_array(x)]
+  where = [i for i, x in enumerate(leaves) if tree_lib.is_float(x)]
   if where:
-    try:
-      means = lax.pmean([tree_lib.widen_floating(leaves[i]) for i in where], axis_name)
-    except NameError as err:
-      raise ValueError(
-          f"pmean_f32(axis_name={axis_name!r}) must run inside jax.pmap or "
-          "jax.shard_map over that axis; here no such axis is bound. Under "
-          "jax.jit with a sharded batch, use jmp_lite.grouped_value_and_grad "
-          f"instead. ({err})"
-      ) from None
+    means = lax.pmean([tree_lib.widen_floating(leaves[i]) for i in where],
+                      axis_name)
     for i, m in zip(where, means):
       leaves[i] = m
   return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-def _check_bound(axis_name: Any, caller: str) -> None:
-  """Raises a teaching ValueError unless ``axis_name`` is a bound mapped axis.
-
-  ``lax.psum`` of a constant is the axis size, computed while tracing (no
-  collective runs); on an unbound axis JAX raises NameError (or, for some
-  collectives under pmap over another axis, a bare AssertionError).
-  """
-  try:
-    lax.psum(1, axis_name)
-  except (NameError, AssertionError) as err:
-    raise ValueError(
-        f"{caller}(axis_name={axis_name!r}) must run inside jax.pmap or "
-        "jax.shard_map over that axis (pass the same axis_name there); here "
-        "no such axis is bound. Under jax.jit with a sharded batch, use "
-        f"jmp_lite.grouped_value_and_grad instead. ({err})"
-    ) from None
 
 
 def pmean_value_and_grad(
@@ -327,7 +208,7 @@ def pmean_value_and_grad(
   returned function inside ``jax.pmap`` or ``jax.shard_map`` with each
   device's share of the batch. It runs ``value_and_grad_fn`` on the
   device's share and returns the loss and the gradients averaged across
-  ``axis_name`` with :func:`pmean_f32`: the all-reduce runs in float32 and the
+  ``axis_name`` with ``lax.pmean`` in float32: the all-reduce runs in float32 and the
   gradients come back in float32 (float64 stays float64).
 
   Under ``shard_map`` (default ``check_vma=True``) a param that enters
@@ -374,22 +255,23 @@ def pmean_value_and_grad(
     (3.0, dtype('float32'))
   """
   caller = "pmean_value_and_grad"
-  _check_fn(value_and_grad_fn, caller)
-  tree_lib.check_axis_name(axis_name)
-  nums = _argnums_tuple(argnums, "argnums", caller)
+  checks.function(value_and_grad_fn, caller, "a value-and-grad function "
+                  "such as jax.value_and_grad(loss_fn)")
+  checks.axis_name(axis_name)
+  nums = checks.argnums(argnums, "argnums", caller)
 
   def wrapped(*args, **kwargs):
-    _check_in_range(nums, "argnums", len(args), caller)
-    _check_bound(axis_name, caller)
+    checks.argnums_in_range(nums, "argnums", len(args), caller)
+    checks.bound_axis(axis_name, caller)
     args = list(args)
     for i in nums:
       args[i] = jax.tree_util.tree_map(
           lambda x: compat.to_varying(x, axis_name)
-          if tree_lib.is_float_array(x) else x, args[i])
+          if tree_lib.is_float(x) else x, args[i])
     loss, aux, grads = _split_value(value_and_grad_fn(*args, **kwargs), has_aux,
                                     caller)
     loss_dtype = loss.dtype
-    loss = pmean_f32(loss, axis_name).astype(loss_dtype)
-    return _join(loss, aux, pmean_f32(grads, axis_name), has_aux)
+    loss = _pmean_f32(loss, axis_name).astype(loss_dtype)
+    return _join(loss, aux, _pmean_f32(grads, axis_name), has_aux)
 
   return wrapped

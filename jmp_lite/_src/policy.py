@@ -11,6 +11,7 @@ from typing import Any, Callable, TypeVar
 import jax
 import numpy as np
 
+from jmp_lite._src import checks
 from jmp_lite._src import dtypes
 from jmp_lite._src import tree as tree_lib
 
@@ -410,4 +411,63 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
     return policy.cast_to_output(out)
 
   wrapped.policy = policy  # type: ignore[attr-defined]
+  return wrapped
+
+
+# -- float32 islands ----------------------------------------------------------------
+
+#: The ``jax.named_scope`` that marks a float32 island: ``autocast`` leaves the
+#: operations traced inside it as they are.
+ISLAND_SCOPE = "jmp_lite.float32_island"
+
+
+def in_float32(
+    fn: Callable[..., Any], *, matmul_precision: str = "f32"
+) -> Callable[..., Any]:
+  """Runs ``fn`` as a float32 island inside a half-precision computation.
+
+  The JAX counterpart of torch's ``custom_fwd(cast_inputs=torch.float32)`` and
+  MaxText's ``logits_dot_in_fp32``: the wrapper casts the floating leaves of
+  the arguments that are narrower than float32 to float32 (float64 stays),
+  and calls ``fn`` in a region ``autocast`` leaves as traced (in float32),
+  with full float32 matmuls (not TF32, JAX's GPU
+  default for float32). Outputs stay float32; gradients with respect to the
+  arguments come back in the arguments' dtypes. Works inside ``with_policy``,
+  the Flax policies (call it in a module's code) and ``autocast`` alike.
+
+  Args:
+    fn: the function to run in float32 (e.g. the logits matmul).
+    matmul_precision: the matmul precision inside: ``"f32"`` (default, full
+      float32), ``"tf32"``, ``"bf16"`` or a float32
+      ``jax.lax.DotAlgorithmPreset`` name such as ``"bf16_bf16_f32_x3"``.
+
+  Returns:
+    The wrapped function (``functools.wraps`` keeps ``fn``'s name and doc).
+
+  Raises:
+    TypeError: if ``fn`` is not callable.
+    ValueError: if ``matmul_precision`` is unknown or not for float32 inputs.
+
+  Example:
+    >>> import jax.numpy as jnp, jmp_lite
+    >>> logits = jmp_lite.in_float32(lambda h, w: h @ w)
+    >>> h, w = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 8))
+    >>> logits(h, w).dtype
+    dtype('float32')
+    >>> f = jmp_lite.autocast(lambda w, x: logits(x @ w, w), "bf16")
+    >>> [d for op, d in jmp_lite.op_dtypes(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    ...  if op == "dot_general"]
+    [('bfloat16', 'bfloat16'), ('float32', 'float32')]
+  """
+  checks.function(fn, "in_float32",
+                  "a callable, the function to run in float32")
+  f32 = dtypes.FLOAT32
+  inside = Policy(f32, f32, f32, matmul_precision=matmul_precision)
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    args, kwargs = tree_lib.widen_floating((args, kwargs))
+    with jax.named_scope(ISLAND_SCOPE), inside.matmul_context():
+      return fn(*args, **kwargs)
+
   return wrapped

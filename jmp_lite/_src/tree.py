@@ -1,11 +1,14 @@
-"""Tree utilities: the one float-leaf predicate, casting, finiteness, selection.
+"""Tree utilities: the one float predicate, the one cast, finiteness,
+selection, and the one lookup of a wrapper's state.
 
 Every function here treats leaves the same way:
 
-* floating arrays (``jax.Array`` including tracers, ``numpy.ndarray`` and numpy
-  scalars) are cast, checked and scaled;
-* every other leaf — integer and boolean arrays, Python scalars, ``None``,
-  strings, arbitrary objects such as Equinox/NNX statics — passes through.
+* floating values -- ``jax.Array`` (tracers included), ``numpy.ndarray`` and
+  numpy scalars with a real floating dtype -- are cast, checked and scaled;
+  floating abstract values (``jax.ShapeDtypeStruct``, a jaxpr's avals) count
+  as floating too, and casting one gives the abstract value in the new dtype;
+* every other leaf -- integer and boolean arrays, Python scalars, ``None``,
+  strings, arbitrary objects such as Equinox/NNX statics -- passes through.
 """
 
 from __future__ import annotations
@@ -16,51 +19,77 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from jmp_lite._src import checks
+from jmp_lite._src import compat
 from jmp_lite._src import dtypes
 
 T = TypeVar("T")
 
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_ABSTRACT = tuple(t for t in (jax.ShapeDtypeStruct, compat.ShapedArray) if t)
 
 
-def is_array(x: Any) -> bool:
-  """Whether ``x`` is a JAX or numpy array (or numpy scalar), tracers included."""
-  return isinstance(x, _ARRAY_TYPES)
-
-
-def is_float_array(x: Any) -> bool:
-  """The float-leaf predicate shared by every tree utility in jmp_lite.
+def is_float(x: Any) -> bool:
+  """The float predicate shared by every part of jmp_lite.
 
   Args:
-    x: any pytree leaf.
+    x: any pytree leaf, or an abstract value.
 
   Returns:
-    True when ``x`` is a JAX array (or tracer), numpy array or numpy scalar with
-    a real floating dtype; False for everything else (integer and boolean
-    arrays, Python numbers, ``None``, objects), which passes through.
+    True when ``x`` is an array (JAX array or tracer, numpy array or scalar) or
+    an abstract value (``jax.ShapeDtypeStruct``, a jaxpr's aval) with a real
+    floating dtype, float8 and float64 included; False for everything else
+    (integer and boolean arrays, Python numbers, ``None``, objects).
   """
-  return is_array(x) and dtypes.is_floating(x.dtype)
+  return ((checks.is_array(x) or isinstance(x, _ABSTRACT))
+          and dtypes.is_floating(x.dtype))
 
 
-def find_nodes(tree: Any, node_type: type | tuple[type, ...]) -> list[Any]:
-  """Every node of ``node_type`` inside ``tree``, in pytree order.
+def cast(x: Any, dtype: Any) -> Any:
+  """The one cast of a floating leaf to ``dtype`` (others pass through).
 
-  The search walks the pytree (``optax.chain`` tuples, ``MultiSteps``,
-  ``inject_hyperparams``, dicts, named tuples) and does not look inside a
-  match. It is how an optimizer's wrapper states are found wherever the
-  wrapper sits.
+  A leaf already in ``dtype`` is returned as it is (no operation is added);
+  numpy values stay numpy (as the constants of a traced function must), JAX
+  arrays and tracers are converted with ``lax.convert_element_type``, and an
+  abstract value becomes a ``jax.ShapeDtypeStruct`` of the new dtype.
+  """
+  dtype = np.dtype(dtype)
+  if not is_float(x) or np.dtype(x.dtype) == dtype:
+    return x
+  if isinstance(x, (np.ndarray, np.generic)):
+    with np.errstate(over="ignore", invalid="ignore"):  # As XLA: to inf.
+      return x.astype(dtype)
+  if isinstance(x, _ABSTRACT):
+    return jax.ShapeDtypeStruct(x.shape, dtype,
+                                sharding=getattr(x, "sharding", None))
+  return lax.convert_element_type(x, dtype)
+
+
+def find(tree: Any, state_type: type, field: str) -> list[Any]:
+  """Every ``field`` of the ``state_type`` NamedTuples inside ``tree``.
+
+  The one lookup of a wrapper's state, wherever the wrapper sits
+  (``optax.chain`` tuples, ``MultiSteps``, ``inject_hyperparams``, dicts,
+  named tuples, an ``nnx.Optimizer``'s state): ``optax.tree.get_all_with_path``
+  filtered by the named tuple's type.
 
   Args:
     tree: any pytree, e.g. an optimizer state.
-    node_type: a class, or a tuple of classes, to look for.
+    state_type: a ``NamedTuple`` class.
+    field: one of its fields.
 
   Returns:
-    The matching nodes (empty if there is none).
+    The values of that field (``None`` included), in pytree order.
   """
-  is_match = lambda x: isinstance(x, node_type)  # noqa: E731
-  return [x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_match)
-          if is_match(x)]
+  name = state_type.__name__
+
+  def in_state(path, value):
+    del value
+    return getattr(path[-1], "tuple_name", None) == name
+
+  return [value for _, value in optax.tree.get_all_with_path(
+      tree, field, filtering=in_state)]
 
 
 def cast_floating(tree: T, dtype: Any, is_leaf: Any = None) -> T:
@@ -79,14 +108,8 @@ def cast_floating(tree: T, dtype: Any, is_leaf: Any = None) -> T:
   Returns:
     A tree of the same structure.
   """
-  dtype = np.dtype(dtype)
-
-  def cast(x):
-    if is_float_array(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
-
-  return jax.tree_util.tree_map(cast, tree, is_leaf=is_leaf)
+  return jax.tree_util.tree_map(lambda x: cast(x, dtype), tree,
+                                is_leaf=is_leaf)
 
 
 def cast_like(tree: T, reference: Any) -> T:
@@ -107,16 +130,14 @@ def cast_like(tree: T, reference: Any) -> T:
   dtypes_at = {
       jax.tree_util.keystr(path): x.dtype
       for path, x in jax.tree_util.tree_flatten_with_path(reference)[0]
-      if is_float_array(x)
+      if is_float(x)
   }
 
-  def cast(path, x):
+  def cast_back(path, x):
     dtype = dtypes_at.get(jax.tree_util.keystr(path))
-    if dtype is not None and is_float_array(x) and x.dtype != dtype:
-      return x.astype(dtype)
-    return x
+    return x if dtype is None else cast(x, dtype)
 
-  return jax.tree_util.tree_map_with_path(cast, tree)
+  return jax.tree_util.tree_map_with_path(cast_back, tree)
 
 
 def widen_floating(tree: T) -> T:
@@ -126,13 +147,9 @@ def widen_floating(tree: T) -> T:
   other leaves pass through.
   """
 
-  def widen(x):
-    if is_float_array(x):
-      wide = dtypes.at_least_f32(x.dtype)
-      return x if x.dtype == wide else x.astype(wide)
-    return x
-
-  return jax.tree_util.tree_map(widen, tree)
+  return jax.tree_util.tree_map(
+      lambda x: cast(x, dtypes.at_least_f32(x.dtype)) if is_float(x) else x,
+      tree)
 
 
 def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
@@ -165,62 +182,17 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   flags = [
       jnp.all(jnp.isfinite(x))
       for x in jax.tree_util.tree_leaves(tree)
-      if is_float_array(x)
+      if is_float(x)
   ]
   if flags:
     finite = jnp.all(jnp.stack(flags))
   else:
     finite = jnp.array(True)
   if axis_name is not None:
-    check_axis_name(axis_name)
+    checks.bound_axis(axis_name, "all_finite")
     # pmin over {0, 1}: one non-finite replica makes every replica non-finite.
-    try:
-      finite = lax.pmin(finite.astype(jnp.int32), axis_name) == 1
-    except NameError as err:
-      raise ValueError(
-          f"all_finite(axis_name={axis_name!r}) must run inside jax.pmap or "
-          "jax.shard_map over that axis, so that replicas agree on "
-          "finiteness; here no such axis is bound. Under jax.jit with sharded "
-          f"arrays, pass axis_name=None. ({err})"
-      ) from None
+    finite = lax.pmin(finite.astype(jnp.int32), axis_name) == 1
   return finite
-
-
-def check_axis_name(axis_name: Any) -> None:
-  """A mapped axis is named by a string (or a tuple of strings)."""
-  names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-  if not names or not all(isinstance(n, str) for n in names):
-    raise TypeError(
-        "axis_name must be the name of a pmap/shard_map axis (a string such "
-        f"as 'batch') or a tuple of names, got {axis_name!r}. (An integer "
-        "would be taken as a positional array axis.)"
-    )
-
-
-def check_predicate(pred: Any, what: str) -> jax.Array:
-  """Validates a scalar boolean predicate and returns it as an array."""
-  if isinstance(pred, (bool, np.bool_)):
-    return jnp.asarray(pred)
-  if not is_array(pred):
-    raise TypeError(
-        f"{what} must be a scalar boolean array (e.g. the result of "
-        f"jmp_lite.all_finite), got {type(pred).__name__}: {pred!r}."
-    )
-  if np.ndim(pred) != 0:
-    raise ValueError(
-        f"{what} must be a scalar (shape ()), got shape {np.shape(pred)}. Reduce"
-        " it first, e.g. with jnp.all(...) or jmp_lite.all_finite(...)."
-    )
-  if pred.dtype != np.bool_:
-    raise TypeError(
-        f"{what} must have dtype bool, got {pred.dtype}. Compare explicitly, "
-        "e.g. `x > 0`, or use jmp_lite.all_finite(...)."
-    )
-  return pred
-
-
-def _is_number(x: Any) -> bool:
-  return isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic)
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:
@@ -249,7 +221,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     >>> jmp_lite.select_tree(jnp.array(False), {"w": jnp.zeros(2)}, {"w": jnp.ones(2)})
     {'w': Array([1., 1.], dtype=float32)}
   """
-  pred = check_predicate(pred, "select_tree's predicate")
+  pred = checks.predicate(pred, "select_tree's predicate")
   a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
   b_leaves, b_def = jax.tree_util.tree_flatten(b)
   if a_def != b_def:
@@ -261,11 +233,11 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 
   def select(path, x, y):
     where = jax.tree_util.keystr(path) or "<root>"
-    if is_array(x) or is_array(y):
-      if not (is_array(x) and is_array(y)):
+    if checks.is_array(x) or checks.is_array(y):
+      if not (checks.is_array(x) and checks.is_array(y)):
         raise TypeError(
             f"select_tree: leaf {where} is an array in one tree and "
-            f"{type(y if is_array(x) else x).__name__} in the other."
+            f"{type(y if checks.is_array(x) else x).__name__} in the other."
         )
       if np.shape(x) != np.shape(y):
         raise ValueError(
@@ -280,7 +252,8 @@ def select_tree(pred: Any, a: T, b: T) -> T:
       return lax.select(pred, x, y)
     if x is y:
       return x
-    if _is_number(x) and _is_number(y):
+    if (checks.is_real_number(x) and not checks.is_array(x)
+        and checks.is_real_number(y) and not checks.is_array(y)):
       return x if x == y else lax.select(pred, jnp.asarray(x), jnp.asarray(y))
     try:
       same = bool(x == y)

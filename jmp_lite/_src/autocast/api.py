@@ -8,13 +8,14 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from jmp_lite._src import checks
 from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
-from jmp_lite._src.autocast import table as table_lib
+from jmp_lite._src.autocast import default_rules as table_lib
 
 _TRACING_ERRORS = (
     jax.errors.ConcretizationTypeError,
@@ -55,67 +56,47 @@ def _resolve_policy(policy_or_dtype: Any) -> policy_lib.Policy:
 
 def _is_dynamic(leaf: Any) -> bool:
   """Leaves autocast traces as arrays; everything else is static config."""
-  return tree_lib.is_array(leaf)
+  return checks.is_array(leaf)
 
 
 def autocast(
     fn: Callable[..., Any],
     policy_or_dtype: Any,
     *,
-    rules: Mapping[Any, Any] | None = None,
+    op_rules: Mapping[Any, Any] | None = None,
     enabled: bool = True,
 ) -> Callable[..., Any]:
   """Operation-level mixed precision, like ``torch.autocast``, for any JAX function.
 
-  The returned function traces ``fn`` to a jaxpr on every call and evaluates it
-  with a precision rule per primitive: matmuls and convolutions run in the
-  compute dtype (accumulating in float32), numerically sensitive operations
-  (exp/log, powers, rsqrt, erf, sums and cumulative sums, ...) in float32,
-  mixed-dtype operations in the widest input dtype, and everything else in the
-  dtype its inputs arrive in. Softmax, log-softmax and layer/RMS norm
-  decompose into those pieces and so run in float32, without touching the
-  model. Bodies of nested ``jit``, ``jax.checkpoint``, ``scan``, ``cond``,
-  ``while_loop``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` are autocast
-  too. The default tables and their differences from ``torch.autocast`` are in
-  ``docs/autocast.md``; ``jmp_lite.autocast_rules`` holds them.
-
-  autocast changes what happens inside ``fn``, never its interface, whether
-  given a dtype or a policy: inputs are not cast (cast params with a
-  ``Policy`` if you store them in half), and floating outputs leave in the
-  dtypes ``fn`` returns them in -- a float32 loss stays a float32 loss, an
-  explicit ``.astype(jnp.bfloat16)`` on an output is kept -- so the autocast
-  function can replace ``fn`` in a train step. Of a policy, autocast uses the
-  compute dtype and the matmul precision (``"p=f32,c=f32,o=f32,m=tf32"``
-  applies to every matmul and convolution of ``fn``; an algorithm preset to
-  every matmul); its param and output
-  dtypes concern the casts ``with_policy`` makes at a function's boundary.
-  Gradients with respect to the inputs come back in the inputs' dtypes.
-
-  Array leaves of the arguments (JAX/numpy arrays, tracers) are traced; every
-  other leaf (Python scalars, strings, ``None``, callables such as Flax's
-  ``method=``) is static, as if marked static for ``jax.jit``. Wrap the train
-  step in ``jax.jit`` so the trace happens once.
+  The returned function traces ``fn`` to a jaxpr and evaluates it with a
+  precision rule per primitive: matmuls and convolutions in the compute dtype
+  (accumulating in float32), numerically sensitive operations (exp/log,
+  powers, sums, ...) in float32, everything else in the dtype its inputs
+  arrive in; bodies of ``jit``, ``checkpoint``, ``scan``, ``cond``,
+  ``while_loop``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` too. It
+  never changes ``fn``'s interface: inputs are not cast and floating outputs
+  leave in the dtypes ``fn`` returns. Of a policy it uses the compute dtype and
+  the matmul precision. Array leaves of the arguments are traced, every other
+  leaf is static; wrap the train step in ``jax.jit`` so the trace happens once.
+  Guide, op lists next to torch's, limitations: ``docs/autocast.md``.
 
   Args:
-    fn: a function of pytrees of arrays that ``jax.jit`` could trace (a Flax
-      ``model.apply``, a loss function...).
-    policy_or_dtype: the compute dtype (``jnp.float16``, ``"bf16"``, ...);
-      or a ``Policy`` / policy spec (``"mixed_bfloat16"``, ``"tf32"``) whose
-      compute dtype and matmul precision apply.
-    rules: optional ``{primitive: rule}`` overrides merged over
-      ``DEFAULT_RULES``; a rule is ``"lower"``, ``"f32"``, ``"promote"``,
-      ``"passthrough"``, ``"recurse"`` (higher-order primitives only) or a
-      callable ``rule(ctx, *args, **params)`` (see ``RuleContext``).
-    enabled: ``False`` returns a wrapper that calls ``fn`` unchanged (handy for
-      a config flag); regions inside ``fn`` are excluded with
-      ``autocast_disabled()``.
+    fn: a function ``jax.jit`` could trace (a Flax ``model.apply``, a loss).
+    policy_or_dtype: the compute dtype (``jnp.float16``, ``"bf16"``...) or a
+      ``Policy`` / policy spec (``"mixed_bfloat16"``, ``"tf32"``).
+    op_rules: optional ``{primitive: rule}`` overrides merged over
+      ``jmp_lite.autocast_rules.DEFAULT_OP_RULES``; a rule is one of
+      ``OP_RULE_NAMES`` or a callable ``rule(ctx, *args, **params)``.
+    enabled: ``False`` returns a wrapper that calls ``fn`` unchanged (a
+      config flag). Regions inside ``fn`` stay float32 with
+      :func:`jmp_lite.in_float32`.
 
   Returns:
     A function with the same signature as ``fn``.
 
   Raises:
-    TypeError: if ``fn`` is not callable, a ``rules`` key is not a primitive
-      object, or (when called) ``fn`` cannot be traced.
+    TypeError: if ``fn`` is not callable, an ``op_rules`` key is not a
+      primitive object, or (when called) ``fn`` cannot be traced.
     ValueError: if the compute dtype is not floating, or a rule name is
       unknown.
 
@@ -130,11 +111,8 @@ def autocast(
     >>> [op for op in jmp_lite.op_dtypes(f, w, x) if op[0] in ("dot_general", "exp")]
     [('dot_general', ('float16', 'float16')), ('exp', ('float32',))]
   """
-  if not callable(fn):
-    raise TypeError(
-        f"autocast expects a callable (e.g. model.apply or a loss function), "
-        f"got {type(fn).__name__}: {fn!r}."
-    )
+  checks.function(fn, "autocast",
+                  "a callable (e.g. model.apply or a loss function)")
   policy = _resolve_policy(policy_or_dtype)
   if not isinstance(enabled, bool):
     raise TypeError(f"autocast's enabled must be a bool, got {enabled!r}.")
@@ -142,7 +120,7 @@ def autocast(
     # On a jax whose internals autocast cannot read, only autocast fails.
     compat.require("jmp_lite.autocast")
   if compat.available():
-    table = table_lib.resolve_rules(rules)
+    table = table_lib.resolve_rules(op_rules)
 
   if not enabled:
 
@@ -172,7 +150,7 @@ def autocast(
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     outs = interp.eval_closed(closed, dynamic)
     targets = [
-        np.dtype(s.dtype) if rules_lib.is_float_value(s) else None
+        np.dtype(s.dtype) if tree_lib.is_float(s) else None
         for s in out_leaves
     ]
     outs = interpreter_lib.cast_all(outs, targets)
@@ -236,13 +214,9 @@ def op_dtypes(
     >>> [op for op in jmp_lite.op_dtypes(f, jnp.ones((2, 2))) if op[0] in ("dot_general", "exp")]
     [('dot_general', ('bfloat16', 'bfloat16')), ('exp', ('float32',))]
   """
-  if not callable(fn):
-    raise TypeError(
-        "op_dtypes lists the operations of a function: its first argument "
-        f"must be a callable, got {type(fn).__name__}: {fn!r}. Call it as "
-        "jmp_lite.op_dtypes(fn, *args), e.g. op_dtypes(jmp_lite.autocast(f, "
-        "'bf16'), x)."
-    )
+  checks.function(fn, "op_dtypes", "a callable first, whose operations it "
+                  "lists: jmp_lite.op_dtypes(fn, *args), e.g. "
+                  "op_dtypes(jmp_lite.autocast(f, 'bf16'), x)")
   compat.require("jmp_lite.op_dtypes")
   flat_fn, dynamic = _split_static(
       fn,
@@ -257,7 +231,7 @@ def op_dtypes(
           tuple(
               np.dtype(v.aval.dtype).name
               for v in eqn.invars
-              if rules_lib.is_float_value(v.aval)
+              if tree_lib.is_float(v.aval)
           ),
       )
       for eqn in compat.walk_eqns(closed, live_only=True)

@@ -29,7 +29,7 @@ bodies; how each keeps its type invariants:
 * ``shard_map``: re-wrapped with ``jax.shard_map`` with the same mesh, specs
   and ``check_vma``.
 
-Equations traced inside :func:`autocast_disabled` run with the
+Equations traced inside :func:`jmp_lite.in_float32` run with the
 ``"passthrough"`` rule, and higher-order primitives there are not entered.
 """
 
@@ -48,92 +48,9 @@ from jmp_lite._src import tree as tree_lib
 from jmp_lite._src import compat
 from jmp_lite._src.autocast import rules as rules_lib
 
-#: The ``jax.named_scope`` name that marks a region autocast must not touch.
-DISABLED_SCOPE = "jmp_lite.autocast_disabled"
-
-
-def autocast_disabled():
-  """Marks a region that :func:`autocast` leaves exactly as traced.
-
-  Usable as a context manager or a decorator. It is a ``jax.named_scope``:
-  operations traced inside carry the scope in their name stack, and autocast
-  runs them with the ``"passthrough"`` rule (inputs cast back to the dtypes
-  they were traced with; higher-order primitives not entered). It costs
-  nothing outside autocast and survives ``jit``, ``grad`` and ``vmap``.
-
-  Returns:
-    A context manager that also works as a decorator.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> def f(w, x):
-    ...   h = x @ w                    # autocast: float16 matmul
-    ...   with jmp_lite.autocast_disabled():
-    ...     return h @ w               # left in float32
-    >>> w = jnp.ones((2, 2))
-    >>> f16 = jmp_lite.autocast(f, "f16")
-    >>> [op for op in jmp_lite.op_dtypes(f16, w, w) if op[0] == "dot_general"]
-    [('dot_general', ('float16', 'float16')), ('dot_general', ('float32', 'float32'))]
-  """
-  return jax.named_scope(DISABLED_SCOPE)
-
-
-def in_float32(
-    fn: Callable[..., Any], *, matmul_precision: str = "f32"
-) -> Callable[..., Any]:
-  """Runs ``fn`` as a float32 island inside a half-precision computation.
-
-  The JAX counterpart of torch's ``custom_fwd(cast_inputs=torch.float32)`` and
-  MaxText's ``logits_dot_in_fp32``: the wrapper casts the floating leaves of
-  the arguments that are narrower than float32 to float32 (float64 stays),
-  and calls ``fn`` inside :func:`autocast_disabled` (so ``autocast`` leaves it
-  as traced, in float32) with full float32 matmuls (not TF32, JAX's GPU
-  default for float32). Outputs stay float32; gradients with respect to the
-  arguments come back in the arguments' dtypes. Works inside ``with_policy``,
-  the Flax policies (call it in a module's code) and ``autocast`` alike.
-
-  Args:
-    fn: the function to run in float32 (e.g. the logits matmul).
-    matmul_precision: the matmul precision inside: ``"f32"`` (default, full
-      float32), ``"tf32"``, ``"bf16"`` or a float32
-      ``jax.lax.DotAlgorithmPreset`` name such as ``"bf16_bf16_f32_x3"``.
-
-  Returns:
-    The wrapped function (``functools.wraps`` keeps ``fn``'s name and doc).
-
-  Raises:
-    TypeError: if ``fn`` is not callable.
-    ValueError: if ``matmul_precision`` is unknown or not for float32 inputs.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> logits = jmp_lite.in_float32(lambda h, w: h @ w)
-    >>> h, w = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 8))
-    >>> logits(h, w).dtype
-    dtype('float32')
-    >>> f = jmp_lite.autocast(lambda w, x: logits(x @ w, w), "bf16")
-    >>> [d for op, d in jmp_lite.op_dtypes(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
-    ...  if op == "dot_general"]
-    [('bfloat16', 'bfloat16'), ('float32', 'float32')]
-  """
-  if not callable(fn):
-    raise TypeError(
-        f"in_float32 expects a callable, got {type(fn).__name__}: {fn!r}."
-    )
-  f32 = dtypes.FLOAT32
-  inside = policy_lib.Policy(f32, f32, f32, matmul_precision=matmul_precision)
-
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    args, kwargs = tree_lib.widen_floating((args, kwargs))
-    with autocast_disabled(), inside.matmul_context():
-      return fn(*args, **kwargs)
-
-  return wrapped
-
-
 def _is_disabled(eqn: Any) -> bool:
-  return DISABLED_SCOPE in compat.name_stack(eqn)
+  """Traced inside a float32 island (``in_float32``): left as traced."""
+  return policy_lib.ISLAND_SCOPE in compat.name_stack(eqn)
 
 
 def _read(env: dict[Any, Any], atom: Any) -> Any:
@@ -148,7 +65,7 @@ def _read(env: dict[Any, Any], atom: Any) -> Any:
 def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
   """Casts floating values to the given dtypes (``None`` keeps the value)."""
   return [
-      rules_lib.cast(v, d) if d is not None and rules_lib.is_float_value(v) else v
+      tree_lib.cast(v, d) if d is not None and tree_lib.is_float(v) else v
       for v, d in zip(values, dtypes)
   ]
 
@@ -158,7 +75,7 @@ def _float_dtypes(avals: Sequence[Any]) -> list[np.dtype | None]:
   out = []
   for aval in avals:
     dtype = rules_lib.dtype_of(aval)
-    out.append(dtype if dtype is not None and rules_lib.is_float_value(aval) else None)
+    out.append(dtype if dtype is not None and tree_lib.is_float(aval) else None)
   return out
 
 
@@ -168,7 +85,7 @@ class Interpreter:
   Args:
     compute_dtype: the low-precision dtype of ``"lower"`` ops.
     rules: the resolved rule table ``{primitive: rule}``.
-    accumulate_f32: see ``RuleContext.accumulate_f32``.
+    accumulate_f32: see ``OpRuleContext.accumulate_f32``.
   """
 
   def __init__(
@@ -179,7 +96,7 @@ class Interpreter:
     self.accumulate_f32 = accumulate_f32
 
   def for_tangents(self) -> "Interpreter":
-    """The interpreter for custom JVP rules (see ``RuleContext.accumulate_f32``)."""
+    """The interpreter for custom JVP rules (see ``OpRuleContext.accumulate_f32``)."""
     return Interpreter(self.compute_dtype, self.rules, accumulate_f32=False)
 
   # -- evaluation ------------------------------------------------------------
@@ -244,7 +161,7 @@ class Interpreter:
       self, eqn: Any, invals: list[Any], in_weak: tuple[bool, ...]
   ) -> Any:
     rule = self._rule_for(eqn)
-    ctx = rules_lib.RuleContext(
+    ctx = rules_lib.OpRuleContext(
         primitive=eqn.primitive,
         compute_dtype=self.compute_dtype,
         in_avals=tuple(v.aval for v in eqn.invars),
@@ -258,7 +175,7 @@ class Interpreter:
         return ctx.apply(rule, *invals, **eqn.params)
       return rule(ctx, *invals, **eqn.params)
 
-  def _recurse(self, ctx: rules_lib.RuleContext, *args: Any, **params: Any) -> Any:
+  def _recurse(self, ctx: rules_lib.OpRuleContext, *args: Any, **params: Any) -> Any:
     return HIGHER_ORDER[ctx.primitive](self, ctx, list(args), params)
 
 
@@ -268,7 +185,7 @@ class Interpreter:
 # the primitive would; every parameter is read through `compat`.
 
 
-def _jit(interp: Interpreter, ctx: rules_lib.RuleContext, args, params):
+def _jit(interp: Interpreter, ctx: rules_lib.OpRuleContext, args, params):
   new_body = interp.trace_closed(compat.jit_body(params), args)
   return ctx.bind(*args, **compat.with_jit_body(params, new_body))
 
@@ -332,7 +249,7 @@ def _cond(interp, ctx, args, params):
   targets = []
   for per_branch in zip(*shapes):
     dtype = np.dtype(per_branch[0].dtype)
-    if rules_lib.is_float_value(per_branch[0]):
+    if tree_lib.is_float(per_branch[0]):
       for other in per_branch[1:]:
         dtype = rules_lib.wider(dtype, np.dtype(other.dtype))
     targets.append(dtype)
@@ -344,7 +261,7 @@ def _cond(interp, ctx, args, params):
 
 
 def _zeros_tangent(shape_dtype: Any) -> Any:
-  if rules_lib.is_float_value(shape_dtype) or jax.numpy.issubdtype(
+  if tree_lib.is_float(shape_dtype) or jax.numpy.issubdtype(
       shape_dtype.dtype, jax.numpy.complexfloating
   ):
     return jax.numpy.zeros(shape_dtype.shape, shape_dtype.dtype)
@@ -384,7 +301,7 @@ def _custom_jvp(interp, ctx, args, params):
       else:
         t = next(nonzero_out_ts)
         out_tangents.append(
-            rules_lib.cast(t, out_type.dtype) if rules_lib.is_float_value(t) else t
+            tree_lib.cast(t, out_type.dtype) if tree_lib.is_float(t) else t
         )
     return tuple(out_primals), tuple(out_tangents)
 

@@ -24,7 +24,7 @@ primitive is bound. Rules are keyed by primitive objects (``jax.lax.exp_p``,
   (``interpreter.HIGHER_ORDER``): their bodies are autocast too.
 * a callable ``rule(ctx, *args, **params)`` returning what
   ``primitive.bind(*args, **params)`` returns; ``ctx`` is a
-  :class:`RuleContext` giving the traced dtypes and ``ctx.apply("f32", ...)``
+  :class:`OpRuleContext` giving the traced dtypes and ``ctx.apply("f32", ...)``
   to delegate to a built-in rule.
 """
 
@@ -41,12 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import dtypes
+from jmp_lite._src import tree as tree_lib
 from jmp_lite._src import compat
 
 FLOAT32 = dtypes.FLOAT32
 
 #: The built-in rule names.
-RULE_NAMES: tuple[str, ...] = ("lower", "f32", "promote", "passthrough", "recurse")
+OP_RULE_NAMES: tuple[str, ...] = ("lower", "f32", "promote", "passthrough", "recurse")
 
 # The default op lists, by the attribute names of the primitives in
 # jax.extend.core.primitives / jax.lax. A name the installed jax lacks is left
@@ -123,22 +124,6 @@ def dtype_of(x: Any) -> np.dtype | None:
   return None if dtype is None else np.dtype(dtype)
 
 
-def is_float_value(x: Any) -> bool:
-  """Whether ``x`` is a real floating array (tracers and numpy included)."""
-  return _is_float_dtype(dtype_of(x))
-
-
-def cast(x: Any, dtype: Any) -> Any:
-  """Casts ``x`` to ``dtype``; numpy values stay numpy (they become literals)."""
-  dtype = np.dtype(dtype)
-  if dtype_of(x) == dtype:
-    return x
-  if isinstance(x, (np.ndarray, np.generic)):
-    with np.errstate(over="ignore", invalid="ignore"):  # As lax would: to inf.
-      return np.asarray(x).astype(dtype)
-  return lax.convert_element_type(x, dtype)
-
-
 def wider(a: np.dtype, b: np.dtype) -> np.dtype:
   """The wider of two floating dtypes; float16 vs bfloat16 gives float32."""
   if a == b:
@@ -149,7 +134,7 @@ def wider(a: np.dtype, b: np.dtype) -> np.dtype:
 
 
 @dataclasses.dataclass(frozen=True)
-class RuleContext:
+class OpRuleContext:
   """What a rule knows about the operation it runs.
 
   Attributes:
@@ -181,7 +166,7 @@ class RuleContext:
     return compat.bind(self.primitive, args, params)
 
   def apply(self, rule: str, *args: Any, **params: Any) -> Any:
-    """Runs the built-in rule named ``rule`` (one of :data:`RULE_NAMES`)."""
+    """Runs the built-in rule named ``rule`` (one of :data:`OP_RULE_NAMES`)."""
     if rule == "recurse":
       if self._recurse is None:
         raise ValueError(
@@ -193,7 +178,7 @@ class RuleContext:
       builtin = BUILTIN_RULES[rule]
     except (KeyError, TypeError):
       raise ValueError(
-          f"Unknown autocast rule {rule!r}; valid rules: {', '.join(RULE_NAMES)}"
+          f"Unknown autocast rule {rule!r}; valid rules: {', '.join(OP_RULE_NAMES)}"
           " or a callable."
       ) from None
     return builtin(self, *args, **params)
@@ -201,12 +186,12 @@ class RuleContext:
   def cast_outputs(self, out: Any, dtype: Any) -> Any:
     """Casts the floating outputs of a bind (one value or a list) to dtype."""
     if self.primitive.multiple_results:
-      return [cast(o, dtype) if is_float_value(o) else o for o in out]
-    return cast(out, dtype) if is_float_value(out) else out
+      return [tree_lib.cast(o, dtype) if tree_lib.is_float(o) else o for o in out]
+    return tree_lib.cast(out, dtype) if tree_lib.is_float(out) else out
 
 
 def _harmonize(
-    ctx: RuleContext, args: Sequence[Any], target_of: Callable[[np.dtype], np.dtype]
+    ctx: OpRuleContext, args: Sequence[Any], target_of: Callable[[np.dtype], np.dtype]
 ) -> list[Any]:
   """Casts floating inputs that were traced with one dtype to a common dtype.
 
@@ -218,7 +203,7 @@ def _harmonize(
   groups: dict[np.dtype, list[int]] = {}
   for i, (x, aval) in enumerate(zip(args, ctx.in_avals)):
     traced = dtype_of(aval)
-    if is_float_value(x) and _is_float_dtype(traced):
+    if tree_lib.is_float(x) and _is_float_dtype(traced):
       groups.setdefault(traced, []).append(i)
   new_args = list(args)
   for members in groups.values():
@@ -228,22 +213,22 @@ def _harmonize(
       widest = wider(widest, dtype_of(args[i]))
     target = target_of(widest)
     for i in members:
-      new_args[i] = cast(args[i], target)
+      new_args[i] = tree_lib.cast(args[i], target)
   return new_args
 
 
-def promote_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+def promote_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
   """Runs the op in the dtype its inputs arrive in, widest on a mismatch."""
   return ctx.bind(*_harmonize(ctx, args, lambda d: d), **params)
 
 
-def f32_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+def f32_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
   """Runs the op in float32 (float64 stays float64)."""
   return ctx.bind(*_harmonize(ctx, args, dtypes.at_least_f32), **params)
 
 
 def _accumulate_in_f32(
-    ctx: RuleContext, lhs: Any, rhs: Any, params: dict[str, Any], target: np.dtype
+    ctx: OpRuleContext, lhs: Any, rhs: Any, params: dict[str, Any], target: np.dtype
 ) -> Any:
   """A bilinear op (matmul/conv) on ``target`` inputs, accumulated in float32.
 
@@ -259,7 +244,7 @@ def _accumulate_in_f32(
   low = dict(params, preferred_element_type=target)
 
   def primal(x, y):
-    return cast(ctx.bind(x, y, **accumulate), target)
+    return tree_lib.cast(ctx.bind(x, y, **accumulate), target)
 
   primal.__name__ = primal.__qualname__ = f"{ctx.primitive.name}_f32_accumulate"
 
@@ -282,14 +267,14 @@ def _accumulate_in_f32(
   return lowered(lhs, rhs)
 
 
-def lower_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+def lower_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
   """Runs the op in the compute dtype, accumulating in float32 if it can."""
-  floats = [i for i, x in enumerate(args) if is_float_value(x)]
+  floats = [i for i, x in enumerate(args) if tree_lib.is_float(x)]
   if not floats or any(dtype_of(args[i]).itemsize > 4 for i in floats):
     # Integer matmuls and float64 ops are not eligible (as in torch.autocast).
     return promote_rule(ctx, *args, **params)
   target = ctx.compute_dtype
-  new_args = [cast(x, target) if i in floats else x for i, x in enumerate(args)]
+  new_args = [tree_lib.cast(x, target) if i in floats else x for i, x in enumerate(args)]
   if "preferred_element_type" not in params or len(ctx.out_avals) != 1:
     return ctx.bind(*new_args, **params)
   traced_out = dtype_of(ctx.out_avals[0])
@@ -305,11 +290,11 @@ def lower_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
   return ctx.cast_outputs(out, target)
 
 
-def passthrough_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
+def passthrough_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
   """Runs the op exactly as traced: inputs go back to their traced dtypes."""
   new_args = [
-      cast(x, dtype_of(aval))
-      if is_float_value(x) and _is_float_dtype(dtype_of(aval))
+      tree_lib.cast(x, dtype_of(aval))
+      if tree_lib.is_float(x) and _is_float_dtype(dtype_of(aval))
       else x
       for x, aval in zip(args, ctx.in_avals)
   ]
@@ -317,7 +302,7 @@ def passthrough_rule(ctx: RuleContext, *args: Any, **params: Any) -> Any:
 
 
 def convert_element_type_rule(
-    ctx: RuleContext, x: Any, *, new_dtype: Any, **params: Any
+    ctx: OpRuleContext, x: Any, *, new_dtype: Any, **params: Any
 ) -> Any:
   """Honours real casts; keeps the autocast dtype through traced no-op casts.
 

@@ -43,7 +43,7 @@ FullPrecision = common.FullPrecision
 UnmatchedRuleWarning = common.UnmatchedRuleWarning
 
 
-class PolicyRules(common.PolicyRulesBase):
+class ModuleRules(common.ModuleRulesBase):
   """Ordered per-module policy overrides for linen models; first match wins.
 
   Each entry is a ``(match, policy)`` pair:
@@ -65,11 +65,11 @@ class PolicyRules(common.PolicyRulesBase):
 
   Example:
     >>> import re, flax.linen as nn, jmp_lite.linen as jlinen
-    >>> rules = jlinen.PolicyRules(
+    >>> rules = jlinen.ModuleRules(
     ...     ("head", "p=f32,c=f32,o=f32"),                 # by path
     ...     (re.compile(r"block_\\d+/attn"), jlinen.FullPrecision()),
-    ... ) + jlinen.DEFAULT_RULES                          # norms in f32
-    >>> len(rules), hash(rules) == hash(rules + jlinen.PolicyRules())
+    ... ) + jlinen.DEFAULT_MODULE_RULES                          # norms in f32
+    >>> len(rules), hash(rules) == hash(rules + jlinen.ModuleRules())
     (3, True)
   """
 
@@ -85,7 +85,7 @@ class PolicyRules(common.PolicyRulesBase):
 
 #: Normalisation layers keep float32 statistics, scale and bias, and hand their
 #: output back in the compute dtype.
-DEFAULT_RULES = PolicyRules(
+DEFAULT_MODULE_RULES = ModuleRules(
     (
         (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm),
         FullPrecision(),
@@ -178,7 +178,7 @@ class PolicyModel:
     policy: the model's policy: its inputs are cast to ``compute_dtype``, its
       outputs to ``output_dtype``, and modules no rule matches store params in
       ``param_dtype`` and compute in ``compute_dtype``.
-    rules: the per-module overrides (:class:`PolicyRules`).
+    module_rules: the per-module overrides (:class:`ModuleRules`).
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen as jlinen
@@ -190,7 +190,7 @@ class PolicyModel:
 
   module: nn.Module
   policy: policy_lib.Policy
-  rules: PolicyRules
+  module_rules: ModuleRules
 
   def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
     """Creates the model's variables, params in their policy's param dtype.
@@ -218,7 +218,7 @@ class PolicyModel:
     classes: dict[Path, type] = {}
     with nn.intercept_methods(_recorder(classes)):
       variables = self.module.init(rngs, *args, method=method, **kwargs)
-    resolver = common.Resolver(self.policy, self.rules, classes)
+    resolver = common.Resolver(self.policy, self.module_rules, classes)
     params = variables.get("params") if isinstance(variables, Mapping) else None
     if params is not None:
       self._warn_unmatched(set(classes) | _owner_paths(params))
@@ -273,10 +273,10 @@ class PolicyModel:
     call_kwargs = dict(rngs=rngs, method=method, mutable=mutable, **kwargs)
     classes = (
         self._discover(variables, args, call_kwargs)
-        if self.rules.has_class_rules
+        if self.module_rules.has_class_rules
         else {}
     )
-    resolver = common.Resolver(self.policy, self.rules, classes)
+    resolver = common.Resolver(self.policy, self.module_rules, classes)
     run_variables = variables
     params = variables.get("params") if isinstance(variables, Mapping) else None
     if params is not None:
@@ -297,7 +297,7 @@ class PolicyModel:
       known |= _owner_paths(params)
     self._warn_unmatched(known)
     # The model's outputs leave in the policy's output dtype even where a rule
-    # matches the model itself (e.g. a bare BatchNorm under DEFAULT_RULES).
+    # matches the model itself (e.g. a bare BatchNorm under DEFAULT_MODULE_RULES).
     if mutable is False:
       return self.policy.cast_to_output(out)
     y, updated = out
@@ -333,7 +333,7 @@ class PolicyModel:
     """
     kwargs.setdefault("mutable", False)
     classes = self._discover(variables, args, kwargs)
-    resolver = common.Resolver(self.policy, self.rules, classes)
+    resolver = common.Resolver(self.policy, self.module_rules, classes)
     return {
         common.path_str(p): resolver.describe(p)
         for p in sorted(classes, key=lambda p: (len(p), common.path_str(p)))
@@ -370,7 +370,7 @@ class PolicyModel:
 
   def _warn_unmatched(self, paths: set[Path]) -> None:
     message = common.unmatched_message(
-        self.rules, sorted(common.all_prefixes(paths), key=common.path_str),
+        self.module_rules, sorted(common.all_prefixes(paths), key=common.path_str),
         type(self.module).__name__,
     )
     if message:
@@ -384,7 +384,7 @@ def _owner_paths(params: Any) -> set[Path]:
 def apply_policy(
     module: nn.Module,
     policy: str | policy_lib.Policy,
-    rules: PolicyRules | Any = DEFAULT_RULES,
+    module_rules: ModuleRules | Any = DEFAULT_MODULE_RULES,
 ) -> PolicyModel:
   """Puts a linen model under a precision policy, with per-module overrides.
 
@@ -413,17 +413,17 @@ def apply_policy(
     module: the linen model (any ``flax.linen.Module``).
     policy: a ``jmp_lite.Policy`` or a spec such as ``"mixed_bfloat16"`` or
       ``"params=float32,compute=float16,output=float32"``.
-    rules: per-module overrides, first match wins. The default keeps
+    module_rules: per-module overrides, first match wins. The default keeps
       ``BatchNorm``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and
       ``InstanceNorm`` in float32; to add your own *and* keep those, pass
-      ``PolicyRules(...) + DEFAULT_RULES``; ``None`` means no overrides.
+      ``ModuleRules(...) + DEFAULT_MODULE_RULES``; ``None`` means no overrides.
 
   Returns:
     A :class:`PolicyModel`.
 
   Raises:
-    TypeError: if ``module`` is not a linen module or ``rules`` are not linen
-      rules.
+    TypeError: if ``module`` is not a linen module or ``module_rules`` are
+      not linen rules.
     ValueError: if ``policy`` does not parse.
 
   Example:
@@ -439,7 +439,8 @@ def apply_policy(
     >>> grads["Dense_0"]["kernel"].dtype
     dtype('float32')
   """
-  PolicyRules.framework.check_module(module)
+  ModuleRules.framework.check_module(module)
   policy = policy_lib.get_policy(policy)
-  rules = PolicyRules.coerce(rules, "jmp_lite.linen.apply_policy")
-  return PolicyModel(module, policy, rules)
+  module_rules = ModuleRules.coerce(module_rules,
+                                    "jmp_lite.linen.apply_policy")
+  return PolicyModel(module, policy, module_rules)

@@ -39,7 +39,7 @@ FullPrecision = common.FullPrecision
 UnmatchedRuleWarning = common.UnmatchedRuleWarning
 
 
-class PolicyRules(common.PolicyRulesBase):
+class ModuleRules(common.ModuleRulesBase):
   """Ordered per-module policy overrides for NNX models; first match wins.
 
   Each entry is a ``(match, policy)`` pair:
@@ -60,7 +60,7 @@ class PolicyRules(common.PolicyRulesBase):
   Example:
     >>> from flax import nnx
     >>> import jmp_lite.nnx as jnnx
-    >>> rules = jnnx.PolicyRules(("head", "p=f32,c=f32,o=f32")) + jnnx.DEFAULT_RULES
+    >>> rules = jnnx.ModuleRules(("head", "p=f32,c=f32,o=f32")) + jnnx.DEFAULT_MODULE_RULES
     >>> len(rules)
     2
   """
@@ -77,7 +77,7 @@ class PolicyRules(common.PolicyRulesBase):
 
 #: Normalisation layers keep float32 statistics, scale and bias, and hand their
 #: output back in the compute dtype.
-DEFAULT_RULES = PolicyRules(
+DEFAULT_MODULE_RULES = ModuleRules(
     (
         (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm),
         FullPrecision(),
@@ -201,7 +201,7 @@ class PolicyModule(nnx.Module):
     module: the wrapped module.
     policy: the model's policy (its inputs are cast to ``compute_dtype``, its
       outputs to ``output_dtype``).
-    rules: the per-module overrides (:class:`PolicyRules`).
+    module_rules: the per-module overrides (:class:`ModuleRules`).
 
   Example:
     >>> import jax.numpy as jnp
@@ -216,11 +216,11 @@ class PolicyModule(nnx.Module):
       self,
       module: nnx.Module,
       policy: policy_lib.Policy,
-      rules: PolicyRules,
+      module_rules: ModuleRules,
   ):
     self.module = module
     self.policy = policy
-    self.rules = rules
+    self.module_rules = module_rules
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     """Calls the wrapped module under the policy.
@@ -302,11 +302,11 @@ class PolicyModule(nnx.Module):
     }
 
   def _resolver(self) -> common.Resolver:
-    return _resolver(self.module, self.policy, self.rules)
+    return _resolver(self.module, self.policy, self.module_rules)
 
 
 def _resolver(
-    module: nnx.Module, policy: policy_lib.Policy, rules: PolicyRules
+    module: nnx.Module, policy: policy_lib.Policy, rules: ModuleRules
 ) -> common.Resolver:
   classes = {path: type(m) for path, m in nnx.iter_modules(module)}
   return common.Resolver(policy, rules, classes)
@@ -348,7 +348,7 @@ def _check_params(params: Any, resolver: common.Resolver) -> None:
 def apply_policy(
     module: nnx.Module,
     policy: str | policy_lib.Policy,
-    rules: PolicyRules | Any = DEFAULT_RULES,
+    module_rules: ModuleRules | Any = DEFAULT_MODULE_RULES,
 ) -> PolicyModule:
   """Puts an NNX module under a precision policy, with per-module overrides.
 
@@ -378,17 +378,17 @@ def apply_policy(
   Args:
     module: the NNX model (any ``flax.nnx.Module``).
     policy: a ``jmp_lite.Policy`` or a spec such as ``"mixed_bfloat16"``.
-    rules: per-module overrides, first match wins. The default keeps
+    module_rules: per-module overrides, first match wins. The default keeps
       ``BatchNorm``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and
       ``InstanceNorm`` in float32; to add your own *and* keep those, pass
-      ``PolicyRules(...) + DEFAULT_RULES``; ``None`` means no overrides.
+      ``ModuleRules(...) + DEFAULT_MODULE_RULES``; ``None`` means no overrides.
 
   Returns:
     A :class:`PolicyModule`.
 
   Raises:
-    TypeError: if ``module`` is not an NNX module or ``rules`` are not NNX
-      rules.
+    TypeError: if ``module`` is not an NNX module or ``module_rules`` are
+      not NNX rules.
     ValueError: if ``policy`` does not parse, or a param is stored narrower
       than its policy's param dtype (half params under a float32 policy).
 
@@ -409,15 +409,16 @@ def apply_policy(
         f"({module.policy}). Apply it to the plain module instead: "
         "apply_policy(policy_module.module, new_policy)."
     )
-  PolicyRules.framework.check_module(module)
+  ModuleRules.framework.check_module(module)
   policy = policy_lib.get_policy(policy)
-  rules = PolicyRules.coerce(rules, "jmp_lite.nnx.apply_policy")
-  wrapped = PolicyModule(module, policy, rules)
+  module_rules = ModuleRules.coerce(module_rules, "jmp_lite.nnx.apply_policy")
+  wrapped = PolicyModule(module, policy, module_rules)
   paths = [path for path, _ in nnx.iter_modules(module)]
   message = common.unmatched_message(
-      rules, sorted(paths, key=common.path_str), type(module).__name__
+      module_rules, sorted(paths, key=common.path_str), type(module).__name__
   )
   if message:
     warnings.warn(message, UnmatchedRuleWarning, stacklevel=2)
-  _check_params(nnx.state(module, nnx.Param), _resolver(module, policy, rules))
+  _check_params(nnx.state(module, nnx.Param),
+                _resolver(module, policy, module_rules))
   return wrapped

@@ -63,7 +63,7 @@ class FullPrecision:
 
   Example:
     >>> import flax.linen as nn, jmp_lite, jmp_lite.linen as jlinen
-    >>> rules = jlinen.PolicyRules((nn.LayerNorm, jlinen.FullPrecision()))
+    >>> rules = jlinen.ModuleRules((nn.LayerNorm, jlinen.FullPrecision()))
     >>> jlinen.FullPrecision().resolve(jmp_lite.get_policy("mixed_bfloat16"))
     Policy('p=full,c=full,o=bf16,m=f32')
   """
@@ -155,7 +155,7 @@ class Framework:
 
   @property
   def other_hint(self) -> str:
-    return (f"For {self.other} models use {self.other_public_module}.PolicyRules"
+    return (f"For {self.other} models use {self.other_public_module}.ModuleRules"
             f" and {self.other_public_module}.apply_policy.")
 
   def is_other(self, obj: Any) -> bool:
@@ -191,11 +191,11 @@ def is_policy_method(name: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True, init=False)
-class PolicyRulesBase:
+class ModuleRulesBase:
   """Ordered, immutable, hashable per-module policy rules (framework-neutral).
 
-  Use the framework's subclass: ``jmp_lite.linen.PolicyRules`` or
-  ``jmp_lite.nnx.PolicyRules``.
+  Use the framework's subclass: ``jmp_lite.linen.ModuleRules`` or
+  ``jmp_lite.nnx.ModuleRules``.
   """
 
   entries: tuple[tuple[Matcher, Override], ...]
@@ -302,23 +302,23 @@ class PolicyRulesBase:
   # -- use --------------------------------------------------------------------
 
   @classmethod
-  def coerce(cls, rules: Any, where: str) -> "PolicyRulesBase":
+  def coerce(cls, rules: Any, where: str) -> "ModuleRulesBase":
     """Accepts rules of this framework, ``None`` (no rules) or a pair sequence."""
     if rules is None:
       return cls()
     if isinstance(rules, cls):
       return rules
-    if isinstance(rules, PolicyRulesBase):
+    if isinstance(rules, ModuleRulesBase):
       raise TypeError(
-          f"{where}: got {rules.framework.public_module}.PolicyRules "
+          f"{where}: got {rules.framework.public_module}.ModuleRules "
           f"({rules.framework.name} rules); {cls.framework.name} models need "
-          f"{cls.framework.public_module}.PolicyRules. "
+          f"{cls.framework.public_module}.ModuleRules. "
           f"{cls.framework.other_hint}"
       )
     if isinstance(rules, (tuple, list)):
       return cls(*rules)
     raise TypeError(
-        f"{where}: rules must be a PolicyRules (e.g. DEFAULT_RULES), a sequence"
+        f"{where}: rules must be a ModuleRules (e.g. DEFAULT_MODULE_RULES), a sequence"
         f" of (match, policy) pairs, or None; got {type(rules).__name__}."
     )
 
@@ -350,8 +350,8 @@ class PolicyRulesBase:
         if not isinstance(m, tuple) and not any(_matches(m, None, t) for t in texts)
     ]
 
-  def __add__(self, other: Any) -> "PolicyRulesBase":
-    if not isinstance(other, PolicyRulesBase):
+  def __add__(self, other: Any) -> "ModuleRulesBase":
+    if not isinstance(other, ModuleRulesBase):
       return NotImplemented
     if type(other) is not type(self):
       raise TypeError(
@@ -411,7 +411,7 @@ class Resolver:
   def __init__(
       self,
       policy: policy_lib.Policy,
-      rules: PolicyRulesBase,
+      rules: ModuleRulesBase,
       classes: dict[Path, type] | None = None,
   ):
     self.policy = policy
@@ -466,7 +466,7 @@ def all_prefixes(paths: Iterable[Path]) -> set[Path]:
 
 
 def unmatched_message(
-    rules: PolicyRulesBase, paths: Sequence[Path], model_name: str
+    rules: ModuleRulesBase, paths: Sequence[Path], model_name: str
 ) -> str | None:
   """A warning text for path rules that match no module, or None."""
   unmatched = rules.unmatched_patterns(paths)

@@ -36,7 +36,7 @@ def _default_rules() -> dict[Any, Any]:
 
 #: The default rule table ``{primitive: rule}`` (read-only). Primitives not in
 #: it run ``"passthrough"``.
-DEFAULT_RULES: Mapping[Any, Any] = types.MappingProxyType(_default_rules())
+DEFAULT_OP_RULES: Mapping[Any, Any] = types.MappingProxyType(_default_rules())
 
 #: Every primitive name the default table refers to (for the compatibility
 #: report: ``compat.missing_primitives(EXPECTED_PRIMITIVES)``).
@@ -80,7 +80,7 @@ def _is_dtype_like(rule: Any) -> bool:
 
 
 def resolve_rules(rules: Mapping[Any, Any] | None) -> dict[Any, Any]:
-  """Validates user rules and merges them over :data:`DEFAULT_RULES`.
+  """Validates user rules and merges them over :data:`DEFAULT_OP_RULES`.
 
   Args:
     rules: ``None`` or a mapping from primitive objects to a rule name or a
@@ -96,7 +96,7 @@ def resolve_rules(rules: Mapping[Any, Any] | None) -> dict[Any, Any]:
     ValueError: for an unknown rule name, or ``"recurse"`` on a primitive
       autocast cannot enter.
   """
-  table = dict(DEFAULT_RULES)
+  table = dict(DEFAULT_OP_RULES)
   if rules is None:
     return table
   if not isinstance(rules, Mapping):
@@ -105,12 +105,12 @@ def resolve_rules(rules: Mapping[Any, Any] | None) -> dict[Any, Any]:
         "{jax.lax.tanh_p: 'f32'}; got "
         f"{type(rules).__name__}: {rules!r}."
     )
-  names = ", ".join(repr(r) for r in rules_lib.RULE_NAMES)
+  names = ", ".join(repr(r) for r in rules_lib.OP_RULE_NAMES)
   for key, rule in rules.items():
     if not compat.is_primitive(key):
       raise _key_error(key)
     if isinstance(rule, str):
-      if rule not in rules_lib.RULE_NAMES:
+      if rule not in rules_lib.OP_RULE_NAMES:
         raise ValueError(
             f"Unknown autocast rule {rule!r} for primitive {key.name!r}; valid"
             f" rules are {names} or a callable rule(ctx, *args, **params)."

@@ -1,0 +1,322 @@
+"""Every argument contract of jmp_lite, validated in one place.
+
+Each function checks one contract -- a number, an integer in a range, a loss
+scale, an axis name, a callable, an optax transformation -- and raises a
+``TypeError`` (wrong kind of value) or ``ValueError`` (right kind, wrong value)
+that says who was called (``owner``), which argument (``what``), what was
+received, what is allowed and how to fix it. Long explanations are named
+constants. Validation runs in constructors and factories, never in a pytree's
+unflatten (which JAX calls with tracers and placeholders).
+
+Flax-specific contracts (module classes, rule entries) live in the Flax layer;
+dtype names in :mod:`jmp_lite._src.dtypes`.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import numbers
+import os
+from typing import Any, Sequence
+
+import jax
+from jax import lax
+import numpy as np
+import optax
+
+#: The smallest loss scale: the smallest normal float32, 2**-126.
+SCALE_MIN = 2.0**-126
+#: The largest loss scale, 2**126: its reciprocal is still a normal float32.
+SCALE_MAX = 2.0**126
+INT32_MAX = 2**31 - 1
+
+#: Why loss scales live in [2**-126, 2**126].
+SCALE_RANGE = (
+    "[2**-126, 2**126], the range in which a float32 scale and its reciprocal "
+    "are both normal numbers (outside it, scaling or unscaling rounds to 0 or "
+    "inf). Typical scales are powers of two from 1 to 2**24"
+)
+
+#: How to run code that reduces over a mapped axis.
+UNBOUND_AXIS = (
+    "must run inside jax.pmap or jax.shard_map over that axis (pass the same "
+    "axis_name there); here no such axis is bound. Under jax.jit with sharded "
+    "arrays, no axis_name is needed (jmp_lite.grouped_value_and_grad makes "
+    "the gradient reduction float32 there)"
+)
+
+
+# -- kinds of values -------------------------------------------------------------
+
+
+def is_concrete(tree: Any) -> bool:
+  """Whether every leaf of ``tree`` can be read (none is a tracer)."""
+  return not any(isinstance(x, jax.core.Tracer)
+                 for x in jax.tree_util.tree_leaves(tree))
+
+
+def is_array(x: Any) -> bool:
+  """Whether ``x`` is a JAX or numpy array (or numpy scalar), tracers included."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def is_bool(x: Any) -> bool:
+  """A Python/numpy bool, or an array of dtype bool."""
+  return isinstance(x, (bool, np.bool_)) or (is_array(x) and x.dtype == np.bool_)
+
+
+def is_real_number(x: Any) -> bool:
+  """A Python or numpy real number that is not a bool (arrays excluded)."""
+  return (isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+          and not isinstance(x, np.ndarray))
+
+
+def _is_complex(x: Any) -> bool:
+  return isinstance(x, complex) or (
+      is_array(x) and np.issubdtype(x.dtype, np.complexfloating))
+
+
+def _shown(x: Any) -> str:
+  return f"{type(x).__name__}: {x!r}"
+
+
+# -- numbers -----------------------------------------------------------------------
+
+
+def real_scalar(x: Any, what: str, owner: str) -> None:
+  """A real scalar: a number or a 0-d array (tracers too), not a bool."""
+  if is_bool(x):
+    raise TypeError(f"{owner}: {what} must be a number, got a bool ({x!r}).")
+  if _is_complex(x):
+    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
+  if not (is_real_number(x) or is_array(x)):
+    raise TypeError(
+        f"{owner}: {what} must be a number or a scalar array, got "
+        f"{_shown(x)}. Pass e.g. 2.0**15."
+    )
+  if np.ndim(x) != 0:
+    raise ValueError(
+        f"{owner}: {what} must be a scalar, got an array of shape "
+        f"{np.shape(x)}. Pass a single number such as 2.0**15."
+    )
+
+
+def static_number(x: Any, what: str, owner: str) -> float:
+  """Static configuration: a finite real number (Python, numpy, or a concrete
+  0-d array), never a traced value."""
+  if not is_concrete(x):
+    raise TypeError(
+        f"{owner}: {what} is static configuration and cannot be a traced "
+        "value; pass a Python number."
+    )
+  if _is_complex(x):
+    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
+  if is_bool(x) or not (is_real_number(x) or (is_array(x) and np.ndim(x) == 0)):
+    raise TypeError(f"{owner}: {what} must be a real number, got {_shown(x)}.")
+  value = float(x)
+  if not math.isfinite(value):
+    raise ValueError(f"{owner}: {what} must be finite, got {value}.")
+  return value
+
+
+def integer(x: Any, what: str, owner: str, low: int = 0,
+            high: int = INT32_MAX, *, whole_floats: bool = False) -> int:
+  """An integer in ``[low, high]`` (static). With ``whole_floats``, a float
+  such as ``5.0`` is accepted too (jmp accepts ``period=5.0``)."""
+  if whole_floats:
+    value = static_number(x, what, owner)
+    if not value.is_integer():
+      raise ValueError(f"{owner}: {what} must be a whole number, got {x!r}.")
+  elif is_bool(x) or not isinstance(x, (numbers.Integral, np.integer)):
+    raise TypeError(
+        f"{owner}: {what} must be an int >= {low}, got {_shown(x)}.")
+  else:
+    value = x
+  if not low <= value <= high:
+    bounds = (f"an int >= {low}" if high == INT32_MAX
+              else f"between {low} and {high}")
+    raise ValueError(
+        f"{owner}: {what} must be {bounds} (it is stored as an int32), got "
+        f"{int(value)!r}.")
+  return int(value)
+
+
+def share(x: Any, what: str, owner: str, *, zero_allowed: bool) -> float:
+  """A share of entries: a number in [0, 1] (or (0, 1])."""
+  if isinstance(x, bool) or not isinstance(x, numbers.Real):
+    raise TypeError(f"{owner}: {what} must be a number, got {x!r}.")
+  value = float(x)
+  ok = (0 <= value <= 1) if zero_allowed else (0 < value <= 1)
+  if not ok:
+    interval = "[0, 1]" if zero_allowed else "(0, 1]"
+    raise ValueError(
+        f"{owner}: {what} is a share of entries and must lie in {interval}, "
+        f"got {value}; e.g. 0.01 for 1%."
+    )
+  return value
+
+
+# -- loss scales -------------------------------------------------------------------
+
+
+def loss_scale_value(x: Any, what: str, owner: str) -> float | None:
+  """A concrete scale in [SCALE_MIN, SCALE_MAX], as a float; None for a traced
+  value (which cannot be checked: the loss scales clamp it instead)."""
+  if not is_concrete(x):
+    return None
+  value = static_number(x, what, owner)
+  if value <= 0:
+    raise ValueError(f"{owner}: {what} must be positive, got {value}.")
+  if not SCALE_MIN <= value <= SCALE_MAX:
+    raise ValueError(
+        f"{owner}: {what}={value:g} is outside {SCALE_RANGE}.")
+  return value
+
+
+# -- predicates and mapped axes ------------------------------------------------------
+
+
+def predicate(pred: Any, what: str) -> jax.Array:
+  """A scalar boolean (array or Python/numpy bool), returned as an array."""
+  if isinstance(pred, (bool, np.bool_)):
+    return jax.numpy.asarray(pred)
+  if not is_array(pred):
+    raise TypeError(
+        f"{what} must be a scalar boolean array (e.g. the result of "
+        f"jmp_lite.all_finite), got {_shown(pred)}."
+    )
+  if np.ndim(pred) != 0:
+    raise ValueError(
+        f"{what} must be a scalar (shape ()), got shape {np.shape(pred)}. "
+        "Reduce it first, e.g. with jnp.all(...) or jmp_lite.all_finite(...)."
+    )
+  if pred.dtype != np.bool_:
+    raise TypeError(
+        f"{what} must have dtype bool, got {pred.dtype}. Compare explicitly, "
+        "e.g. `x > 0`, or use jmp_lite.all_finite(...)."
+    )
+  return pred
+
+
+def axis_name(name: Any) -> None:
+  """A mapped axis is named by a string (or a tuple of strings)."""
+  names = name if isinstance(name, (tuple, list)) else (name,)
+  if not names or not all(isinstance(n, str) for n in names):
+    raise TypeError(
+        "axis_name must be the name of a pmap/shard_map axis (a string such "
+        f"as 'batch') or a tuple of names, got {name!r}. (An integer would be "
+        "taken as a positional array axis.)"
+    )
+
+
+def bound_axis(name: Any, owner: str) -> None:
+  """Raises unless ``name`` is a mapped axis bound here (pmap/shard_map).
+
+  ``lax.psum`` of a constant is the axis size, computed while tracing (no
+  collective runs); on an unbound axis JAX raises NameError (or, under pmap
+  over another axis, a bare AssertionError for some collectives).
+  """
+  axis_name(name)
+  try:
+    lax.psum(1, name)
+  except (NameError, AssertionError) as err:
+    raise ValueError(
+        f"{owner}(axis_name={name!r}) {UNBOUND_AXIS}. ({err})") from None
+
+
+# -- functions and transformations ---------------------------------------------------
+
+
+def function(fn: Any, owner: str, expected: str = "a callable") -> None:
+  """A callable argument; ``expected`` says which (``"a loss function"``)."""
+  if not callable(fn):
+    raise TypeError(f"{owner} expects {expected}, got {_shown(fn)}.")
+
+
+def optax_transformation(
+    inner: Any, owner: str) -> optax.GradientTransformationExtraArgs:
+  """An optax ``GradientTransformation``, with extra-args support."""
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise TypeError(
+        f"{owner} expects an optax GradientTransformation such as "
+        f"optax.adam(1e-3) as its first argument, got {_shown(inner)}."
+    )
+  return optax.with_extra_args_support(inner)
+
+
+def argnums(nums: Any, what: str, owner: str) -> tuple[int, ...]:
+  """An int or a sequence of distinct non-negative ints."""
+  values = tuple(nums) if isinstance(nums, (tuple, list)) else (nums,)
+  if not values:
+    raise ValueError(
+        f"{owner}: {what} must name at least one argument, got {nums!r}.")
+  for n in values:
+    integer(n, what, owner)
+  if len(set(values)) != len(values):
+    raise ValueError(f"{owner}: {what} has duplicates: {nums!r}.")
+  return tuple(int(n) for n in values)
+
+
+def argnums_in_range(nums: Sequence[int], what: str, nargs: int,
+                     owner: str) -> None:
+  """Each index names one of the ``nargs`` positional arguments of a call."""
+  bad = [n for n in nums if n >= nargs]
+  if bad:
+    raise ValueError(
+        f"{owner}: {what}={nums if len(nums) > 1 else nums[0]!r} but the "
+        f"function was called with {nargs} positional argument(s) (valid "
+        f"indices: 0..{nargs - 1}). Pass the batch positionally, or fix "
+        f"{what}."
+    )
+
+
+# -- files ---------------------------------------------------------------------------
+
+
+def path(value: Any, what: str, owner: str) -> None:
+  """A file path (str or os.PathLike)."""
+  if not isinstance(value, (str, os.PathLike)):
+    raise TypeError(
+        f"{owner}: {what} must be a file path (a str or os.PathLike such as "
+        f"'grads.png'), got {_shown(value)}."
+    )
+
+
+def positive_number(value: Any, what: str, owner: str) -> float:
+  """A finite number > 0."""
+  if is_bool(value) or not is_real_number(value):
+    raise TypeError(f"{owner}: {what} must be a positive number, got "
+                    f"{_shown(value)}.")
+  number = float(value)
+  if not (math.isfinite(number) and number > 0):
+    raise ValueError(f"{owner}: {what} must be a positive, finite number, got "
+                     f"{value!r}.")
+  return number
+
+
+#: What ``print(..., file=)`` needs.
+TEXT_STREAM = ("file must be a writable text stream, such as sys.stdout or "
+               "open('out.txt', 'w')")
+
+
+def text_stream(file: Any, owner: str, hint: str = "") -> None:
+  """``file`` for ``print``: None or a writable, open text stream."""
+  if file is None:
+    return
+  if not callable(getattr(file, "write", None)):
+    raise TypeError(
+        f"{owner}: {TEXT_STREAM}{hint}. Got {type(file).__name__}: {file!r}.")
+  if isinstance(file, (io.RawIOBase, io.BufferedIOBase)):
+    raise TypeError(
+        f"{owner}: {TEXT_STREAM}{hint}. Got a binary stream "
+        f"({type(file).__name__}): open the file in text mode ('w', not "
+        "'wb').")
+  if getattr(file, "closed", False):
+    raise ValueError(
+        f"{owner}: {TEXT_STREAM}{hint}. Got a closed {type(file).__name__}.")
+  writable = getattr(file, "writable", None)
+  if callable(writable) and not writable():
+    raise ValueError(
+        f"{owner}: {TEXT_STREAM}{hint}. Got a {type(file).__name__} that is "
+        "not writable (opened for reading?).")
