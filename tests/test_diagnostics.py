@@ -1099,24 +1099,6 @@ DOC = ROOT / "docs" / "diagnostics.md"
 RESULTS = ROOT / "benchmarks" / "results" / "diagnostics_overhead.md"
 
 
-@pytest.mark.standard_promotion  # the guide's examples use optax.adam
-def test_every_code_block_of_the_guide_runs(tmp_path, monkeypatch, capsys):
-  """The ```python blocks of docs/diagnostics.md run in order, in one
-  namespace, as a reader would paste them (in a scratch directory)."""
-  monkeypatch.chdir(tmp_path)
-  blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-  assert len(blocks) == 4
-  namespace = {}
-  for i, block in enumerate(blocks):
-    capsys.readouterr()
-    try:
-      exec(compile(block, f"{DOC.name} block {i}", "exec"), namespace)  # pylint: disable=exec-used
-    except Exception as e:  # pragma: no cover - the message names the block
-      raise AssertionError(f"block {i} of {DOC.name} failed:\n{block}") from e
-  assert capsys.readouterr().out == "True\n"   # the last block's claim
-  assert_png(tmp_path / "grads.png")
-
-
 def committed_results():
   """``{(workload, variant): row}`` of the committed results table, each row
   its cells as written."""

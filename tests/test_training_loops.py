@@ -16,7 +16,7 @@ What tests/test_loss_scale.py and tests/test_optax.py do not cover:
 * giving up after ``max_consecutive_skips``; bad values of every new option;
   no recompilation and stable state dtypes;
 * the documented pattern for several losses with separate scales
-  (``docs/training_loops.md``);
+  (``docs/training_loops.md``; its code blocks run in ``test_docs.py``);
 * smoke runs of ``examples/accumulation.py`` and
   ``benchmarks/accumulation_overhead.py`` (marked ``slow``).
 
@@ -1522,27 +1522,6 @@ def test_separate_scales_pattern():
                      (2.0**17, 2.0**5)]
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3), params, ref)
-
-
-# ---------------------------------------------------------------------------
-# docs/training_loops.md: every code block runs.
-# ---------------------------------------------------------------------------
-
-DOC = ROOT / "docs" / "training_loops.md"
-
-
-@standard_promotion  # the doc's examples use optax.adam
-def test_every_code_block_of_the_doc_runs():
-  """The ```python blocks of docs/training_loops.md run in order, in one
-  namespace, as a reader would paste them."""
-  blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-  assert len(blocks) >= 5
-  namespace = {}
-  for i, block in enumerate(blocks):
-    try:
-      exec(compile(block, f"{DOC.name} block {i}", "exec"), namespace)  # pylint: disable=exec-used
-    except Exception as e:  # pragma: no cover - the message names the block
-      raise AssertionError(f"block {i} of {DOC.name} failed:\n{block}") from e
 
 
 # ---------------------------------------------------------------------------

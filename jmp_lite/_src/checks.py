@@ -53,7 +53,7 @@ UNBOUND_AXIS = (
 def is_concrete(tree: Any) -> bool:
   """Whether every leaf of ``tree`` can be read (none is a tracer)."""
   return not any(isinstance(x, jax.core.Tracer)
-                 for x in jax.tree_util.tree_leaves(tree))
+                 for x in jax.tree.leaves(tree))
 
 
 def is_array(x: Any) -> bool:
@@ -140,6 +140,26 @@ def integer(x: Any, what: str, owner: str, low: int = 0,
         f"{owner}: {what} must be {bounds} (it is stored as an int32), got "
         f"{int(value)!r}.")
   return int(value)
+
+
+def flag(x: Any, what: str, owner: str) -> bool:
+  """A Python (or numpy) bool."""
+  if not isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{owner}: {what} must be a bool, got {_shown(x)}.")
+  return bool(x)
+
+
+def at_least(x: Any, what: str, owner: str, low: float, meaning: str) -> float:
+  """A finite real number >= ``low``; ``meaning`` says what it is for."""
+  if is_bool(x) or not is_real_number(x):
+    raise TypeError(
+        f"{owner}: {what} must be a number >= {low:g}, got {_shown(x)}.")
+  value = float(x)
+  if not (math.isfinite(value) and value >= low):
+    raise ValueError(
+        f"{owner}: {what} must be a finite number >= {low:g}, got {value}; "
+        f"{meaning}.")
+  return value
 
 
 def share(x: Any, what: str, owner: str, *, zero_allowed: bool) -> float:

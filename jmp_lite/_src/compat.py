@@ -249,7 +249,7 @@ def equation_context(eqn: Any):
   """Re-enters an equation's source location, name stack and context manager.
 
   Operations bound inside keep the user's traceback and named scopes (so
-  ``autocast_disabled`` regions and profiler names survive), and the
+  float32 islands and profiler names survive), and the
   equation's own context (e.g. a ``jax.named_scope`` or sharding context).
   """
   stack = _source_info.current_name_stack() + eqn.source_info.name_stack

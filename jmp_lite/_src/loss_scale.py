@@ -180,7 +180,7 @@ def _scale_tree(tree: T, loss_scale: Any) -> T:
     dtype = dtypes.at_least_f32(x.dtype)
     return jnp.asarray(x, dtype) * jnp.asarray(loss_scale).astype(dtype)
 
-  return jax.tree_util.tree_map(scale, tree)
+  return jax.tree.map(scale, tree)
 
 
 
@@ -199,7 +199,7 @@ def _unscale_tree(tree: T, loss_scale: Any) -> T:
     dtype = dtypes.at_least_f32(x.dtype)
     return jnp.asarray(x, dtype) * inv.astype(dtype)
 
-  return jax.tree_util.tree_map(unscale, tree)
+  return jax.tree.map(unscale, tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,27 +290,14 @@ def _field(static: bool = False, **kwargs) -> Any:
 class DynamicLossScale:
   """A loss scale that adapts to keep gradients finite and as large as possible.
 
-  On each ``adjust(grads_finite)``:
-
-  * finite gradients: ``counter`` increments; on the ``period``-th consecutive
-    finite step the scale is multiplied by ``factor`` (the growth factor; never
-    past ``max_loss_scale``) and ``counter`` returns to 0;
-  * non-finite gradients: the scale is multiplied by ``backoff_factor``
-    (divided by ``factor`` unless given), floored at ``min_loss_scale``, and
-    ``counter`` returns to 0. With ``hysteresis=n`` the scale backs off only
-    on the ``n``-th non-finite step in a row (DeepSpeed's ``hysteresis`` with
-    ``consecutive_hysteresis=True``; Megatron-LM restores its count only when
-    the scale grows); until then ``counter`` holds minus the number of such
-    steps.
-
-  With the defaults this is jmp's rule, and torch's ``GradScaler`` and Flax's
-  ``DynamicScale`` with ``growth_factor=2, backoff_factor=0.5``. The scale
-  always stays in [2**-126, 2**126] (both it and its reciprocal are normal
-  float32 numbers), whatever ``min_loss_scale`` and ``max_loss_scale`` say.
-
-  Leaves are exactly ``(loss_scale, counter)`` (float32 and int32 scalars);
-  the rest is static configuration that survives ``jax.jit``, ``tree_map`` and
-  checkpoint round-trips (jmp drops ``min_loss_scale``).
+  jmp's rule: ``adjust(grads_finite)`` grows the scale by ``factor`` on the
+  ``period``-th finite step in a row and divides it by ``factor`` (floored at
+  ``min_loss_scale``) on a non-finite one, ``counter`` back to 0 in both
+  cases; torch's and Flax's options (separate factors, a cap, hysteresis) are
+  additions. The scale stays in [2**-126, 2**126]. Leaves are exactly
+  ``(loss_scale, counter)``; the rest is static configuration that survives
+  ``jax.jit``, ``tree_map`` and checkpoints. Guide, and the options' names
+  elsewhere: ``docs/training_loops.md``.
 
   Args:
     loss_scale: the initial scale, e.g. ``2.0**15``; converted to float32 (an

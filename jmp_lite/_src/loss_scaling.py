@@ -270,7 +270,7 @@ def _largest_magnitude(tree: Any) -> jax.Array:
       jnp.max(jnp.where(jnp.isnan(x), jnp.full((), jnp.inf, x.dtype),
                         jnp.abs(x)), initial=np.array(0, x.dtype))
       .astype(jnp.float32)
-      for x in jax.tree_util.tree_leaves(tree) if tree_lib.is_float(x)
+      for x in jax.tree.leaves(tree) if tree_lib.is_float(x)
   ]
   return jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros([], jnp.float32)
 
@@ -452,9 +452,7 @@ def loss_scaling(
   k = checks.integer(accumulation_steps, "accumulation_steps", owner, 1)
   max_skips = None if max_consecutive_skips is None else checks.integer(
       max_consecutive_skips, "max_consecutive_skips", owner, 1)
-  if not isinstance(check_scaling, (bool, np.bool_)):
-    raise TypeError(
-        f"{owner}: check_scaling must be a bool, got {check_scaling!r}.")
+  check_scaling = checks.flag(check_scaling, "check_scaling", owner)
   if on_max_skips not in ON_MAX_SKIPS:
     raise ValueError(
         f"{owner}: on_max_skips must be one of {ON_MAX_SKIPS}, got "
@@ -520,7 +518,7 @@ class _LossScaling:
     if tree_lib.find(inner_state, optax.MultiStepsState, "mini_step"):
       raise TypeError(_MULTISTEPS_INSIDE)
     accumulating = dict(
-        accumulated=jax.tree_util.tree_map(
+        accumulated=jax.tree.map(
             lambda p: jnp.zeros(p.shape, dtypes.at_least_f32(p.dtype))
             if tree_lib.is_float(p) else p,
             params,
@@ -532,7 +530,7 @@ class _LossScaling:
         inner_state=inner_state,
         # Fresh buffers on every init: a step that donates its state must not
         # delete the arrays of the loss scale this optimizer was built with.
-        loss_scale=jax.tree_util.tree_map(jnp.array, self.loss_scale),
+        loss_scale=jax.tree.map(jnp.array, self.loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         consecutive_skips=jnp.zeros([], jnp.int32),
         max_consecutive_skips=None if self.max_skips is None
@@ -602,7 +600,7 @@ class _LossScaling:
     """Accumulation: where this micro-batch's unscaled gradients go."""
     if self.k == 1:
       return _Window(grads, jnp.ones([], bool), finite, {})
-    structure = jax.tree_util.tree_structure
+    structure = jax.tree.structure
     if structure(grads) != structure(state.accumulated):
       raise ValueError(_GRADS_NOT_LIKE_PARAMS.format(
           grads=structure(grads), params=structure(state.accumulated)))
@@ -611,7 +609,7 @@ class _LossScaling:
     step_ends = state.micro_step >= self.k - 1
     window_ok = state.window_finite & finite
     # A non-finite micro-batch is never added: no NaN enters the sum.
-    acc = jax.tree_util.tree_map(
+    acc = jax.tree.map(
         lambda a, g: a + jnp.where(finite, g, jnp.zeros_like(g))
         if tree_lib.is_float(a) else a,
         state.accumulated, grads,
@@ -620,7 +618,7 @@ class _LossScaling:
     # restore). The count is a runtime value, so every XLA version divides
     # exactly (some turn a division by a constant into a multiplication).
     seen = jnp.maximum(state.micro_step + 1, self.k)
-    mean = jax.tree_util.tree_map(
+    mean = jax.tree.map(
         lambda a, g: a / seen.astype(a.dtype) if tree_lib.is_float(a)
         else g, acc, grads)
     fields = dict(
@@ -638,7 +636,7 @@ class _LossScaling:
     )
     # Keep the state's dtypes stable across steps (as its init made them).
     new_inner = tree_lib.cast_like(new_inner, state.inner_state)
-    zeros = jax.tree_util.tree_map(
+    zeros = jax.tree.map(
         lambda u: jnp.zeros_like(u) if checks.is_array(u) else u, new_updates
     )
     return (tree_lib.select_tree(ok, new_updates, zeros),
@@ -726,16 +724,16 @@ def _as_array(x: Any) -> Any:
   """
   if checks.is_array(x):
     return x
-  leaves = jax.tree_util.tree_leaves(x)
+  leaves = jax.tree.leaves(x)
   return leaves[0] if len(leaves) == 1 else x
 
 
 def _fields_as_arrays(loss_scale: Any) -> Any:
   """The loss scale with each of its fields as a plain array."""
-  fields, treedef = jax.tree_util.tree_flatten(
+  fields, treedef = jax.tree.flatten(
       loss_scale, is_leaf=lambda x: x is not loss_scale
   )
-  return jax.tree_util.tree_unflatten(treedef, [_as_array(f) for f in fields])
+  return jax.tree.unflatten(treedef, [_as_array(f) for f in fields])
 
 
 def scaled_value_and_grad(

@@ -174,7 +174,7 @@ def master_weights(
     _check_enabled(master_dtype, f"{owner}'s dtype")
     narrower = [
         (jax.tree_util.keystr(path), np.dtype(p.dtype))
-        for path, p in jax.tree_util.tree_leaves_with_path(params)
+        for path, p in jax.tree.leaves_with_path(params)
         if tree_lib.is_float(p)
         and not _represents(master_dtype, np.dtype(p.dtype))
     ]
@@ -190,7 +190,7 @@ def master_weights(
           f"{owner}(inner, dtype=jnp.float32) (the default) for float16 or "
           "bfloat16 params; float32 params need no master copy."
       )
-    master = jax.tree_util.tree_map(
+    master = jax.tree.map(
         lambda p: jnp.asarray(p, master_dtype) if needs_copy(p) else None,
         params)
     inner_state = inner.init(_inner_params(params, master))
@@ -231,9 +231,9 @@ def master_weights(
       target = new_m.astype(p.dtype).astype(m.dtype)
       return target - p.astype(m.dtype)
 
-    master_out = jax.tree_util.tree_map(
+    master_out = jax.tree.map(
         new_master, params, master, inner_updates)
-    updates_out = jax.tree_util.tree_map(
+    updates_out = jax.tree.map(
         out_update, params, master, master_out, inner_updates)
     return updates_out, MasterWeightsState(
         inner_state=inner_state, master_params=master_out
@@ -245,7 +245,7 @@ def master_weights(
 def _inner_params(params: Any, master: Any) -> Any:
   """The params the inner optimizer runs on: the master copy where one is
   kept, the params themselves elsewhere."""
-  return jax.tree_util.tree_map(
+  return jax.tree.map(
       lambda p, m: p if m is None else m, params, master)
 
 
@@ -315,36 +315,13 @@ def with_state_dtype(
 ) -> optax.GradientTransformationExtraArgs:
   """Stores an optimizer's moments in ``dtype``; computes in float32.
 
-  optax offers ``mu_dtype`` for ``adam`` only; this works for any optimizer
-  (``adam``'s ``mu`` and ``nu``, ``adamw``, ``lion``, ``adafactor``'s factored
-  statistics, ``sgd`` momentum, ``chain``, ``inject_hyperparams``...):
-
-  * ``init`` returns the inner state with its moments in ``dtype``;
-  * ``update`` casts the moments, the other floating state leaves, the
-    gradients and the params (which ``adamw``'s weight decay or ``adafactor``
-    read) up to float32 (float64 stays float64), runs the inner update
-    there, and casts the new moments back to ``dtype``, rounding to nearest.
-    The other state leaves return to the dtype they had, so the state's
-    dtypes never change. The updates are those of the float32 math.
-
-  A *moment* is a floating state leaf with at least one dimension: per-param
-  statistics. Floating scalars keep their own dtype: hyperparameters of
-  ``inject_hyperparams`` (a bfloat16 learning rate would be coarse),
-  schedule state, and the moments of scalar params (a few bytes). Integer
-  leaves (step counts) are never touched. The state keeps the inner
-  optimizer's structure, so code reading ``state[0].mu`` still works.
-
-  bfloat16 halves the moments' memory at a small accuracy cost: with its
-  8-bit significand a relative change under ``2**-9`` rounds away, so
-  ``adam``'s ``nu`` cannot decay by ``b2 = 0.999`` per step; when gradients
-  shrink it stays where it was and the steps come out smaller than in
-  float32. Avoid float16 for ``adam``: a ``nu`` under about ``3e-8``
-  (gradients under about ``2e-4``) flushes to zero and the update divides
-  ``mu`` by ``eps``.
-
-  Put it inside :func:`master_weights` (the master copy must stay float32):
-  ``master_weights(with_state_dtype(optax.adam(1e-3), jnp.bfloat16))``; and
-  inside ``optax.MultiSteps``, whose gradient accumulator is state too.
+  For any optax optimizer (optax's ``mu_dtype`` covers only ``adam``'s first
+  moment): ``init`` stores the moments -- the floating state leaves with at
+  least one dimension -- in ``dtype``; ``update`` runs the inner update in
+  float32 (float64 stays) and rounds the new moments back to ``dtype``. Other
+  leaves keep their dtypes and the state keeps the inner optimizer's
+  structure. Put it inside :func:`master_weights`. Guide, and what bfloat16
+  moments cost in accuracy: ``docs/precision.md``.
 
   Args:
     inner: the optax optimizer whose state to store in ``dtype``.
@@ -378,7 +355,7 @@ def with_state_dtype(
       example="jnp.bfloat16 or jnp.float32")
 
   def store(state):
-    return jax.tree_util.tree_map(
+    return jax.tree.map(
         lambda x: x.astype(store_dtype)
         if _is_moment(x) and x.dtype != store_dtype
         else x,

@@ -68,35 +68,13 @@ def grouped_value_and_grad(
 ) -> Callable[..., Any]:
   """Makes the cross-device gradient reduction float32 under ``jax.jit``.
 
-  With a batch sharded over devices, ``jax.jit`` all-reduces each weight
-  gradient right after the backward matmul that produces it, in that matmul's
-  dtype: float16/bfloat16 under a half-precision compute dtype. The returned
-  function instead splits the batch into ``num_groups`` groups (its leading
-  axis reshaped to ``(num_groups, batch // num_groups, ...)``), computes one
-  gradient per group with ``jax.vmap`` — locally on the group's devices, and
-  converted to the params' dtype by the backward pass — and averages the
-  groups in float32. The all-reduce is that average: float32.
-
-  Use ``num_groups`` = the number of devices the batch is split over (the
-  data-parallel size), so each device computes exactly one group: with fewer
-  groups, each group spans several devices and its gradient is all-reduced
-  within the group in half precision again; on one device the grouping only
-  adds work. Works
-  whatever computes the loss (:func:`jmp_lite.with_policy`, the Flax
-  policies, :func:`jmp_lite.autocast`), and composes with
-  :func:`jmp_lite.scaled_value_and_grad` and ``has_aux``.
-
-  * The loss must be a **mean** over the examples: the result is the mean of
-    the group means, equal to the mean over the batch (groups have equal
-    sizes). It comes back in the loss's dtype.
-  * The gradients are the mean of the group gradients, in float32 (float64
-    stays float64), also for half-precision params.
-  * Anything computed from the whole batch becomes per group: **batch
-    statistics** (``BatchNorm`` in training mode) are those of each group, as
-    in PyTorch's DDP without ``SyncBatchNorm``.
-  * ``aux`` comes back per group, stacked on a new leading axis of size
-    ``num_groups`` (average updated batch statistics with
-    ``jax.tree.map(lambda s: s.mean(0), aux)``).
+  With a sharded batch, ``jax.jit`` all-reduces each weight gradient in its
+  backward matmul's dtype (half precision under a half compute dtype). The
+  returned function splits the batch's leading axis into ``num_groups``
+  groups, computes one gradient per group with ``jax.vmap`` and averages the
+  groups in float32: that average is the all-reduce. Use the data-parallel
+  device count; the loss must be a mean over the examples; batch statistics
+  and ``aux`` become per group. Guide: ``docs/precision.md``.
 
   Args:
     value_and_grad_fn: a function returning ``(loss, grads)``, or
@@ -154,11 +132,11 @@ def grouped_value_and_grad(
     return x.reshape((num_groups, size // num_groups) + tuple(x.shape[1:])), 0
 
   def split_batch(batch, argnum):
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
+    leaves, treedef = jax.tree.flatten_with_path(batch)
     out = [split_leaf((jax.tree_util.SequenceKey(argnum),) + p, x)
            for p, x in leaves]
-    return (jax.tree_util.tree_unflatten(treedef, [x for x, _ in out]),
-            jax.tree_util.tree_unflatten(treedef, [a for _, a in out]))
+    return (jax.tree.unflatten(treedef, [x for x, _ in out]),
+            jax.tree.unflatten(treedef, [a for _, a in out]))
 
   def wrapped(*args, **kwargs):
     checks.argnums_in_range(batch_nums, "batch_argnums", len(args), caller)
@@ -175,7 +153,7 @@ def grouped_value_and_grad(
     loss, aux, grads = jax.vmap(one_group, in_axes=tuple(in_axes))(*args)
     loss_dtype = loss.dtype
     loss = jnp.mean(tree_lib.widen_floating(loss), axis=0).astype(loss_dtype)
-    grads = jax.tree_util.tree_map(_mean_groups, grads)
+    grads = jax.tree.map(_mean_groups, grads)
     return _join(loss, aux, grads, has_aux)
 
   return wrapped
@@ -185,14 +163,14 @@ def _pmean_f32(tree: Any, axis_name: Any) -> Any:
   """``lax.pmean`` in float32: each floating leaf is cast to float32 (float64
   stays) before the collective, so the all-reduce sums in float32; other
   leaves pass through. (A float16 sum of eight 40000.0 is inf.)"""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaves, treedef = jax.tree.flatten(tree)
   where = [i for i, x in enumerate(leaves) if tree_lib.is_float(x)]
   if where:
     means = lax.pmean([tree_lib.widen_floating(leaves[i]) for i in where],
                       axis_name)
     for i, m in zip(where, means):
       leaves[i] = m
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def pmean_value_and_grad(
@@ -204,23 +182,12 @@ def pmean_value_and_grad(
 ) -> Callable[..., Any]:
   """Per-device gradients averaged across a ``pmap``/``shard_map`` axis in float32.
 
-  For data parallelism (params replicated across the axis): call the
-  returned function inside ``jax.pmap`` or ``jax.shard_map`` with each
-  device's share of the batch. It runs ``value_and_grad_fn`` on the
-  device's share and returns the loss and the gradients averaged across
-  ``axis_name`` with ``lax.pmean`` in float32: the all-reduce runs in float32 and the
-  gradients come back in float32 (float64 stays float64).
-
-  Under ``shard_map`` (default ``check_vma=True``) a param that enters
-  replicated is *invariant* across the axis, and ``jax.grad`` sums its
-  gradient across devices inside the backward pass, at the point where it met
-  per-device data — after the cast to the compute dtype, so in half
-  precision — and returns the gradient of the *sum* of the per-device losses.
-  This function first marks the differentiated arguments (``argnums``) as
-  varying (``lax.pcast(..., to="varying")``),
-  so the backward pass returns per-device gradients in the params' dtype and
-  the only reduction is the float32 average. Under ``pmap`` and
-  ``shard_map(check_vma=False)`` that marking changes nothing.
+  Call the returned function inside ``jax.pmap`` or ``jax.shard_map`` with
+  each device's share of the batch: it runs ``value_and_grad_fn`` there and
+  averages the loss and the gradients across ``axis_name`` in float32. Under
+  ``shard_map`` it first marks the differentiated arguments as varying, so
+  that JAX does not sum their gradients in half precision inside the backward
+  pass. Guide: ``docs/precision.md``.
 
   Args:
     value_and_grad_fn: a function returning ``(loss, grads)`` or, with
@@ -265,7 +232,7 @@ def pmean_value_and_grad(
     checks.bound_axis(axis_name, caller)
     args = list(args)
     for i in nums:
-      args[i] = jax.tree_util.tree_map(
+      args[i] = jax.tree.map(
           lambda x: compat.to_varying(x, axis_name)
           if tree_lib.is_float(x) else x, args[i])
     loss, aux, grads = _split_value(value_and_grad_fn(*args, **kwargs), has_aux,

@@ -107,32 +107,21 @@ def _matmul_precision(value: Any, compute_dtype: Any) -> str | None:
 class Policy:
   """An immutable mixed-precision policy: param, compute and output dtypes.
 
-  Dtypes are canonicalised to JAX's scalar types (``jnp.float32``,
-  ``jnp.float16``, ``jnp.bfloat16``, ``jnp.float64``), the objects jmp uses,
-  so that equal policies compare and hash equal whatever spelling built them
-  (``jnp.float16``, ``np.float16``, ``np.dtype("float16")``, ``"f16"``), and
-  ``policy.compute_dtype is jnp.float16`` holds. A policy is therefore usable
-  as static config (``jax.jit``'s ``static_argnums``, Flax module attributes,
-  dict keys). A float64 policy needs ``jax.config.update("jax_enable_x64",
-  True)`` to give float64 JAX arrays.
-
-  An optional ``matmul_precision`` says how matmuls run where the policy
-  applies (``with_policy``, the Flax policies, ``autocast``): ``"tf32"``
-  (TensorFloat-32) or ``"f32"`` (full float32), which apply to matmuls and
-  convolutions; or ``"bf16"`` (one bfloat16 pass, the preset
-  ``BF16_BF16_F32``) or any ``jax.lax.DotAlgorithmPreset`` name such as
-  ``"bf16_bf16_f32_x3"`` or ``"f16_f16_f32"``, which apply to matmuls only
-  (XLA's convolutions take no algorithm: they keep the backend's default
-  precision, TF32 for float32 on NVIDIA GPUs). It is applied with
-  ``jax.default_matmul_precision`` while the function is traced.
+  Dtypes are canonicalised to JAX's scalar types (``policy.compute_dtype is
+  jnp.float16``, as in jmp), so equal policies compare and hash equal however
+  they were spelled and a policy is usable as static config. An optional
+  ``matmul_precision`` (``"tf32"``, ``"f32"``, ``"bf16"`` or a
+  ``jax.lax.DotAlgorithmPreset`` name) says how matmuls run where the policy
+  applies; what reaches matmuls and convolutions is tabled in
+  ``docs/precision.md`` (matmul precision).
 
   Args:
     param_dtype: dtype parameters are stored in (usually float32).
     compute_dtype: dtype the computation runs in (float16/bfloat16 for mixed
       precision).
     output_dtype: dtype outputs are returned in.
-    matmul_precision: optional matmul precision (see above); ``None`` leaves
-      it to JAX's default.
+    matmul_precision: optional matmul precision; ``None`` leaves it to JAX's
+      default.
 
   Raises:
     TypeError: if a dtype is ``None`` or not dtype-like.
@@ -396,11 +385,7 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
     >>> f({"w": jnp.ones((3, 2))}, jnp.ones((4, 3))).dtype
     dtype('float32')
   """
-  if not callable(fn):
-    raise TypeError(
-        f"with_policy expects a callable (e.g. model.apply), got "
-        f"{type(fn).__name__}: {fn!r}."
-    )
+  checks.function(fn, "with_policy", "a callable (e.g. model.apply)")
   policy = get_policy(policy)
 
   @functools.wraps(fn)

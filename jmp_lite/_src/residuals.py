@@ -1,14 +1,5 @@
-"""A rematerialisation policy that keeps backward-pass residuals in half precision.
-
-Mixed precision computes matmuls in half precision but keeps numerically
-sensitive pieces (norm statistics, softmax, losses) in float32. Left alone,
-``jax.grad`` saves those float32 intermediates for the backward pass, so the
-memory of the saved activations falls well short of half of float32's. With
-:func:`save_half_residuals` as the ``jax.checkpoint`` policy, only values that
-are not float32/float64 are saved; the float32 pieces are recomputed in the
-backward pass from the saved half-precision values — the trade fused
-mixed-precision norm kernels make.
-"""
+"""A rematerialisation policy that keeps backward-pass residuals in half
+precision (why and what it costs: ``docs/precision.md``, memory)."""
 
 from __future__ import annotations
 
@@ -24,19 +15,12 @@ def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
   """``jax.checkpoint`` policy: save half-precision values only.
 
   An operation's outputs are saved for the backward pass when all of them are
-  float16/bfloat16 arrays; everything else — float32 intermediates, boolean
-  masks (``x > 0`` of a ReLU), integers, broadcasts of constants — is
-  recomputed from the saved values and the function's inputs instead. Use it
-  around a loss computed in half precision::
-
-    loss_fn = jax.checkpoint(loss_fn, policy=jmp_lite.save_half_residuals)
-
-  The recomputation is elementwise work and reductions (casts, norm
-  statistics kept in float32, softmax, masks); matmuls and convolutions run in
-  the compute dtype and their outputs are saved, not redone. Under a float32
-  policy it recomputes everything — use it with half-precision compute only.
-  An operation whose output types cannot be inferred is recomputed, which is
-  always correct.
+  float16/bfloat16 arrays; everything else (float32 norm statistics, softmax,
+  masks, constants) is recomputed from the saved values, and an operation
+  whose output types cannot be inferred is recomputed too, which is always
+  correct. Use it with half-precision compute:
+  ``jax.checkpoint(loss_fn, policy=jmp_lite.save_half_residuals)``. Guide:
+  ``docs/precision.md`` (memory).
 
   Args:
     prim: the primitive (given by ``jax.checkpoint``).
@@ -58,7 +42,7 @@ def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
     >>> w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
     >>> def saved_dtypes(fn):  # dtypes of what jax.vjp keeps, beyond w and x
     ...   _, f_vjp = jax.vjp(fn, w, x)
-    ...   leaves = jax.tree_util.tree_leaves(f_vjp)
+    ...   leaves = jax.tree.leaves(f_vjp)
     ...   return sorted({str(r.dtype) for r in leaves if r.ndim and r is not w and r is not x})
     >>> saved_dtypes(loss)
     ['float16', 'float32']

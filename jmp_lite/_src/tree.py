@@ -101,14 +101,14 @@ def cast_floating(tree: T, dtype: Any, is_leaf: Any = None) -> T:
   Args:
     tree: any pytree.
     dtype: the target floating dtype.
-    is_leaf: optional, as for ``jax.tree_util.tree_map``: nodes it accepts are
+    is_leaf: optional, as for ``jax.tree.map``: nodes it accepts are
       handed over whole (a framework's stateful objects, say) and pass
       through unless they are floating arrays.
 
   Returns:
     A tree of the same structure.
   """
-  return jax.tree_util.tree_map(lambda x: cast(x, dtype), tree,
+  return jax.tree.map(lambda x: cast(x, dtype), tree,
                                 is_leaf=is_leaf)
 
 
@@ -129,7 +129,7 @@ def cast_like(tree: T, reference: Any) -> T:
   """
   dtypes_at = {
       jax.tree_util.keystr(path): x.dtype
-      for path, x in jax.tree_util.tree_flatten_with_path(reference)[0]
+      for path, x in jax.tree.flatten_with_path(reference)[0]
       if is_float(x)
   }
 
@@ -137,7 +137,7 @@ def cast_like(tree: T, reference: Any) -> T:
     dtype = dtypes_at.get(jax.tree_util.keystr(path))
     return x if dtype is None else cast(x, dtype)
 
-  return jax.tree_util.tree_map_with_path(cast_back, tree)
+  return jax.tree.map_with_path(cast_back, tree)
 
 
 def widen_floating(tree: T) -> T:
@@ -147,7 +147,7 @@ def widen_floating(tree: T) -> T:
   other leaves pass through.
   """
 
-  return jax.tree_util.tree_map(
+  return jax.tree.map(
       lambda x: cast(x, dtypes.at_least_f32(x.dtype)) if is_float(x) else x,
       tree)
 
@@ -181,7 +181,7 @@ def all_finite(tree: Any, axis_name: Any = None) -> jax.Array:
   """
   flags = [
       jnp.all(jnp.isfinite(x))
-      for x in jax.tree_util.tree_leaves(tree)
+      for x in jax.tree.leaves(tree)
       if is_float(x)
   ]
   if flags:
@@ -222,8 +222,8 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     {'w': Array([1., 1.], dtype=float32)}
   """
   pred = checks.predicate(pred, "select_tree's predicate")
-  a_leaves, a_def = jax.tree_util.tree_flatten_with_path(a)
-  b_leaves, b_def = jax.tree_util.tree_flatten(b)
+  a_leaves, a_def = jax.tree.flatten_with_path(a)
+  b_leaves, b_def = jax.tree.flatten(b)
   if a_def != b_def:
     raise ValueError(
         "select_tree needs two trees of the same structure, got\n"
@@ -266,6 +266,6 @@ def select_tree(pred: Any, a: T, b: T) -> T:
         f" the trees ({x!r} vs {y!r}); only arrays can be selected under jit."
     )
 
-  return jax.tree_util.tree_unflatten(
+  return jax.tree.unflatten(
       a_def, [select(p, x, y) for (p, x), y in zip(a_leaves, b_leaves)]
   )

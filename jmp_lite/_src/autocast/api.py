@@ -114,8 +114,7 @@ def autocast(
   checks.function(fn, "autocast",
                   "a callable (e.g. model.apply or a loss function)")
   policy = _resolve_policy(policy_or_dtype)
-  if not isinstance(enabled, bool):
-    raise TypeError(f"autocast's enabled must be a bool, got {enabled!r}.")
+  enabled = checks.flag(enabled, "enabled", "autocast")
   if enabled:
     # On a jax whose internals autocast cannot read, only autocast fails.
     compat.require("jmp_lite.autocast")
@@ -147,14 +146,14 @@ def autocast(
           "Pass values that drive Python control flow as Python scalars (they "
           f"are static), or move that code outside autocast.\n{err}"
       ) from err
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
+    out_leaves, out_tree = jax.tree.flatten(out_shape)
     outs = interp.eval_closed(closed, dynamic)
     targets = [
         np.dtype(s.dtype) if tree_lib.is_float(s) else None
         for s in out_leaves
     ]
     outs = interpreter_lib.cast_all(outs, targets)
-    return jax.tree_util.tree_unflatten(out_tree, outs)
+    return jax.tree.unflatten(out_tree, outs)
 
   return wrapped
 
@@ -170,14 +169,14 @@ def _split_static(
   Every other leaf (strings, Python scalars, Flax's ``mutable=[...]``) is
   closed over, as if static for ``jax.jit``.
   """
-  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  leaves, treedef = jax.tree.flatten((args, kwargs))
   dynamic_idx = [i for i, leaf in enumerate(leaves) if is_dynamic(leaf)]
 
   def flat_fn(*dynamic):
     full = list(leaves)
     for i, value in zip(dynamic_idx, dynamic):
       full[i] = value
-    call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, full)
+    call_args, call_kwargs = jax.tree.unflatten(treedef, full)
     return fn(*call_args, **call_kwargs)
 
   return flat_fn, [leaves[i] for i in dynamic_idx]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 import sys
 from typing import Any, Mapping, TextIO
@@ -36,7 +35,7 @@ _EXPONENTS = TensorStats.HISTOGRAM_EXPONENTS
 
 def _as_stats(tree: Any) -> Any:
   """A tree of statistics as it is, or the statistics of a tree of arrays."""
-  leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_stats)
+  leaves = jax.tree.leaves(tree, is_leaf=is_stats)
   if any(isinstance(leaf, TensorStats) for leaf in leaves):
     return tree
   return tensor_stats(tree)
@@ -276,14 +275,10 @@ def advise(
   See ``docs/diagnostics.md`` (advice) for the rule in full and why the
   figures are a lower bound.
   """
-  if isinstance(headroom, bool) or not isinstance(headroom, numbers.Real):
-    raise TypeError(f"advise: headroom must be a number >= 1, got {headroom!r}.")
-  headroom = float(headroom)
-  if not (math.isfinite(headroom) and headroom >= 1):
-    raise ValueError(
-        f"advise: headroom must be a finite number >= 1, got {headroom}; it is "
-        "the factor kept between the largest scaled gradient and 65504 (e.g. 8)."
-    )
+  headroom = checks.at_least(
+      headroom, "headroom", "advise", 1,
+      "it is the factor kept between the largest scaled gradient and 65504 "
+      "(e.g. 8)")
   max_underflow = checks.share(max_underflow, "max_underflow", "advise",
                                zero_allowed=True)
   keep_f32_underflow = checks.share(keep_f32_underflow, "keep_f32_underflow",

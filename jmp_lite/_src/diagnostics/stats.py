@@ -507,7 +507,7 @@ def tensor_stats(tree: Any, loss_scale: Any = 1.0) -> Any:
       return _host_leaf_stats(parts, _host_max_abs(largest), loss_scale)
     return _leaf_stats(jnp.asarray(x), loss_scale)
 
-  return jax.tree_util.tree_map(stats, tree)
+  return jax.tree.map(stats, tree)
 
 
 def is_stats(x: Any) -> bool:
@@ -527,7 +527,7 @@ def _path_name(path) -> str:
 
 def _named_leaves(stats: Any, what: str) -> list[tuple[str, TensorStats]]:
   """``(path, TensorStats)`` for each leaf of a tree of statistics."""
-  leaves = jax.tree_util.tree_leaves_with_path(stats, is_leaf=is_stats)
+  leaves = jax.tree.leaves_with_path(stats, is_leaf=is_stats)
   out = []
   for path, leaf in leaves:
     if not isinstance(leaf, TensorStats):

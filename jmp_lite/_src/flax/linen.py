@@ -1,27 +1,8 @@
-"""Precision policies for Flax linen modules.
+"""Precision policies for Flax linen modules: ``apply_policy`` and the
+``PolicyModel`` it returns, per-module rules (``ModuleRules``).
 
-Mechanism (one call of ``PolicyModel.apply``):
-
-1. Which module owns which params. Class rules need the class of every module,
-   which linen only reveals while the model runs, so the model is first traced
-   abstractly (``jax.eval_shape``, no computation) with a method interceptor
-   that records ``module.path -> type(module)``. Without class rules this step
-   is skipped: path rules can be resolved from the param tree alone.
-2. The ``params`` collection is cast, leaf by leaf, to the compute dtype of its
-   owning module's effective policy (norm layers under the default rules keep
-   float32). The cast is inside the function you differentiate, so gradients
-   come back in the stored dtype.
-3. The model runs under ``flax.linen.intercept_methods`` with an interceptor
-   that, at every boundary (the model itself and every module a rule
-   matches), casts floating inputs to the compute dtype and outputs to the
-   output dtype; every other module runs as written (as in
-   ``jmp_lite.nnx``).
-4. Mutable collections come back in the dtypes they went in with, so
-   ``batch_stats`` stay float32 and a training step's state keeps its dtypes.
-
-``init`` runs the model as written to create its variables, then casts each
-module's params to its param dtype. Nothing is stored globally: each call owns
-its interceptor and its records.
+How a call runs (interceptors for linen, boundary modules swapped into their
+slots for NNX) is described once, in ``docs/flax.md``.
 """
 
 from __future__ import annotations
@@ -31,6 +12,7 @@ from typing import Any, Callable, Mapping
 import warnings
 
 import flax.linen as nn
+from flax import traverse_util
 from flax.core import FrozenDict
 import jax
 
@@ -138,26 +120,17 @@ def _boundary_interceptor(
   return intercept
 
 
-def _map_tree(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
-  """Maps ``fn(owner_path, leaf)`` over the non-mapping nodes of nested dicts.
+def _map_params(params: Any, fn: Callable[[Path, Any], Any]) -> Any:
+  """Maps ``fn(owner_path, leaf)`` over a params collection.
 
-  ``owner_path`` is the path of the module owning the leaf (the dict keys
-  above it). Boxed leaves such as ``nn.Partitioned`` are handed to ``fn``
-  whole. Dict types are kept (``FrozenDict`` stays frozen).
+  ``owner_path`` is the path of the module owning the leaf. Boxed leaves such
+  as ``nn.Partitioned`` are handed to ``fn`` whole (``flatten_dict`` stops at
+  them); a ``FrozenDict`` stays frozen.
   """
-  if not isinstance(tree, Mapping):
-    return fn(path[:-1], tree)
-  out = {k: _map_tree(v, fn, path + (k,)) for k, v in tree.items()}
-  return FrozenDict(out) if isinstance(tree, FrozenDict) else out
-
-
-def _leaf_paths(tree: Any, path: Path = ()) -> list[tuple[Path, Any]]:
-  if not isinstance(tree, Mapping):
-    return [(path, tree)]
-  out = []
-  for k, v in tree.items():
-    out.extend(_leaf_paths(v, path + (k,)))
-  return out
+  flat = traverse_util.flatten_dict(params)
+  out = traverse_util.unflatten_dict(
+      {path: fn(path[:-1], leaf) for path, leaf in flat.items()})
+  return FrozenDict(out) if isinstance(params, FrozenDict) else out
 
 
 def _replace_collection(variables: Any, name: str, value: Any) -> Any:
@@ -222,7 +195,7 @@ class PolicyModel:
     params = variables.get("params") if isinstance(variables, Mapping) else None
     if params is not None:
       self._warn_unmatched(set(classes) | _owner_paths(params))
-      params = _map_tree(
+      params = _map_params(
           params,
           lambda owner, leaf: tree_lib.cast_floating(
               leaf, resolver.effective(owner).param_dtype
@@ -281,7 +254,7 @@ class PolicyModel:
     params = variables.get("params") if isinstance(variables, Mapping) else None
     if params is not None:
       self._check_params(params, resolver)
-      params = _map_tree(
+      params = _map_params(
           params,
           lambda owner, leaf: tree_lib.cast_floating(
               leaf, resolver.effective(owner).compute_dtype
@@ -357,8 +330,8 @@ class PolicyModel:
 
   def _check_params(self, params: Any, resolver: common.Resolver) -> None:
     common.check_params(
-        ((path, x) for path, leaf in _leaf_paths(params)
-         for x in jax.tree_util.tree_leaves(leaf)),
+        ((path, x) for path, leaf in traverse_util.flatten_dict(params).items()
+         for x in jax.tree.leaves(leaf)),
         resolver,
         fix=(
             "create the variables with policy_model.init(...) (it stores "
@@ -378,7 +351,7 @@ class PolicyModel:
 
 
 def _owner_paths(params: Any) -> set[Path]:
-  return {p[:-1] for p, _ in _leaf_paths(params)}
+  return {p[:-1] for p in traverse_util.flatten_dict(params)}
 
 
 def apply_policy(
@@ -389,34 +362,20 @@ def apply_policy(
   """Puts a linen model under a precision policy, with per-module overrides.
 
   The model is not modified: the returned :class:`PolicyModel` has ``init``
-  and ``apply`` with linen's signatures (``rngs=``, ``mutable=``,
-  ``method=``...) and runs the model so that:
-
-  * params are stored in the param dtype (``init`` creates them so; norm
-    layers keep float32 under the default rules) and cast to the compute
-    dtype where they are used, inside the differentiated function, so
-    gradients come back in the stored dtype;
-  * the model's floating inputs are cast to the compute dtype and its outputs
-    to the output dtype; every module a rule matches does the same with its
-    own policy; every other module runs as written (the same semantics as
-    ``jmp_lite.nnx.apply_policy``). A matched module's outputs flow on in its
-    output dtype, so give a rule in the middle of a model an output dtype
-    equal to the surrounding compute dtype (as :class:`FullPrecision` does),
-    or the layers after it compute in that dtype too;
-  * ``batch_stats`` and other mutable collections keep their dtypes (float32).
-
-  Layers with an explicit ``dtype=`` keep computing in it. Works with
-  ``nn.remat``, ``nn.scan``, dropout rngs, ``mutable=[...]``, ``jax.jit`` and
-  ``jax.grad``.
+  and ``apply`` with linen's signatures and runs the model with params stored
+  in the param dtype and cast to the compute dtype where they are used (so
+  gradients come back in the stored dtype), inputs and outputs cast at every
+  boundary (the model, each module a rule matches), norm layers in float32
+  under the default rules, and mutable collections in their dtypes. Guide:
+  ``docs/flax.md``.
 
   Args:
     module: the linen model (any ``flax.linen.Module``).
     policy: a ``jmp_lite.Policy`` or a spec such as ``"mixed_bfloat16"`` or
       ``"params=float32,compute=float16,output=float32"``.
-    module_rules: per-module overrides, first match wins. The default keeps
-      ``BatchNorm``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and
-      ``InstanceNorm`` in float32; to add your own *and* keep those, pass
-      ``ModuleRules(...) + DEFAULT_MODULE_RULES``; ``None`` means no overrides.
+    module_rules: per-module overrides, first match wins (default: the norm
+      layers in float32; add your own with ``ModuleRules(...) +
+      DEFAULT_MODULE_RULES``; ``None``: no overrides).
 
   Returns:
     A :class:`PolicyModel`.

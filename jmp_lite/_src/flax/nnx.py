@@ -1,25 +1,8 @@
-"""Precision policies for Flax NNX modules.
+"""Precision policies for Flax NNX modules: ``apply_policy`` and the
+``PolicyModule`` it returns, per-module rules (``ModuleRules``).
 
-Mechanism (one call of a ``PolicyModule``):
-
-1. NNX modules are built eagerly, so the class and path of every submodule are
-   known up front (``nnx.iter_modules``); no tracing is needed to resolve the
-   rules.
-2. The wrapped module is split into its params and the rest; each param is
-   cast to the compute dtype of its owning module's effective policy, and a
-   private copy is merged from the cast params and the rest. The user's
-   module and its variables are never written to during the forward pass.
-3. In that copy, every module a rule matches is swapped, in the slot that
-   holds it (found with ``nnx.iter_children``), for a small callable boundary that casts
-   floating inputs to its compute dtype and outputs to its output dtype. The
-   model's own inputs and outputs are cast with the model's policy.
-4. After the call the slots are restored and the non-param state the forward
-   pass changed (``BatchStat``, RNG counters, sown intermediates) is written
-   back to the wrapped module, in the dtypes it had.
-
-Under ``nnx.jit``/``nnx.grad`` all of this happens at trace time; the cast of
-the params is inside the differentiated function, so gradients come back in
-the stored dtype.
+How a call runs (interceptors for linen, boundary modules swapped into their
+slots for NNX) is described once, in ``docs/flax.md``.
 """
 
 from __future__ import annotations
@@ -352,36 +335,20 @@ def apply_policy(
 ) -> PolicyModule:
   """Puts an NNX module under a precision policy, with per-module overrides.
 
-  Returns a :class:`PolicyModule` that shares ``module``'s variables and, when
-  called:
-
-  * casts each param to the compute dtype of its module's effective policy
-    where it is used (norm layers keep float32 under the default rules), so
-    gradients with respect to the stored params come back in their dtype;
-  * casts the floating inputs to the compute dtype and the outputs to the
-    output dtype; every module a rule matches does the same with its own
-    policy;
-  * keeps ``BatchStat`` and other non-param state in its dtypes (float32).
-
-  As in ``jmp_lite.linen``, modules no rule matches are called as they are,
-  and a matched module's outputs flow on in its output dtype: give a rule in
-  the middle of a model an output dtype equal to the surrounding compute
-  dtype, as :class:`FullPrecision` does, or the layers after it compute in
-  that dtype too.
-
-  ``module`` itself is not modified: NNX params are created by your
-  constructors, so they stay stored as they were built (float32 by default);
-  ``apply_policy`` checks that they are at least as wide as the policy's
-  param dtype. Works with ``nnx.jit``, ``nnx.grad``, ``nnx.value_and_grad`` and
-  ``nnx.Optimizer(model, jmp_lite.loss_scaling(...), wrt=nnx.Param)``.
+  Returns a :class:`PolicyModule` that shares ``module``'s variables (and
+  never changes ``module``) and, when called, casts each param to its module's
+  compute dtype where it is used, casts inputs and outputs at every boundary
+  (the module, each module a rule matches), keeps norm layers in float32 under
+  the default rules and non-param state in its dtypes. ``module``'s params
+  must be at least as wide as the param dtype. Works with ``nnx.jit``,
+  ``nnx.grad`` and ``nnx.Optimizer``. Guide: ``docs/flax.md``.
 
   Args:
     module: the NNX model (any ``flax.nnx.Module``).
     policy: a ``jmp_lite.Policy`` or a spec such as ``"mixed_bfloat16"``.
-    module_rules: per-module overrides, first match wins. The default keeps
-      ``BatchNorm``, ``LayerNorm``, ``GroupNorm``, ``RMSNorm`` and
-      ``InstanceNorm`` in float32; to add your own *and* keep those, pass
-      ``ModuleRules(...) + DEFAULT_MODULE_RULES``; ``None`` means no overrides.
+    module_rules: per-module overrides, first match wins (default: the norm
+      layers in float32; add your own with ``ModuleRules(...) +
+      DEFAULT_MODULE_RULES``; ``None``: no overrides).
 
   Returns:
     A :class:`PolicyModule`.
