@@ -2,6 +2,8 @@
 
 * Jaxpr inspection: :func:`all_eqns`, :func:`operand_dtypes`,
   :func:`full_precision_windows`, :func:`assert_all_f32`.
+* Trees: :func:`assert_bit_identical` (chex for structure, dtypes and
+  shapes; bytes for the values).
 * Documentation: :func:`assert_documented_with_examples`.
 * Running the examples end to end: :data:`ROOT`, :func:`example_env`,
   :func:`run_example`, :func:`is_finite_number`, :func:`assert_exited_cleanly`,
@@ -16,6 +18,8 @@ import re
 import subprocess
 import sys
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -23,6 +27,21 @@ from jmp_lite._src import compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 F32 = np.dtype(jnp.float32)
+
+# ---------------------------------------------------------------------------
+# Trees.
+# ---------------------------------------------------------------------------
+
+
+def assert_bit_identical(a, b):
+  """The same structure, dtypes and shapes (chex), and the same bytes: stricter
+  than equality, which takes -0.0 for 0.0 and any NaN for any other."""
+  chex.assert_trees_all_equal_structs(a, b)
+  chex.assert_trees_all_equal_dtypes(a, b)
+  chex.assert_trees_all_equal_shapes(a, b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), (x, y)
+
 
 # ---------------------------------------------------------------------------
 # Jaxpr inspection.

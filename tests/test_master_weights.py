@@ -29,6 +29,7 @@ from jmp_lite import master_weights
 from jmp_lite._src.master_weights import MasterWeightsState
 from jmp_lite import with_state_dtype
 
+from helpers import assert_bit_identical
 from helpers import assert_exited_cleanly
 from helpers import ROOT
 from helpers import run_example
@@ -102,24 +103,11 @@ def _dtypes(tree):
   return jax.tree_util.tree_map(lambda x: np.dtype(x.dtype), tree)
 
 
-def _bits(x):
-  return np.asarray(x).tobytes()
-
-
-def _assert_bit_identical(a, b):
-  a_leaves, a_def = jax.tree_util.tree_flatten(a)
-  b_leaves, b_def = jax.tree_util.tree_flatten(b)
-  assert a_def == b_def
-  for x, y in zip(a_leaves, b_leaves):
-    assert np.dtype(x.dtype) == np.dtype(y.dtype) and x.shape == y.shape
-    assert _bits(x) == _bits(y)
-
-
 def _assert_params_are_rounded_master(params, state):
   master = get_master_params(state, params)
   rounded = jax.tree_util.tree_map(
       lambda m, p: m.astype(p.dtype), master, params)
-  _assert_bit_identical(params, rounded)
+  assert_bit_identical(params, rounded)
 
 
 def _maybe_jit(fn, jit):
@@ -240,9 +228,9 @@ def test_float32_params_train_exactly_as_the_inner_optimizer():
     p1 = optax.apply_updates(p1, u1)
     u2, s2 = wrapped.update(_grads(p2, targets), s2, p2)
     p2 = optax.apply_updates(p2, u2)
-  _assert_bit_identical(p1, p2)
-  _assert_bit_identical(p2, get_master_params(s2, p2))
-  _assert_bit_identical(s1, s2.inner_state)
+  assert_bit_identical(p1, p2)
+  assert_bit_identical(p2, get_master_params(s2, p2))
+  assert_bit_identical(s1, s2.inner_state)
 
 
 @standard_promotion
@@ -390,7 +378,7 @@ def test_multi_steps_inside_accumulates_in_float32():
     updates, state = step(params, state)
     new_params = optax.apply_updates(params, updates)
     if i % 3 != 2:  # A mini-step: nothing moves.
-      _assert_bit_identical(new_params, params)
+      assert_bit_identical(new_params, params)
     params = new_params
     _assert_params_are_rounded_master(params, state)
   assert int(state.inner_state.gradient_step) == 2
@@ -456,9 +444,9 @@ def test_skipped_step_leaves_params_master_and_inner_state_bit_identical(
   grads["w"] = grads["w"].at[2, 3].set(poison)
   new_params, new_state = step(params, state, grads)
   assert not bool(new_state.last_finite)
-  _assert_bit_identical(new_params, params)
-  _assert_bit_identical(new_state.inner_state, state.inner_state)
-  _assert_bit_identical(get_master_params(new_state, new_params),
+  assert_bit_identical(new_params, params)
+  assert_bit_identical(new_state.inner_state, state.inner_state)
+  assert_bit_identical(get_master_params(new_state, new_params),
                         get_master_params(state, params))
   # Training resumes on the next finite step, and still lands exactly.
   params, state = step(new_params, new_state, _grads(new_params, targets))
@@ -540,8 +528,8 @@ def test_state_dtype_computes_in_float32(jit):
     grads = _grads(params, targets)
     ref_updates, ref_state = reference_update(grads, state, params)
     updates, state = update(grads, state, params)
-    _assert_bit_identical(updates, ref_updates)
-    _assert_bit_identical(state, ref_state)
+    assert_bit_identical(updates, ref_updates)
+    assert_bit_identical(state, ref_state)
     params = optax.apply_updates(params, updates)
 
 
@@ -670,8 +658,8 @@ def test_pmap_replicas_agree_with_a_single_device_run():
                                            replicate(grads))
   sp, ss = jax.jit(step)(params, state, grads)  # Compiled, as pmap's is.
   for i in (0, n - 1):
-    _assert_bit_identical(jax.tree_util.tree_map(lambda x: x[i], rp), sp)
-    _assert_bit_identical(jax.tree_util.tree_map(lambda x: x[i], rs), ss)
+    assert_bit_identical(jax.tree_util.tree_map(lambda x: x[i], rp), sp)
+    assert_bit_identical(jax.tree_util.tree_map(lambda x: x[i], rs), ss)
 
 
 def _trained_state():
@@ -689,11 +677,11 @@ def _trained_state():
 def test_pickle_round_trip():
   opt, params, state = _trained_state()
   restored = pickle.loads(pickle.dumps(state))
-  _assert_bit_identical(restored, state)
+  assert_bit_identical(restored, state)
   assert type(get_master_params(restored, params)) is dict
   # The restored state steps exactly as the original.
   grads = _grads(params, _targets())
-  _assert_bit_identical(opt.update(grads, restored, params),
+  assert_bit_identical(opt.update(grads, restored, params),
                         opt.update(grads, state, params))
 
 
@@ -706,11 +694,11 @@ def test_orbax_checkpoint_round_trip(tmp_path):
   target = jax.eval_shape(lambda: {"params": params, "opt_state": state})
   restored = checkpointer.restore(tmp_path / "ckpt", target)
   checkpointer.close()
-  _assert_bit_identical(restored["opt_state"], state)
-  _assert_bit_identical(restored["params"], params)
+  assert_bit_identical(restored["opt_state"], state)
+  assert_bit_identical(restored["params"], params)
   assert isinstance(restored["opt_state"].inner_state, MasterWeightsState)
   grads = _grads(params, _targets())
-  _assert_bit_identical(opt.update(grads, restored["opt_state"], params),
+  assert_bit_identical(opt.update(grads, restored["opt_state"], params),
                         opt.update(grads, state, params))
 
 

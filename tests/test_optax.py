@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jmp_lite
+from helpers import assert_bit_identical
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -69,15 +70,6 @@ def _poison(grads, value):
 
 def _dtypes(tree):
   return jax.tree_util.tree_map(lambda x: np.dtype(x.dtype), tree)
-
-
-def _assert_bit_identical(a, b):
-  a_leaves, a_def = jax.tree_util.tree_flatten(a)
-  b_leaves, b_def = jax.tree_util.tree_flatten(b)
-  assert a_def == b_def
-  for x, y in zip(a_leaves, b_leaves):
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
 
 
 def _counts(tree):
@@ -162,7 +154,7 @@ def _check_skip_then_recover(update, params, state, grads, bad, update_dtypes,
   assert _dtypes(updates) == update_dtypes
   for leaf in jax.tree_util.tree_leaves(updates):
     np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
-  _assert_bit_identical(skipped.inner_state, state.inner_state)
+  assert_bit_identical(skipped.inner_state, state.inner_state)
   assert _counts(skipped.inner_state) == counts_before
   assert _dtypes(skipped) == _dtypes(state)
   assert not bool(skipped.last_finite)
@@ -172,7 +164,7 @@ def _check_skip_then_recover(update, params, state, grads, bad, update_dtypes,
   assert int(skipped.loss_scale.counter) == 0
 
   _, skipped2 = update(_poison(grads, bad), skipped, params)
-  _assert_bit_identical(skipped2.inner_state, state.inner_state)
+  assert_bit_identical(skipped2.inner_state, state.inner_state)
   assert int(skipped2.skipped_steps) == 2
   assert int(skipped2.consecutive_skips) == 2
   assert float(skipped2.loss_scale.loss_scale) == scale / 4

@@ -33,6 +33,7 @@ compounding: those runs are compared with ``rtol=RTOL_JIT``. Skipped steps are
 bit-identical in both modes (the old state is selected, not recomputed).
 """
 
+import chex
 import functools
 import json
 import math
@@ -49,6 +50,7 @@ import optax
 import pytest
 
 import jmp_lite
+from helpers import assert_bit_identical
 from helpers import assert_exited_cleanly
 from helpers import assert_is_png
 from helpers import is_finite_number
@@ -72,21 +74,6 @@ slow = pytest.mark.slow
 
 def _dtypes(tree):
   return jax.tree_util.tree_map(lambda x: np.dtype(x.dtype), tree)
-
-
-def _assert_bit_identical(a, b):
-  a_leaves, a_def = jax.tree_util.tree_flatten(a)
-  b_leaves, b_def = jax.tree_util.tree_flatten(b)
-  assert a_def == b_def
-  for x, y in zip(a_leaves, b_leaves):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes(), (x, y)
-
-
-def _assert_all_finite(tree):
-  for leaf in jax.tree_util.tree_leaves(tree):
-    assert np.all(np.isfinite(np.asarray(leaf, np.float64))), leaf
 
 
 def _scale_value(loss_scale):
@@ -390,16 +377,16 @@ def run_fault_sequence(opt, params, grads, bad, dtype, k, jit):
     new_params = optax.apply_updates(params, updates)
     window_ok &= i not in bad
     step_taken = (i % k == k - 1) and window_ok
-    _assert_all_finite(new_params)
+    chex.assert_tree_all_finite(new_params)
     if k > 1:
-      _assert_all_finite(new_state.accumulated)
+      chex.assert_tree_all_finite(new_state.accumulated)
     assert _dtypes(new_state) == dtypes
     assert jax.tree_util.tree_structure(new_state) == structure
     if not step_taken:
       for leaf in jax.tree_util.tree_leaves(updates):
         np.testing.assert_array_equal(leaf, np.zeros_like(leaf))
-      _assert_bit_identical(new_params, params)
-      _assert_bit_identical(new_state.inner_state, state.inner_state)
+      assert_bit_identical(new_params, params)
+      assert_bit_identical(new_state.inner_state, state.inner_state)
     params, state = new_params, new_state
     if i % k == k - 1:
       history.append(dict(scale=window_scale,
@@ -454,7 +441,7 @@ def check_fault_run(make_inner, dtype, k, jit, params=None):
             np.asarray(a, F32), np.asarray(b, F32), rtol=RTOL_JIT, atol=0),
         final, ref_params)
   else:
-    _assert_bit_identical(final, ref_params)
+    assert_bit_identical(final, ref_params)
   assert not np.allclose(final["w"], params["w"])  # It did train.
 
   # The scale: backs off once per bad window, grows every 2 finite steps.
@@ -529,7 +516,7 @@ def test_fault_sequence_through_compositions(make_inner, dtype, k):
   if dtype != F32:  # master_weights: the params are the master copy rounded.
     master = jmp_lite.get_master_params(state, final)
     assert _dtypes(master) == {"w": F32, "b": F32}
-    _assert_bit_identical(final, jax.tree_util.tree_map(
+    assert_bit_identical(final, jax.tree_util.tree_map(
         lambda m: m.astype(dtype), master))
 
 
@@ -606,7 +593,7 @@ def test_fault_sequence_with_lookahead_inside():
     if finite:
       updates, ref_state = inner.update(g, ref_state, ref_params)
       ref_params = optax.apply_updates(ref_params, updates)
-  _assert_bit_identical(params, ref_params)
+  assert_bit_identical(params, ref_params)
   assert int(state.skipped_steps) == flags.count(False)
 
 
@@ -694,7 +681,7 @@ def test_loss_scaling_first_in_a_chain_matches_the_reference():
       updates, state = composed.update(_scaled(g, scale, F32, bad.get(i)),
                                        state, p)
       p = optax.apply_updates(p, updates)
-    _assert_bit_identical(p, ref)
+    assert_bit_identical(p, ref)
     assert int(ls_state(state).skipped_steps) == flags.count(False)
 
 
@@ -863,7 +850,7 @@ def test_non_finite_and_zero_steps_leave_the_check_unchanged(jit):
   _, state = update({"w": jnp.ones(2, F32)}, opt.init(params), params)
   for w in (jnp.array([jnp.inf, 1.0]), jnp.array([jnp.nan, 1.0]), jnp.zeros(2)):
     _, same = update({"w": w}, state, params)
-    _assert_bit_identical(same.scaling_check, state.scaling_check)
+    assert_bit_identical(same.scaling_check, state.scaling_check)
 
 
 @JIT_IDS
@@ -920,7 +907,7 @@ def _shared_run(jit, steps, bad_a, bad_b, dtype=F16):
       params[name] = optax.apply_updates(params[name], updates)
       assert states[name].loss_scale is None
       if i in bad[name]:
-        _assert_bit_identical((params[name], states[name].inner_state),
+        assert_bit_identical((params[name], states[name].inner_state),
                               (old[0], old[1].inner_state))
     scale = scale.adjust(states["a"].last_finite & states["b"].last_finite)
   refs = {name: run_reference(make[name](), _fault_params(
@@ -943,7 +930,7 @@ def test_shared_scale_each_optimizer_skips_on_its_own_gradients(jit):
           lambda x, y: np.testing.assert_allclose(x, y, rtol=RTOL_JIT),
           params[name], refs[name])
     else:
-      _assert_bit_identical(params[name], refs[name])
+      assert_bit_identical(params[name], refs[name])
     assert int(states[name].skipped_steps) == len(bad)
   flags = [i not in bad_a and i not in bad_b for i in range(steps)]
   ref_scales, _ = reference_dynamic(FAULT_SCALE, flags)
@@ -996,7 +983,7 @@ def test_issue_a_accumulation_steps_trains_windows_1_and_3(jit):
     params = optax.apply_updates(params, updates)
     seen.append((float(params["w"][0]), _scale_value(state.loss_scale),
                  int(state.skipped_steps)))
-    _assert_all_finite(state.accumulated)
+    chex.assert_tree_all_finite(state.accumulated)
   # Window 1 at scale 128 (-1/128), grows to 256; window 2 skipped once, the
   # scale backs off to 128; window 3 trains at 128 (-1/128 more).
   assert seen == [(0.0, 128.0, 0), (-1 / 128, 256.0, 0),
@@ -1506,9 +1493,9 @@ def test_separate_scales_pattern():
     before = params
     params, opt_state, scales = step(params, opt_state, scales, batch)
     history.append(tuple(_scale_value(s) for s in scales))
-    _assert_all_finite(params)
+    chex.assert_tree_all_finite(params)
     if big != 1.0:
-      _assert_bit_identical(params, before)
+      assert_bit_identical(params, before)
       continue
     grads = jax.tree_util.tree_map(
         jnp.add, jax.grad(_main_loss)(ref, batch),
@@ -1631,7 +1618,7 @@ def test_accumulation_under_pmap_skips_the_window_on_every_replica():
   for grads in (good, good, good, bad):
     updates, state_r = update({"w": grads}, state_r, params_r)
     params_r = optax.apply_updates(params_r, updates)
-    _assert_all_finite(state_r.accumulated)
+    chex.assert_tree_all_finite(state_r.accumulated)
   np.testing.assert_array_equal(params_r["w"], np.full((n, 2), -1.0, F32))
   np.testing.assert_array_equal(state_r.skipped_steps, np.ones(n, I32))
   # 8 -> 16 after the first window (period 1), back to 8 after the second.
