@@ -1,12 +1,25 @@
-"""The test matrix: ``nox`` (or ``nox -s floor``, ``nox -s newest``...).
+"""The test matrix: ``nox`` (or ``nox -s floor``, ``nox -s newest``, ``nox -s bench``...).
 
-Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv and
-runs the whole suite, as the README's test command does):
+Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv):
 
-* ``newest-3.12``, ``newest-3.13``: the newest jax, jaxlib, flax and optax the
-  pins in ``pyproject.toml`` allow (jax >= 0.11 needs Python >= 3.12).
-* ``floor``: Python 3.11 with every pinned package at the lower bound of its
-  pin, read from ``pyproject.toml``: the oldest versions we claim to support.
+* ``newest-3.12``, ``newest-3.13``: the whole suite on the newest jax, jaxlib,
+  flax and optax the pins in ``pyproject.toml`` allow (jax >= 0.11 needs
+  Python >= 3.12).
+* ``floor``: the whole suite on Python 3.11 with every pinned package at the
+  lower bound of its pin, read from ``pyproject.toml``: the oldest versions we
+  claim to support.
+* ``bench``: the GPU suite's tests (``tests/test_gpu_suite.py``) with the
+  ``bench`` extra, PyTorch, installed, so that the torch.amp side-by-side runs
+  end to end at tiny sizes on the CPU (without torch those tests skip). The
+  tests need only a CPU build of PyTorch, and PyPI's Linux wheels bundle CUDA
+  (about 0.5 GB, plus about 3 GB of CUDA libraries), so the session installs
+  ``BENCH_TORCH`` (default ``torch==2.13.0``, the version the session tests)
+  first, with PyTorch's CPU wheel index added (``BENCH_TORCH_INDEX``, default
+  https://download.pytorch.org/whl/cpu; pip takes the ``+cpu`` build, which
+  sorts above PyPI's, from there or from wherever pip's own configuration
+  --find-links, a mirror-- offers one; ``BENCH_TORCH_INDEX=`` adds no
+  index), then ``.[test,bench]``, which that torch satisfies. E.g.
+  ``BENCH_TORCH='torch>=2.4' nox -s bench`` tests the newest torch.
 
 The default environment (Python 3.11 with the newest jax it has) is the
 README's own test command, which ``.ci/run`` runs before this matrix.
@@ -30,12 +43,15 @@ from packaging.requirements import Requirement
 nox.options.error_on_missing_interpreters = True
 nox.options.download_python = "never"
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["newest", "floor"]
+nox.options.sessions = ["newest", "floor", "bench"]
 
 ROOT = pathlib.Path(__file__).resolve().parent
 # The packages whose supported range the pins state and the matrix tests.
 RANGED = ("jax", "jaxlib", "flax", "optax")
 PYTEST = ("python", "-m", "pytest", "-q")
+#: The PyTorch the bench session installs, and the index it adds for it.
+BENCH_TORCH = os.environ.get("BENCH_TORCH", "torch==2.13.0")
+BENCH_TORCH_INDEX = os.environ.get("BENCH_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
 
 
 def _add_pyenv_versions_to_path() -> None:
@@ -91,3 +107,15 @@ def floor(session: nox.Session) -> None:
   session.install("-e", ".[test]", "-c", str(constraints))
   _versions(session)
   session.run(*PYTEST, *session.posargs)
+
+
+@nox.session(python="3.11")
+def bench(session: nox.Session) -> None:
+  """The GPU suite's tests with PyTorch (a CPU build): the torch.amp side."""
+  index = ("--extra-index-url", BENCH_TORCH_INDEX) if BENCH_TORCH_INDEX else ()
+  session.install(BENCH_TORCH, *index)
+  session.install("-e", ".[test,bench]")
+  _versions(session)
+  session.run("python", "-c", "import torch; print('torch', torch.__version__, "
+              "'| CUDA', torch.version.cuda)")
+  session.run(*PYTEST, "tests/test_gpu_suite.py", *session.posargs)

@@ -23,28 +23,19 @@ cannot underflow) ``CHECK_WINDOWS`` windows from the same params must give
 params within ``CHECK_RTOL``/``CHECK_ATOL`` of each other; with the timed
 dtype (where they legitimately differ: float16 gradients that underflow
 without a loss scale) every variant must take one optimizer step per window
-and keep finite params. Method as
-in ``benchmarks.wrapper_overhead``: each step is compiled ahead of time, then
-timed in blocks of ``--steps`` micro-steps (a multiple of ``k``, so every block
-holds the same optimizer steps), the variants interleaved in this process with
-the order rotating each repeat, ``--repeats`` times; ratios are medians of the
-per-block ratios to ``multisteps`` (wall clock, and process CPU time as a
-cross-check).
+and keep finite params. Timed blocks hold ``--steps`` micro-steps, a multiple
+of ``k``, so that every block holds the same optimizer steps; ratios are to
+``multisteps``. Method: ``benchmarks/runner.py``.
 
 Run from the repository root::
 
   python -m benchmarks.accumulation_overhead                   # ~1-2 min on 2 CPU cores
   python -m benchmarks.accumulation_overhead --update-results  # ... into benchmarks/results/
   python -m benchmarks.accumulation_overhead --quick --out /tmp/ao   # smoke test
-
-Writes ``accumulation_overhead.json`` (machine, config, figures) and
-``accumulation_overhead.md`` (the table, with the command line) to ``--out``
-(a scratch folder by default).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
@@ -54,195 +45,110 @@ import optax
 
 import jmp_lite
 from benchmarks import common
-from benchmarks.common import compile_step
-from benchmarks.common import fresh_copy
-from benchmarks.common import make_jmp_lite_step
-from benchmarks.common import make_plain_step
-from benchmarks.common import run_steps
-from benchmarks.common import State
-from benchmarks.common import summarize
-from benchmarks.common import time_interleaved
-from benchmarks.models import apply_mlp
-from benchmarks.models import init_mlp
-from benchmarks.wrapper_overhead import make_batch
-from benchmarks.wrapper_overhead import make_loss_fn
-from benchmarks.wrapper_overhead import make_workloads
-from benchmarks.wrapper_overhead import Workload
+from benchmarks import runner
+from benchmarks import workloads as wl
 
-INITIAL_SCALE = 2.0**15
-LEARNING_RATE = 1e-3
-MAX_CONSECUTIVE_ERRORS = 10
 CHECK_WINDOWS = 3
 CHECK_RTOL = 1e-4
 CHECK_ATOL = 1e-6
 BASELINE = "multisteps"
-VARIANTS = ("jmp_lite", "multisteps", "multisteps_if_finite")
-DESCRIPTIONS = {
+VARIANTS = {
     "jmp_lite": "loss_scaling(adam, DynamicLossScale(2**15), "
                 "accumulation_steps=k) + get_loss_scale + scaled_value_and_grad",
     "multisteps": "optax.MultiSteps(adam, k), value_and_grad (no loss scaling)",
     "multisteps_if_finite": f"optax.MultiSteps(optax.apply_if_finite(adam, "
-                            f"{MAX_CONSECUTIVE_ERRORS}), k), value_and_grad "
+                            f"{common.MAX_CONSECUTIVE_ERRORS}), k), value_and_grad "
                             "(no loss scaling)",
 }
+RATIOS = {"ratio_to_multisteps": {name: (name, BASELINE) for name in VARIANTS
+                                  if name != BASELINE}}
 
 
-def make_optimizers(k: int) -> dict[str, Any]:
-  """The three optimizers, by variant."""
-  adam = lambda: optax.adam(LEARNING_RATE)
-  return {
+def variants(loss_fn, params, k: int) -> tuple[dict, dict]:
+  """The three variants' step functions and fresh states."""
+  adam = lambda: optax.adam(common.LEARNING_RATE)  # noqa: E731
+  opts = {
       "jmp_lite": jmp_lite.loss_scaling(
-          adam(), jmp_lite.DynamicLossScale(INITIAL_SCALE),
-          accumulation_steps=k),
+          adam(), jmp_lite.DynamicLossScale(common.INITIAL_SCALE), accumulation_steps=k),
       "multisteps": optax.MultiSteps(adam(), k),
       "multisteps_if_finite": optax.MultiSteps(
-          optax.apply_if_finite(adam(), MAX_CONSECUTIVE_ERRORS), k),
+          optax.apply_if_finite(adam(), common.MAX_CONSECUTIVE_ERRORS), k),
   }
+  steps = {name: (common.make_jmp_lite_step if name == "jmp_lite" else
+                  common.make_plain_step)(loss_fn, opt) for name, opt in opts.items()}
+  states = {name: common.fresh_copy((params, opt.init(params))) for name, opt in opts.items()}
+  return steps, states
 
 
 def optimizer_steps(opt_state) -> int:
   """How many optimizer steps the variant's state says Adam took."""
-  leaves = jax.tree_util.tree_leaves(
-      opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
-  adam = next(x for x in leaves if isinstance(x, optax.ScaleByAdamState))
-  return int(adam.count)
+  leaves = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+  return int(next(x for x in leaves if isinstance(x, optax.ScaleByAdamState)).count)
 
 
-def train_check(fns, states, batch, k) -> tuple[dict[str, State], dict[str, Any]]:
-  """Runs CHECK_WINDOWS windows of every variant; compares params and steps.
-
-  Returns the new states and: the optimizer steps each variant took, the
-  largest parameter difference to the baseline, and whether all params are
-  finite and within CHECK_RTOL / CHECK_ATOL of the baseline's.
-  """
-  for name in VARIANTS:
-    states[name], _ = run_steps(fns[name], states[name], batch,
-                                CHECK_WINDOWS * k)
-  jax.block_until_ready(states)
-  ref = jax.tree_util.tree_leaves(states[BASELINE][0])
-  diffs, close, finite = {}, True, True
-  for name in VARIANTS:
-    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(states[name][0])]
-    diffs[name] = max(float(np.max(np.abs(a - np.asarray(b))))
-                      for a, b in zip(leaves, ref))
-    close &= all(np.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL)
-                 for a, b in zip(leaves, ref))
-    finite &= all(bool(np.all(np.isfinite(a))) for a in leaves)
-  steps = {name: optimizer_steps(states[name][1]) for name in VARIANTS}
-  return states, {"optimizer_steps": steps, "max_abs_param_diff": diffs,
-                  "close": bool(close), "finite": bool(finite),
-                  "same_steps": set(steps.values()) == {CHECK_WINDOWS}}
-
-
-def check_equivalent(params, batch, opts_factory, k) -> dict[str, Any]:
-  """The variants compute the same optimizer steps: checked with float32
-  compute, where the unscaled gradients of the MultiSteps variants cannot
-  underflow (with float16 they can, which is the point of loss scaling, and
-  their params legitimately differ by up to the learning rate)."""
-  loss_fn = make_loss_fn(apply_mlp, jmp_lite.get_policy("f32"))
-  fns, states, _ = make_variants(loss_fn, opts_factory(k), params, batch)
-  _, result = train_check(fns, states, batch, k)
-  result["same"] = bool(result["close"] and result["finite"]
-                        and result["same_steps"])
-  return result
-
-
-def make_variants(loss_fn, opts, params, batch):
-  """The three variants' compiled steps, fresh states and compile figures."""
-  step_fns = {
-      "jmp_lite": make_jmp_lite_step(loss_fn, opts["jmp_lite"]),
-      "multisteps": make_plain_step(loss_fn, opts["multisteps"]),
-      "multisteps_if_finite": make_plain_step(loss_fn,
-                                              opts["multisteps_if_finite"]),
+def train_windows(fns, states, batch, k: int) -> tuple[dict, dict[str, Any]]:
+  """Runs CHECK_WINDOWS windows of every variant; compares params and steps
+  with the baseline's."""
+  states, _ = runner.run_all(fns, states, batch, CHECK_WINDOWS * k)
+  ref = states[BASELINE][0]
+  leaves = {name: [np.asarray(x) for x in jax.tree.leaves(states[name][0])] for name in fns}
+  steps = {name: optimizer_steps(states[name][1]) for name in fns}
+  return states, {
+      "optimizer_steps": steps,
+      "max_abs_param_diff": {name: runner.max_abs_diff(states[name][0], ref) for name in fns},
+      "close": all(np.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL)
+                   for name in fns for a, b in zip(leaves[name], leaves[BASELINE])),
+      "finite": all(bool(np.all(np.isfinite(a))) for ls in leaves.values() for a in ls),
+      "same_steps": set(steps.values()) == {CHECK_WINDOWS},
   }
-  states = {name: fresh_copy((params, opts[name].init(params)))
-            for name in VARIANTS}
-  fns, compile_info = {}, {}
-  for name in VARIANTS:
-    fns[name], compile_info[name] = compile_step(step_fns[name], states[name],
-                                                 batch)
-  return fns, states, compile_info
 
 
-def run_workload(workload: Workload, k: int, steps: int, repeats: int,
-                 seed: int) -> dict[str, Any]:
-  key_params, key_batch = jax.random.split(jax.random.PRNGKey(seed))
-  params = init_mlp(key_params, workload.sizes)
-  batch = make_batch(key_batch, workload)
-  equivalent = check_equivalent(params, batch, make_optimizers, k)
-  fns, states, compile_info = make_variants(
-      make_loss_fn(apply_mlp, workload.policy), make_optimizers(k), params,
-      batch)
-  # The timed steps, run as warm-up: no window may be skipped.
-  states, warmup = train_check(fns, states, batch, k)
-  check = {"f32_compute": equivalent, "timed_dtype": warmup,
-           "same": bool(equivalent["same"] and warmup["same_steps"]
-                        and warmup["finite"])}
-  print(f"[{workload.name}] check: f32 compute same={equivalent['same']} "
-        f"max|dparams|={equivalent['max_abs_param_diff']}; "
-        f"{workload.compute}: optimizer steps {warmup['optimizer_steps']}, "
-        f"max|dparams|={warmup['max_abs_param_diff']}", flush=True)
-  if not check["same"]:
-    raise SystemExit(f"{workload.name}: the variants do not train alike "
-                     f"({check}); timing them against each other would be "
-                     "meaningless.")
+def make_check(workload: wl.Workload, params, k: int):
+  """The criterion: with float32 compute (where the unscaled gradients of the
+  MultiSteps variants cannot underflow; with float16 they can, which is the
+  point of loss scaling) the variants reach the same params; with the timed
+  dtype each takes one optimizer step per window."""
 
-  per_step = time_interleaved(fns, states, batch, steps, repeats, VARIANTS)
-  ratios = {
-      clock: {name: summarize([a / b for a, b in zip(
-          per_step[clock][name], per_step[clock][BASELINE])])
-              for name in VARIANTS if name != BASELINE}
-      for clock in ("wall", "cpu")
-  }
-  result = {
-      "workload": workload.name,
-      "description": workload.describe(),
-      "policy": str(workload.policy),
-      "batch": workload.batch,
-      "sizes": list(workload.sizes),
-      "accumulation_steps": k,
-      "param_count": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
-      "check": check,
-      "compile": compile_info,
-      "step_time_s": {name: summarize(per_step["wall"][name])
-                      for name in VARIANTS},
-      "cpu_time_s": {name: summarize(per_step["cpu"][name])
-                     for name in VARIANTS},
-      "ratio_to_multisteps": ratios["wall"],
-      "cpu_ratio_to_multisteps": ratios["cpu"],
-  }
-  print(f"[{workload.name}] multisteps "
-        f"{result['step_time_s'][BASELINE]['median'] * 1e3:.2f} ms/micro-step; "
-        + "; ".join(f"{name} x{ratios['wall'][name]['median']:.3f}"
-                    for name in VARIANTS if name != BASELINE), flush=True)
-  return result
+  def check(fns, states, batch):
+    f32_steps, f32_states = variants(wl.loss_fn(workload, "f32"), params, k)
+    f32_fns = {name: common.compile_step(step, f32_states[name], batch)[0]
+               for name, step in f32_steps.items()}
+    _, f32 = train_windows(f32_fns, f32_states, batch, k)
+    f32["same"] = bool(f32["close"] and f32["finite"] and f32["same_steps"])
+    states, timed = train_windows(fns, states, batch, k)
+    return states, {"f32_compute": f32, "timed_dtype": timed,
+                    "same": bool(f32["same"] and timed["same_steps"] and timed["finite"])}
+
+  return check
 
 
-# --- reporting ----------------------------------------------------------------
+def measure(workload_compute: tuple[wl.Workload, str], args) -> dict[str, Any]:
+  workload, compute = workload_compute
+  policy = wl.policy(compute)
+  params, batch = wl.setup(workload, args.seed)
+  k = args.accumulation_steps
+  steps, states = variants(wl.loss_fn(workload, "policy", policy), params, k)
+  name = f"{workload.name}-{compute}"
+  result = runner.measure(name, steps, states, batch, runner.Timing.from_args(args),
+                          check=make_check(workload, params, k), ratios=RATIOS)
+  return {"workload": name, "description": workload.description, "policy": str(policy),
+          "accumulation_steps": k, "param_count": common.param_count(params), **result}
 
 
-def markdown_table(report: dict[str, Any]) -> str:
+def table(report: dict[str, Any]) -> list[str]:
   config = report["config"]
   k = config["accumulation_steps"]
-  lines = common.report_header(
-      "Accumulation overhead: `loss_scaling(..., accumulation_steps=k)` vs "
-      "`optax.MultiSteps`",
-      report) + [
+  lines = [
       f"One jitted micro-step of an MLP (params f32, compute f16 or bf16, "
-      f"Adam({LEARNING_RATE:g}), k = {k} micro-batches per optimizer step, "
+      f"Adam({common.LEARNING_RATE:g}), k = {k} micro-batches per optimizer step, "
       "state donated, compiled ahead of time): **jmp_lite** — "
-      f"{DESCRIPTIONS['jmp_lite']}; **multisteps** — "
-      f"{DESCRIPTIONS['multisteps']}; **multisteps_if_finite** — "
-      f"{DESCRIPTIONS['multisteps_if_finite']}. The MultiSteps variants do no "
-      "loss scaling: with float16 they are not a safe alternative, they are "
-      "the cost floor of accumulating at all.",
+      f"{VARIANTS['jmp_lite']}; **multisteps** — {VARIANTS['multisteps']}; "
+      f"**multisteps_if_finite** — {VARIANTS['multisteps_if_finite']}. The "
+      "MultiSteps variants do no loss scaling: with float16 they are not a safe "
+      "alternative, they are the cost floor of accumulating at all.",
       "",
-      f"Per micro-step time: median over {config['repeats']} blocks of "
-      f"{config['steps']} micro-steps ({config['steps'] // k} optimizer step(s) "
-      "each), the variants interleaved in one process, the order rotating "
-      "each repeat. Ratios: median of the per-block ratios to multisteps, "
-      "with the interquartile range; the CPU-time ratio is the same from the "
-      "process's CPU time, less sensitive to other processes.",
+      runner.method(config, "to multisteps", unit=f"micro-steps ({config['steps'] // k} "
+                    "optimizer step(s) each)"),
       "",
       "| workload | policy | multisteps ms/micro-step | variant "
       "| ms/micro-step | ratio to multisteps | ratio IQR | CPU-time ratio "
@@ -251,22 +157,17 @@ def markdown_table(report: dict[str, Any]) -> str:
   ]
   for r in report["results"]:
     base = r["step_time_s"][BASELINE]["median"] * 1e3
-    for name in VARIANTS:
-      if name == BASELINE:
-        continue
-      ratio, cpu = r["ratio_to_multisteps"][name], r[
-          "cpu_ratio_to_multisteps"][name]
+    for name, ratio in r["ratio_to_multisteps"].items():
       lines.append(
           f"| {r['workload']}: {r['description']} | `{r['policy']}` "
-          f"| {base:.2f} | {name} "
-          f"| {r['step_time_s'][name]['median'] * 1e3:.2f} "
+          f"| {base:.2f} | {name} | {r['step_time_s'][name]['median'] * 1e3:.2f} "
           f"| {ratio['median']:.3f} | {ratio['q25']:.3f}-{ratio['q75']:.3f} "
-          f"| {cpu['median']:.3f} "
+          f"| {r['cpu_ratio_to_multisteps'][name]['median']:.3f} "
           f"| {r['compile'][name]['total_s']:.2f} (multisteps "
           f"{r['compile'][BASELINE]['total_s']:.2f}) "
           f"| {r['compile'][name]['entry_kernels']} (multisteps "
           f"{r['compile'][BASELINE]['entry_kernels']}) |")
-  lines += [
+  return lines + [
       "",
       "Kernels: instructions in the optimized HLO's ENTRY computation. Before "
       f"timing, the three variants ran {CHECK_WINDOWS} windows from the same "
@@ -276,56 +177,44 @@ def markdown_table(report: dict[str, Any]) -> str:
       "window. Full figures: `accumulation_overhead.json`.",
       "",
   ]
-  return "\n".join(lines)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      prog="python -m benchmarks.accumulation_overhead",
-      description="Micro-step time of jmp_lite's loss-scaled gradient "
-                  "accumulation against optax.MultiSteps.")
+def _add_flags(parser) -> None:
   parser.add_argument("--accumulation-steps", type=int, default=4,
                       help="micro-batches per optimizer step (default 4)")
-  parser.add_argument("--steps", type=int, default=None,
-                      help="micro-steps per timed block, a multiple of "
-                           "--accumulation-steps (default 2 windows; 1 with "
-                           "--quick)")
-  common.add_timing_args(parser, repeats=(31, 3))
-  args = parser.parse_args(argv)
+
+
+def _finish_flags(parser, args) -> None:
   k = args.accumulation_steps
   if k < 2:
-    parser.error("--accumulation-steps must be >= 2")
+    parser.error(f"--accumulation-steps must be >= 2, got {k}")
   if args.steps is None:
     args.steps = k if args.quick else 2 * k
-  args = common.finish_timing_args(parser, args)
   if args.steps % k:
-    parser.error(f"--steps must be a multiple of --accumulation-steps ({k}), "
-                 "so that every timed block holds the same optimizer steps")
-  return args
+    parser.error(f"--steps must be a multiple of --accumulation-steps ({k}), got "
+                 f"{args.steps}, so that every timed block holds the same optimizer steps")
+
+
+STUDY = runner.Study(
+    name="accumulation_overhead",
+    title="Accumulation overhead: `loss_scaling(..., accumulation_steps=k)` vs "
+          "`optax.MultiSteps`",
+    description="Micro-step time of jmp_lite's loss-scaled gradient accumulation "
+                "against optax.MultiSteps.",
+    workloads=lambda args: [(w, c) for w in wl.make_workloads(
+        "quick" if args.quick else "cpu", ["mlp"]) for c in args.computes],
+    measure=measure, table=table,
+    repeats=(31, 3), steps=(8, 4),
+    steps_help="micro-steps per timed block, a multiple of --accumulation-steps "
+               "(default two windows; one with --quick)",
+    add_flags=_add_flags, finish_flags=_finish_flags,
+    config=lambda args: {"accumulation_steps": args.accumulation_steps,
+                         "check_windows": CHECK_WINDOWS, "baseline": BASELINE,
+                         "variants": VARIANTS})
 
 
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  args = parse_args(argv)
-  config = {
-      "accumulation_steps": args.accumulation_steps,
-      "steps": args.steps,
-      "repeats": args.repeats,
-      "quick": args.quick,
-      "seed": args.seed,
-      "check_windows": CHECK_WINDOWS,
-      "initial_loss_scale": INITIAL_SCALE,
-      "learning_rate": LEARNING_RATE,
-      "baseline": BASELINE,
-      "variants": DESCRIPTIONS,
-  }
-  common.publish(
-      "accumulation_overhead", argv, args.out, config,
-      lambda: [run_workload(w, args.accumulation_steps, args.steps,
-                            args.repeats, args.seed)
-               for w in make_workloads(["mlp"], args.computes, args.quick)],
-      markdown_table)
-  return 0
+  return runner.main(STUDY, argv)
 
 
 if __name__ == "__main__":

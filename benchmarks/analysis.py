@@ -14,11 +14,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
-
-# The one way jmp_lite finds the sub-jaxprs of an equation (jit, scan, cond...).
-from jmp_lite._src import compat
 
 HALF_DTYPES = ("float16", "bfloat16")
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
@@ -111,14 +109,15 @@ def _walk(jaxpr, multiplier: int, totals: dict[str, int]) -> None:
       branch_totals = []
       for branch in eqn.params["branches"]:
         t: dict[str, int] = {}
-        _walk(branch.jaxpr, inner, t)
+        _walk(getattr(branch, "jaxpr", branch), inner, t)
         branch_totals.append(t)
       best = max(branch_totals, key=lambda t: sum(t.values()), default={})
       for k, v in best.items():
         totals[k] = totals.get(k, 0) + v
       continue
-    for sub in compat.sub_jaxprs(eqn.params):
-      _walk(compat.open_jaxpr(sub), inner, totals)
+    # The bodies of jit, remat, custom_jvp/vjp, while, scan (public jax.extend API).
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      _walk(getattr(sub, "jaxpr", sub), inner, totals)
 
 
 def matmul_flops(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:

@@ -1,35 +1,38 @@
-"""Pieces shared by the benchmarks: train steps, compilation, timing, reporting.
+"""The train steps, compilation and timing the studies and the suites share.
 
-Every benchmark here compares train steps that compute the same thing in
-different ways. The steps share one state convention (a tuple, donated to
-``jax.jit``), are compiled ahead of time with :func:`compile_step`, and are
-timed with :func:`time_interleaved`: short blocks of steps of every variant in
-turn, in one process, the order rotating each repeat, so that load from other
-processes affects all variants alike. Ratios are the median of the per-repeat
-ratios.
+Every benchmark compares train steps that compute the same thing in different
+ways. The steps share one state convention (a tuple, donated to ``jax.jit``):
+
+* :func:`make_jmp_lite_step`, :func:`make_hand_step`, :func:`make_plain_step`:
+  the step written with ``jmp_lite.loss_scaling``, the same step by hand jmp
+  style, and a step with no loss scaling; :func:`make_variant` and
+  :func:`build_step` build one of them, with its optimizer and initial state,
+  by name (:data:`STEP_KINDS`);
+* :func:`compile_step`: ahead-of-time compilation, timed, with the kernel
+  count of the optimized HLO;
+* :func:`time_interleaved`: short blocks of steps of every variant in turn, in
+  one process, the order rotating each repeat, so that load from other
+  processes affects all variants alike; :func:`summarize` and
+  :func:`ratio_summary` give medians and interquartile ranges.
+
+``benchmarks/runner.py`` puts these together into the check-then-time loop.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
-import os
 import pathlib
-import platform
 import re
-import shlex
-import tempfile
 import time
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 
 import jmp_lite
+from models import results
 
 Params = Any
 Batch = dict[str, jax.Array]
@@ -40,25 +43,15 @@ Step = Callable[[State, Batch], tuple[State, jax.Array]]
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 #: Where benchmarks write by default, so that running them leaves the clone
 #: unchanged.
-# "jmp-lite": a folder named like the package would shadow it (see
-# examples/common.py).
-SCRATCH_DIR = pathlib.Path(tempfile.gettempdir()) / "jmp-lite" / "benchmarks"
+SCRATCH_DIR = results.scratch_dir("benchmarks")
+OUTPUTS = results.Outputs(committed=RESULTS_DIR, scratch=SCRATCH_DIR)
 
-
-def add_output_args(parser) -> None:
-  """Adds ``--out DIR`` and ``--update-results`` (mutually exclusive)."""
-  group = parser.add_mutually_exclusive_group()
-  group.add_argument(
-      "--out", type=pathlib.Path, default=None,
-      help=f"directory for the results (default: {SCRATCH_DIR}, a scratch folder)")
-  group.add_argument(
-      "--update-results", action="store_true",
-      help="write into benchmarks/results/, replacing the committed results")
-
-
-def output_dir(args) -> pathlib.Path:
-  """The directory chosen by :func:`add_output_args`'s flags (not created)."""
-  return RESULTS_DIR if args.update_results else (args.out or SCRATCH_DIR)
+#: Every benchmark trains with Adam at this learning rate ...
+LEARNING_RATE = 1e-3
+#: ... and, where it scales the loss dynamically, starts from this scale.
+INITIAL_SCALE = 2.0**15
+#: optax.apply_if_finite's tolerance of non-finite steps in a row.
+MAX_CONSECUTIVE_ERRORS = 10
 
 
 # --- train steps ---------------------------------------------------------------
@@ -123,6 +116,59 @@ def make_plain_step(loss_fn, opt: optax.GradientTransformation) -> Step:
   return step
 
 
+#: The steps :func:`build_step` builds, all with ``optax.adam(LEARNING_RATE)``.
+STEP_KINDS = {
+    "jmp_lite": "loss_scaling(adam, scale) + get_loss_scale + scaled_value_and_grad",
+    "hand": "scale/grad/unscale + all_finite + adjust + select_tree(params, opt_state)",
+    "plain": "value_and_grad + adam, no loss scaling",
+    "apply_if_finite": f"value_and_grad + optax.apply_if_finite(adam, "
+                       f"{MAX_CONSECUTIVE_ERRORS}), no loss scaling",
+}
+
+
+def make_variant(kind: str, loss_fn, scale: Any = None,
+                 **options: Any) -> tuple[Step, Callable[[Params], State]]:
+  """One train step of ``loss_fn`` by kind (:data:`STEP_KINDS`) and its init.
+
+  Args:
+    kind: ``"jmp_lite"``, ``"hand"``, ``"plain"`` or ``"apply_if_finite"``.
+    loss_fn: ``(params, batch) -> float32 loss``.
+    scale: the loss scale of ``"jmp_lite"`` and ``"hand"`` (default
+      ``DynamicLossScale(INITIAL_SCALE)``).
+    **options: further arguments of ``jmp_lite.loss_scaling`` (``"jmp_lite"``).
+
+  Returns:
+    ``(step, init)``: ``init(params)`` is the initial state, holding ``params``
+    themselves and its own copy of the loss scale (the step donates its
+    state: it must not delete the arrays of ``scale``).
+  """
+  adam = optax.adam(LEARNING_RATE)
+  scale = jmp_lite.DynamicLossScale(INITIAL_SCALE) if scale is None else scale
+  if kind == "jmp_lite":
+    opt = jmp_lite.loss_scaling(adam, scale, **options)
+    return make_jmp_lite_step(loss_fn, opt), lambda params: (
+        params, _own_scale(opt.init(params)))
+  if kind == "hand":
+    return make_hand_step(loss_fn, adam), lambda params: (
+        params, adam.init(params), fresh_copy(scale))
+  if kind in ("plain", "apply_if_finite"):
+    opt = adam if kind == "plain" else optax.apply_if_finite(adam, MAX_CONSECUTIVE_ERRORS)
+    return make_plain_step(loss_fn, opt), lambda params: (params, opt.init(params))
+  raise ValueError(f"unknown step {kind!r}; choose from {', '.join(STEP_KINDS)}")
+
+
+def _own_scale(opt_state: jmp_lite.LossScaleState) -> jmp_lite.LossScaleState:
+  return opt_state._replace(loss_scale=fresh_copy(opt_state.loss_scale))
+
+
+def build_step(kind: str, loss_fn, params: Params, scale: Any = None,
+               **options: Any) -> tuple[Step, State]:
+  """:func:`make_variant` and its initial state, every buffer its own (so
+  that several variants may start from the same ``params``)."""
+  step, init = make_variant(kind, loss_fn, scale, **options)
+  return step, fresh_copy(init(params))
+
+
 def fresh_copy(tree: Any) -> Any:
   """Copies every array leaf into a new buffer.
 
@@ -130,9 +176,13 @@ def fresh_copy(tree: Any) -> Any:
   variants start from the same ``params``, and the states must not alias the
   arrays of the loss scale the optimizer was built with.
   """
-  return jax.tree_util.tree_map(
+  return jax.tree.map(
       lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, tree
   )
+
+
+def param_count(params: Params) -> int:
+  return int(sum(x.size for x in jax.tree.leaves(params)))
 
 
 # --- compilation ------------------------------------------------------------------
@@ -170,7 +220,8 @@ def compile_step(
   Each repeat wraps a new function calling ``step`` in a fresh ``jax.jit``, so
   tracing, lowering and XLA compilation all run again (jitted library functions
   called inside ``step`` keep their trace caches after the first repeat); the
-  reported times are medians over repeats.
+  reported times are medians over repeats. ``state`` and ``batch`` may be
+  arrays or ``jax.ShapeDtypeStruct`` trees.
 
   Returns:
     The compiled step of the last repeat and a dict of timings (seconds) and
@@ -200,6 +251,13 @@ def compile_step(
       "entry_opcodes": ops,
   }
   return compiled, info
+
+
+def shape_structs(tree: Any) -> Any:
+  """``tree`` with every array replaced by its shape and dtype (for lowering)."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
+      if isinstance(x, jax.Array) else x, tree)
 
 
 # --- timing -----------------------------------------------------------------------
@@ -263,168 +321,3 @@ def summarize(values: list[float]) -> dict[str, Any]:
 def ratio_summary(num: list[float], den: list[float]) -> dict[str, Any]:
   """Summary of the per-repeat ratios ``num[i] / den[i]``."""
   return summarize([a / b for a, b in zip(num, den)])
-
-
-# --- reporting ----------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-  device = jax.devices()[0]
-  return {
-      "platform": platform.platform(),
-      "machine": platform.machine(),
-      "processor": platform.processor(),
-      "cpu_count": os.cpu_count(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "jaxlib": jaxlib.__version__,
-      "optax": optax.__version__,
-      "numpy": np.__version__,
-      "jmp_lite": jmp_lite.__version__,
-      "backend": jax.default_backend(),
-      "device_kind": device.device_kind,
-      "device_count": jax.device_count(),
-      "xla_flags": os.environ.get("XLA_FLAGS", ""),
-  }
-
-
-def machine_line(machine: dict[str, Any]) -> str:
-  """One markdown sentence naming the machine and the library versions."""
-  return (
-      f"Machine: {machine['device_kind']} ({machine['backend']} backend, "
-      f"{machine['device_count']} device(s)), {machine['cpu_count']} CPU cores, "
-      f"{machine['platform']}; Python {machine['python']}, jax {machine['jax']}, "
-      f"jaxlib {machine['jaxlib']}, optax {machine['optax']}, "
-      f"jmp_lite {machine['jmp_lite']}."
-  )
-
-
-def command_line(module: str, argv: Sequence[str]) -> str:
-  return shlex.join(["python", "-m", module, *argv])
-
-
-def utc_now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def add_timing_args(parser, *, repeats: tuple[int, int],
-                    steps: tuple[int, int] | None = None,
-                    computes: Sequence[str] = ("f16", "bf16"),
-                    seed: bool = True) -> None:
-  """The flags the interleaved timing benchmarks share.
-
-  ``--repeats`` (and ``--steps`` when ``steps`` is given): ``(default,
-  default with --quick)``; ``--quick``; ``--computes``, a comma-separated
-  subset of ``computes``; ``--seed`` (unless ``seed=False``); ``--out`` /
-  ``--update-results``. :func:`finish_timing_args` completes them after
-  parsing.
-  """
-  if steps is not None:
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"steps per timed block (default {steps[0]}; "
-                        f"{steps[1]} with --quick)")
-  parser.add_argument("--repeats", type=int, default=None,
-                      help=f"timed blocks per variant (default {repeats[0]}; "
-                      f"{repeats[1]} with --quick)")
-  parser.add_argument("--quick", action="store_true",
-                      help="tiny sizes and few steps: a smoke test, not a measurement")
-  parser.add_argument("--computes", default=",".join(computes),
-                      help=f"comma-separated compute dtypes (default {','.join(computes)})")
-  if seed:
-    parser.add_argument("--seed", type=int, default=0,
-                        help="PRNG seed for params and the synthetic batch (default 0)")
-  add_output_args(parser)
-  parser.set_defaults(_timing=dict(repeats=repeats, steps=steps,
-                                   computes=tuple(computes)))
-
-
-def finish_timing_args(parser, args) -> Any:
-  """Fills the defaults :func:`add_timing_args` left open and checks the values."""
-  timing = args._timing  # pylint: disable=protected-access
-  quick = int(args.quick)
-  if args.repeats is None:
-    args.repeats = timing["repeats"][quick]
-  if timing["steps"] is not None and args.steps is None:
-    args.steps = timing["steps"][quick]
-  if args.repeats < 1 or getattr(args, "steps", 1) < 1:
-    parser.error("--steps and --repeats must be >= 1")
-  args.computes = split_choices(parser, args.computes, timing["computes"],
-                                "compute dtype")
-  args.out = output_dir(args)
-  return args
-
-
-def split_choices(parser, value: str, choices: Sequence[str], what: str) -> list[str]:
-  """A comma-separated flag value as a list, each item one of ``choices``."""
-  items = [v.strip() for v in value.split(",") if v.strip()]
-  for item in items:
-    if item not in choices:
-      parser.error(f"unknown {what} {item!r}; choose from {', '.join(choices)}")
-  return items
-
-
-def publish(name: str, argv: Sequence[str], out: pathlib.Path,
-            config: dict[str, Any], measure: Callable[[], Any],
-            markdown: Callable[[dict[str, Any]], str],
-            summary: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
-  """Runs ``measure()`` and writes, prints and returns its report.
-
-  The report records what every committed figure needs: the command line,
-  the date, the machine and versions, the load average before and after,
-  the config, the results (plus ``summary(results)``) and the wall time; it is
-  written as ``<out>/<name>.json`` and ``<out>/<name>.md`` (``markdown(report)``).
-  """
-  load_before = os.getloadavg()
-  started = time.perf_counter()
-  results = measure()
-  report = {
-      "benchmark": name,
-      "command": command_line(f"benchmarks.{name}", argv),
-      "date": utc_now(),
-      "machine": machine_info(),
-      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-      "config": config,
-      "results": results,
-      **(summary(results) if summary else {}),
-      "wall_s": time.perf_counter() - started,
-  }
-  text = markdown(report)
-  write_results(out, name, report, text)
-  print()
-  print(text)
-  print(f"Wrote {out / (name + '.json')} and {out / (name + '.md')} "
-        f"({report['wall_s']:.0f} s).")
-  return report
-
-
-def report_header(title: str, report: dict[str, Any]) -> list[str]:
-  """The opening lines of a :func:`publish` report's markdown: the title,
-  the command and date, the machine and the load average."""
-  load = report["load_average"]
-  return [
-      f"# {title}",
-      "",
-      f"Generated by `{report['command']}` on {report['date']} "
-      f"({report['wall_s']:.0f} s).",
-      "",
-      machine_line(report["machine"])
-      + f" Load average (1 min) before/after the run: {load['before'][0]:.2f}"
-      f" / {load['after'][0]:.2f}.",
-      "",
-  ]
-
-
-def write_results(out: pathlib.Path, name: str, report: dict[str, Any], markdown: str) -> None:
-  """Writes ``<out>/<name>.json`` and ``<out>/<name>.md``."""
-  out.mkdir(parents=True, exist_ok=True)
-  (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
-  (out / f"{name}.md").write_text(markdown)
-
-
-def fmt(value: float | None, spec: str = ".3f") -> str:
-  """Formats a number for a table; ``None`` (not measured) as an en dash."""
-  return "–" if value is None else format(value, spec)
-
-
-def yes_no(ok: bool | None) -> str:
-  return "–" if ok is None else ("yes" if ok else "no")

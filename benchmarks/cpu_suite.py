@@ -1,34 +1,33 @@
 """The CPU suite: step-time and compile-time ratios, residual bytes, FLOP shares.
 
-Run as ``python -m benchmarks run --suite cpu`` (see ``benchmarks/README.md``).
-Absolute CPU times say nothing about accelerators (XLA:CPU emulates half
-precision); the suite reports *ratios* between variants that compute the same
-thing, and static properties of the programs (bytes saved for the backward
-pass, share of matmul FLOPs in half precision), which carry over to GPUs.
+Run as ``python -m benchmarks run --suite cpu`` (see ``benchmarks/README.md``);
+it writes ``cpu.json`` and ``cpu.md``. Absolute CPU times say nothing about
+accelerators (XLA:CPU emulates half precision); the suite reports *ratios*
+between variants that compute the same thing (timed with
+``benchmarks/runner.py``), and static properties of the programs (bytes saved
+for the backward pass, share of matmul FLOPs in half precision), which carry
+over to GPUs. The example models' static figures come from the builders of
+``residual_recompute.py``.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 import jmp_lite
 from benchmarks import analysis
 from benchmarks import common
+from benchmarks import residual_recompute
+from benchmarks import runner
 from benchmarks import workloads as wl
 
-LEARNING_RATE = 1e-3
-INITIAL_SCALE = 2.0**15
-MAX_CONSECUTIVE_ERRORS = 10
 CHECK_STEPS = 3
-# bf16 variants compiled --compile-repeats times, interleaved (median; ratios:
-# median of the per-round ratios).
+CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
+#: bf16 variants compiled --compile-repeats times, interleaved (median;
+#: ratios: median of the per-round ratios).
 COMPILE_REPEATED = ("jmp_lite", "hand", "autocast")
 TARGETS = {
     "wrapper_step_ratio": 1.03,
@@ -38,146 +37,63 @@ TARGETS = {
     "residual_ratio_floor": 0.5,
     "half_flop_share": 1.0,
 }
-POLICIES = {
-    "bf16": jmp_lite.get_policy("p=f32,c=bf16,o=f32"),
-    "f16": jmp_lite.get_policy("p=f32,c=f16,o=f32"),
-}
-# Interleaved groups: variants timed against each other.
+#: Interleaved groups: variants timed against each other, by compute dtype.
+#: ``autocast`` is the ``jmp_lite`` step on the loss under ``jmp_lite.autocast``;
+#: the others are :data:`common.STEP_KINDS` on the loss cast by the policy.
 GROUPS = {
     "bf16": ("jmp_lite", "hand", "apply_if_finite", "autocast"),
     "f16": ("jmp_lite", "hand"),
 }
-RATIOS = (
-    # (name, group, numerator, denominator)
-    ("jmp_lite/hand bf16", "bf16", "jmp_lite", "hand"),
-    ("jmp_lite/hand f16", "f16", "jmp_lite", "hand"),
-    ("jmp_lite/apply_if_finite bf16", "bf16", "jmp_lite", "apply_if_finite"),
-    ("autocast/policy bf16", "bf16", "autocast", "jmp_lite"),
-)
+RATIOS = {  # name: (group, numerator, denominator)
+    "jmp_lite/hand bf16": ("bf16", "jmp_lite", "hand"),
+    "jmp_lite/hand f16": ("f16", "jmp_lite", "hand"),
+    "jmp_lite/apply_if_finite bf16": ("bf16", "jmp_lite", "apply_if_finite"),
+    "autocast/policy bf16": ("bf16", "autocast", "jmp_lite"),
+}
+MB = 1e6
+REMAT = "`save_half_residuals`"
 
 
 # --- step and compile time --------------------------------------------------------
 
 
-def build_variants(workload: wl.Workload, params, group: str) -> dict[str, tuple[Any, Any]]:
-  """``{variant: (step, initial state)}`` for one interleaved group.
-
-  * ``jmp_lite``: ``loss_scaling(adam, DynamicLossScale)`` with the loss cast
-    by hand with the policy (the "policy" loss);
-  * ``hand``: the same, jmp style (scale, unscale, ``all_finite``,
-    ``select_tree``);
-  * ``apply_if_finite``: ``optax.apply_if_finite(adam)`` and no loss scaling
-    (bf16 only: with float16 compute and no scaling, gradients underflow;
-    params and so grads stay float32);
-  * ``autocast``: as ``jmp_lite`` with the loss under ``jmp_lite.autocast``.
-  """
-  policy = POLICIES[group]
-  adam = optax.adam(LEARNING_RATE)
-  scaled = jmp_lite.loss_scaling(adam, jmp_lite.DynamicLossScale(INITIAL_SCALE))
-  policy_loss = wl.loss_fn(workload, "policy", policy)
-  variants = {
-      "jmp_lite": (common.make_jmp_lite_step(policy_loss, scaled),
-                   (params, scaled.init(params))),
-      "hand": (common.make_hand_step(policy_loss, adam),
-               (params, adam.init(params), jmp_lite.DynamicLossScale(INITIAL_SCALE))),
-  }
-  if "apply_if_finite" in GROUPS[group]:
-    skipping = optax.apply_if_finite(adam, MAX_CONSECUTIVE_ERRORS)
-    variants["apply_if_finite"] = (common.make_plain_step(policy_loss, skipping),
-                                   (params, skipping.init(params)))
-  if "autocast" in GROUPS[group]:
-    autocast_loss = wl.loss_fn(workload, "autocast", policy)
-    variants["autocast"] = (common.make_jmp_lite_step(autocast_loss, scaled),
-                            (params, scaled.init(params)))
-  return {name: (step, common.fresh_copy(state)) for name, (step, state) in variants.items()}
+def check(fns, states, batch) -> tuple[dict, dict[str, Any]]:
+  """The jmp_lite and hand-written steps give the same losses (every variant
+  runs CHECK_STEPS steps; their losses are kept)."""
+  states, losses = runner.run_all(fns, states, batch, CHECK_STEPS)
+  return states, {"losses": losses, "same": bool(np.allclose(
+      losses["jmp_lite"], losses["hand"], rtol=CHECK_RTOL, atol=CHECK_ATOL))}
 
 
-def _block_steps(fn, state, batch, target_s: float, quick: bool) -> tuple[Any, int]:
-  """Steps per timed block so that a block lasts about ``target_s``."""
-  if quick:
-    return state, 1
-  state, wall, _ = common.time_block(fn, state, batch, 2)
-  return state, int(np.clip(round(target_s / (wall / 2)), 1, 64))
-
-
-def _shape_structs(state: Any) -> Any:
-  """``state`` with every array replaced by its shape and dtype (for lowering)."""
-  return jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type)
-      if isinstance(x, jax.Array) else x, state)
-
-
-def _recompile_interleaved(variants, shapes, batch, rounds: int, compile_info) -> None:
-  """Compiles the ``COMPILE_REPEATED`` bf16 variants ``rounds`` more times.
-
-  Rounds interleave the variants (order rotating), like the step timing, so
-  that a burst of load from other processes hits one round of every variant
-  rather than all compilations of one. Updates ``compile_info`` in place:
-  ``total_s_values`` gets one value per round, ``total_s`` etc. the medians.
-  """
-  names = list(COMPILE_REPEATED)
-  for r in range(rounds):
-    shift = r % len(names)
-    for name in names[shift:] + names[:shift]:
-      _, info = common.compile_step(variants[name][0], shapes[name], batch)
-      entry = compile_info[f"bf16/{name}"]
-      entry["total_s_values"].append(info["total_s"])
-      entry.setdefault("lower_s_values", [entry["lower_s"]]).append(info["lower_s"])
-      entry.setdefault("compile_s_values", [entry["compile_s"]]).append(info["compile_s"])
-  for name in names:
-    entry = compile_info[f"bf16/{name}"]
-    entry["total_s"] = float(np.median(entry["total_s_values"]))
-    if rounds:
-      entry["lower_s"] = float(np.median(entry["lower_s_values"]))
-      entry["compile_s"] = float(np.median(entry["compile_s_values"]))
-
-
-def time_workload(workload: wl.Workload, args) -> dict[str, Any]:
-  """Compiles, checks and times every variant of one workload."""
-  params, batch = wl.setup(workload, args.seed)
-  result: dict[str, Any] = {"compile": {}, "check": {}, "step_time_s": {},
-                            "cpu_time_s": {}, "block_steps": {}}
-  compile_repeats = 1 if args.quick else args.compile_repeats
-
-  f32_step = common.make_plain_step(wl.loss_fn(workload, "f32"), optax.adam(LEARNING_RATE))
-  _, result["compile"]["f32"] = common.compile_step(
-      f32_step, common.fresh_copy((params, optax.adam(LEARNING_RATE).init(params))), batch)
-
+def time_workload(workload: wl.Workload, params, batch, args) -> dict[str, Any]:
+  """Compiles, checks and times every variant of one workload, group by group."""
+  result: dict[str, Any] = {key: {} for key in (
+      "compile", "check", "step_time_s", "cpu_time_s", "block_steps", "ratios")}
+  f32_step, f32_state = common.build_step("plain", wl.loss_fn(workload, "f32"), params)
+  _, result["compile"]["f32"] = common.compile_step(f32_step, f32_state, batch)
   for group, names in GROUPS.items():
-    variants = build_variants(workload, params, group)
-    fns, states = {}, {}
-    shapes = {name: _shape_structs(state) for name, (_, state) in variants.items()}
+    policy = wl.policy(group)
+    built = {name: common.build_step(
+        "jmp_lite" if name == "autocast" else name,
+        wl.loss_fn(workload, "autocast" if name == "autocast" else "policy", policy),
+        params) for name in names}
+    shapes = {name: common.shape_structs(state) for name, (_, state) in built.items()}
+    ratios = {key: (num, den) for key, (g, num, den) in RATIOS.items() if g == group}
+    measured = runner.measure(
+        f"{workload.name} {group}", {n: step for n, (step, _) in built.items()},
+        {n: state for n, (_, state) in built.items()}, batch,
+        runner.Timing.from_args(args), check=check, ratios={"ratios": ratios})
     for name in names:
-      step, state = variants[name]
-      fns[name], result["compile"][f"{group}/{name}"] = common.compile_step(step, state, batch)
-      states[name], losses = common.run_steps(fns[name], state, batch, CHECK_STEPS)
-      result["check"][f"{group}/{name}"] = [float(x) for x in losses]
+      for key in ("compile", "step_time_s", "cpu_time_s"):
+        result[key][f"{group}/{name}"] = measured[key][name]
+      result["check"][f"{group}/{name}"] = measured["check"]["losses"][name]
+    result["block_steps"][group] = measured["steps_per_block"]
+    for key in ratios:
+      result["ratios"][key] = {"wall": measured["ratios"][key],
+                               "cpu": measured["cpu_ratios"][key]}
     if group == "bf16":
-      _recompile_interleaved(variants, shapes, batch, compile_repeats - 1, result["compile"])
-    ref = result["check"][f"{group}/jmp_lite"]
-    if not np.allclose(ref, result["check"][f"{group}/hand"], rtol=1e-4, atol=1e-5):
-      raise SystemExit(f"{workload.name} {group}: jmp_lite and hand-written steps differ "
-                       f"({ref} vs {result['check'][f'{group}/hand']}).")
-    states["jmp_lite"], steps = _block_steps(
-        fns["jmp_lite"], states["jmp_lite"], batch, args.block_s, args.quick)
-    result["block_steps"][group] = steps
-    per_step = common.time_interleaved(fns, states, batch, steps, args.repeats, names)
-    for name in names:
-      result["step_time_s"][f"{group}/{name}"] = common.summarize(per_step["wall"][name])
-      result["cpu_time_s"][f"{group}/{name}"] = common.summarize(per_step["cpu"][name])
-    result[f"_raw_{group}"] = per_step
-    print(f"  [{workload.name}] {group}: " + ", ".join(
-        f"{n} {np.median(per_step['wall'][n]) * 1e3:.2f} ms" for n in names), flush=True)
-
-  result["ratios"] = {}
-  for name, group, num, den in RATIOS:
-    raw = result[f"_raw_{group}"]
-    result["ratios"][name] = {
-        "wall": common.ratio_summary(raw["wall"][num], raw["wall"][den]),
-        "cpu": common.ratio_summary(raw["cpu"][num], raw["cpu"][den]),
-    }
-  for group in GROUPS:
-    del result[f"_raw_{group}"]
+      _recompile_interleaved(built, shapes, batch, args.compile_repeats - 1,
+                             result["compile"])
   comp = result["compile"]
 
   def round_ratio(num: str, den: str) -> float:
@@ -195,149 +111,307 @@ def time_workload(workload: wl.Workload, args) -> dict[str, Any]:
   return result
 
 
+def _recompile_interleaved(built, shapes, batch, rounds: int, compile_info) -> None:
+  """Compiles the ``COMPILE_REPEATED`` bf16 variants ``rounds`` more times.
+
+  Rounds interleave the variants (order rotating), like the step timing, so
+  that a burst of load from other processes hits one round of every variant
+  rather than all compilations of one. Updates ``compile_info`` in place:
+  ``total_s_values`` gets one value per round, ``total_s`` etc. the medians.
+  """
+  names = list(COMPILE_REPEATED)
+  for r in range(rounds):
+    shift = r % len(names)
+    for name in names[shift:] + names[:shift]:
+      _, info = common.compile_step(built[name][0], shapes[name], batch)
+      entry = compile_info[f"bf16/{name}"]
+      entry["total_s_values"].append(info["total_s"])
+      for key in ("lower_s", "compile_s"):
+        entry.setdefault(f"{key}_values", [entry[key]]).append(info[key])
+  for name in names:
+    entry = compile_info[f"bf16/{name}"]
+    entry["total_s"] = float(np.median(entry["total_s_values"]))
+    for key in ("lower_s", "compile_s"):
+      entry[key] = float(np.median(entry.get(f"{key}_values", [entry[key]])))
+
+
 # --- static figures ---------------------------------------------------------------
 
 
-def static_figures(loss_of, params, exclude, f32_key: str = "f32") -> dict[str, Any]:
-  """Residuals and matmul FLOPs of ``loss_of(key)`` for every key.
+def figures(loss, params, exclude) -> dict[str, Any]:
+  """Residual bytes and matmul FLOPs of the scalar function ``loss(params)``."""
+  return {"residuals": analysis.residual_bytes(loss, params, exclude),
+          "flops": analysis.matmul_flops(jax.value_and_grad(loss), params)}
 
-  Args:
-    loss_of: ``{name: params -> loss}``.
-    params: the params to differentiate.
-    exclude: arrays the losses close over that do not count as residuals.
-    f32_key: the float32 entry the residual ratios are relative to.
-  """
-  out = {}
-  for name, loss in loss_of.items():
-    out[name] = {
-        "residuals": analysis.residual_bytes(loss, params, exclude),
-        "flops": analysis.matmul_flops(jax.value_and_grad(loss), params),
-    }
-  base = out[f32_key]["residuals"]
-  for figures in out.values():
-    r = figures["residuals"]
+
+def relative_to_f32(out: dict[str, Any]) -> dict[str, Any]:
+  """Adds each entry's residual ratios to the ``"f32"`` entry's; returns ``out``."""
+  base = out["f32"]["residuals"]
+  for figs in out.values():
+    r = figs["residuals"]
     r["ratio_vs_f32"] = r["bytes"] / base["bytes"]
     r["activation_ratio_vs_f32"] = r["activation_bytes"] / base["activation_bytes"]
   return out
 
 
-def _half_residuals(loss):
-  """``loss`` under ``jax.checkpoint(policy=jmp_lite.save_half_residuals)``."""
-  return jax.checkpoint(loss, policy=jmp_lite.save_half_residuals)
-
-
-def workload_static(workload: wl.Workload, seed: int) -> dict[str, Any]:
-  params, batch = wl.setup(workload, seed)
+def workload_static(workload: wl.Workload, params, batch) -> dict[str, Any]:
+  """f32, policy, autocast and policy + ``save_half_residuals``, bf16 and f16."""
   losses = {"f32": wl.loss_fn(workload, "f32")}
-  for dt, policy in POLICIES.items():
-    losses[f"policy {dt}"] = wl.loss_fn(workload, "policy", policy)
-    losses[f"autocast {dt}"] = wl.loss_fn(workload, "autocast", policy)
-    losses[f"policy+remat {dt}"] = _half_residuals(losses[f"policy {dt}"])
-  return static_figures(
-      {k: (lambda p, f=f: f(p, batch)) for k, f in losses.items()}, params, batch)
+  for dt in GROUPS:
+    losses[f"policy {dt}"] = wl.loss_fn(workload, "policy", wl.policy(dt))
+    losses[f"autocast {dt}"] = wl.loss_fn(workload, "autocast", wl.policy(dt))
+    losses[f"policy+remat {dt}"] = jax.checkpoint(
+        losses[f"policy {dt}"], policy=jmp_lite.save_half_residuals)
+  return relative_to_f32({k: figures(lambda p, f=f: f(p, batch), params, batch)
+                          for k, f in losses.items()})
 
 
-def digits_cnn_static(quick: bool) -> dict[str, Any]:
-  """``DigitsCNN`` under ``jmp_lite.linen.apply_policy``, training mode."""
-  import jmp_lite.linen as jlinen
-  from models.flax_models import DigitsCNN
-
-  batch = 4 if quick else 64
-  x = jax.random.normal(jax.random.PRNGKey(0), (batch, 8, 8, 1), jnp.float32)
-  y = jnp.arange(batch, dtype=jnp.int32) % 10
+def example_static(name: str, args) -> dict[str, Any]:
+  """An example model (``DigitsCNN`` under ``jmp_lite.linen.apply_policy`` in
+  training mode, ``CharLM`` under ``jmp_lite.nnx.apply_policy``): f32, the
+  policy and the policy + ``save_half_residuals`` (``remat loss``)."""
   out = {}
-  for name, spec in (("f32", "p=f32,c=f32,o=f32"), ("bf16", "p=f32,c=bf16,o=f32"),
-                     ("f16", "p=f32,c=f16,o=f32")):
-    model = jlinen.apply_policy(DigitsCNN(), spec)
-    variables = model.init(jax.random.PRNGKey(1), x)
-    stats = variables["batch_stats"]
-
-    def loss(p, model=model, stats=stats):
-      logits, _ = model.apply({"params": p, "batch_stats": stats}, x, train=True,
-                              mutable=["batch_stats"])
-      return wl.cross_entropy(logits, y)
-
-    out[name] = static_figures({name: loss}, variables["params"], (x, stats), name)[name]
-    if name != "f32":
-      out[f"{name}+remat"] = static_figures(
-          {name: _half_residuals(loss)}, variables["params"], (x, stats), name)[name]
-  return _relative_to_f32(out, f"DigitsCNN (linen), batch {batch} of 8x8x1")
+  for compute in GROUPS:
+    model = residual_recompute.MODELS[name](compute, args.quick, args.seed)
+    for variant, key in (("f32", "f32"), ("policy", compute),
+                         ("remat loss", f"{compute}+remat")):
+      loss = model["losses"][variant]
+      out[key] = figures(lambda p, loss=loss: loss(p, model["stats"], model["batch"])[0],
+                         model["params"][variant],
+                         (model["batch"], model["stats"], model["exclude"][variant]))
+  return {"description": model["description"], "figures": relative_to_f32(out)}
 
 
-def char_lm_static(quick: bool) -> dict[str, Any]:
-  """``CharLM`` under ``jmp_lite.nnx.apply_policy``."""
-  from flax import nnx
-  import jmp_lite.nnx as jnnx
-  from models.flax_models import CharLM
-
-  dims = (dict(d_model=16, num_heads=2, num_layers=1), 8, 2) if quick else (
-      dict(d_model=128, num_heads=4, num_layers=2), 128, 16)
-  kwargs, seq, batch = dims
-  tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, seq + 1), 0, 256, jnp.int32)
-  out = {}
-  for name, spec in (("f32", "p=f32,c=f32,o=f32"), ("bf16", "p=f32,c=bf16,o=f32"),
-                     ("f16", "p=f32,c=f16,o=f32")):
-    module = CharLM(256, max_len=seq, rngs=nnx.Rngs(0), **kwargs)
-    graphdef, params, rest = nnx.split(jnnx.apply_policy(module, spec), nnx.Param, ...)
-
-    def loss(p, graphdef=graphdef, rest=rest):
-      logits = nnx.merge(graphdef, p, rest)(tokens[:, :-1])
-      return wl.cross_entropy(logits, tokens[:, 1:])
-
-    out[name] = static_figures({name: loss}, params, (tokens, rest), name)[name]
-    if name != "f32":
-      out[f"{name}+remat"] = static_figures(
-          {name: _half_residuals(loss)}, params, (tokens, rest), name)[name]
-  desc = (f"CharLM (nnx) {kwargs['num_layers']} layers x {kwargs['d_model']}, "
-          f"{seq} tokens, batch {batch}")
-  return _relative_to_f32(out, desc)
+def measure(workload: wl.Workload, args) -> dict[str, Any]:
+  print(f"[cpu] {workload.name}: {workload.description}", flush=True)
+  params, batch = wl.setup(workload, args.seed)
+  return {"workload": workload.name, "description": workload.description,
+          "param_count": common.param_count(params),
+          "static": workload_static(workload, params, batch),
+          **time_workload(workload, params, batch, args)}
 
 
-def _relative_to_f32(out: dict[str, Any], description: str) -> dict[str, Any]:
-  base = out["f32"]["residuals"]
-  for figures in out.values():
-    r = figures["residuals"]
-    r["ratio_vs_f32"] = r["bytes"] / base["bytes"]
-    r["activation_ratio_vs_f32"] = r["activation_bytes"] / base["activation_bytes"]
-  return {"description": description, "figures": out}
+# --- tables -------------------------------------------------------------------------
 
 
-# --- the suite --------------------------------------------------------------------
+def step_time_table(report: dict[str, Any]) -> list[str]:
+  target = report["config"]["targets"]["wrapper_step_ratio"]
+  lines = [
+      "## 1. Step time: the wrapper vs the same step by hand vs `optax.apply_if_finite`",
+      "",
+      "Per-step wall time, median over the interleaved blocks (ms). Ratio: median "
+      "of the per-block ratios (interquartile range in brackets). bf16 variants "
+      "are interleaved with each other, f16 variants likewise. "
+      f"Target: jmp_lite/hand <= {target}.",
+      "",
+      "| workload | bf16 jmp_lite | bf16 hand | bf16 apply_if_finite | f16 jmp_lite "
+      "| f16 hand | jmp_lite/hand bf16 | jmp_lite/hand f16 | <= 1.03 "
+      "| jmp_lite/apply_if_finite bf16 | CPU-time ratios (bf16, f16, aif) |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|:---:|---:|---:|",
+  ]
+  keys = ("jmp_lite/hand bf16", "jmp_lite/hand f16", "jmp_lite/apply_if_finite bf16")
+  for r in report["results"]:
+    t, ratios = r["step_time_s"], r["ratios"]
+    ok = all(ratios[k]["wall"]["median"] <= target for k in keys[:2])
+    lines.append(
+        f"| {r['workload']}: {r['description']} "
+        + "".join(f"| {t[k]['median'] * 1e3:.2f} " for k in (
+            "bf16/jmp_lite", "bf16/hand", "bf16/apply_if_finite", "f16/jmp_lite", "f16/hand"))
+        + "".join(f"| {runner.ratio_cell(ratios[k]['wall'])} " for k in keys[:2])
+        + f"| {runner.yes_no(ok)} | {runner.ratio_cell(ratios[keys[2]]['wall'])} "
+        + "| " + ", ".join(f"{ratios[k]['cpu']['median']:.3f}" for k in keys) + " |")
+  return lines + [""]
 
 
-def run(args) -> dict[str, Any]:
-  """Runs the CPU suite; returns the report (not yet written)."""
-  load_before = os.getloadavg()
-  started = time.perf_counter()
-  # --quick (the smoke test) times only the MLP: compilation dominates there.
-  chosen = wl.make_workloads("quick")[:1] if args.quick else wl.make_workloads("cpu")
-  results = []
-  for workload in chosen:
-    print(f"[cpu] {workload.name}: {workload.description}", flush=True)
-    params, _ = wl.setup(workload, args.seed)
-    entry = {"workload": workload.name, "description": workload.description,
-             "param_count": wl.param_count(params)}
-    entry["static"] = workload_static(workload, args.seed)
-    entry.update(time_workload(workload, args))
-    results.append(entry)
-  print("[cpu] example models (static figures)", flush=True)
-  examples = {"DigitsCNN": digits_cnn_static(args.quick),
-              "CharLM": char_lm_static(args.quick)}
-  return {
-      "suite": "cpu",
-      "machine": common.machine_info(),
-      "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-      "config": {
-          "quick": args.quick, "repeats": args.repeats, "block_s": args.block_s,
-          "compile_repeats": 1 if args.quick else args.compile_repeats,
-          "seed": args.seed, "learning_rate": LEARNING_RATE,
-          "initial_loss_scale": INITIAL_SCALE,
-          "max_consecutive_errors": MAX_CONSECUTIVE_ERRORS,
-          "policies": {k: str(v) for k, v in POLICIES.items()},
-          "groups": {k: list(v) for k, v in GROUPS.items()},
-          "targets": TARGETS,
-      },
-      "results": results,
-      "example_models": examples,
-      "wall_s": time.perf_counter() - started,
-  }
+def _residual_row(name: str, method: str, f32: dict, bf16: dict, f16: dict,
+                  target: float | None) -> str:
+  ok = None if target is None else max(
+      bf16["activation_ratio_vs_f32"], f16["activation_ratio_vs_f32"]) <= target
+  return (
+      f"| {name} | {method} | {f32['bytes'] / MB:.2f} | {bf16['bytes'] / MB:.2f} "
+      f"| {f16['bytes'] / MB:.2f} | {bf16['ratio_vs_f32']:.3f} | {f16['ratio_vs_f32']:.3f} "
+      f"| {bf16['activation_ratio_vs_f32']:.3f} | {f16['activation_ratio_vs_f32']:.3f} "
+      f"| {bf16['param_copy_bytes'] / MB:.2f} "
+      f"| {runner.fmt(target, '.2f')} | {runner.yes_no(ok)} |"
+  )
+
+
+def residual_table(report: dict[str, Any]) -> list[str]:
+  targets = report["config"]["targets"]
+  lines = [
+      "## 2. Residuals saved for the backward pass",
+      "",
+      "Bytes (MB = 1e6) of the arrays `jax.vjp(loss, params)` keeps in its closure, "
+      "less the params and the batch themselves (traced with `jax.eval_shape`; "
+      "see README). Half copies of the params count (they are memory the "
+      "backward pass holds); *activations* leaves them out. Floor: "
+      f"{targets['residual_ratio_floor']}x. Target for the example models: "
+      f"activations <= {targets['residual_ratio_examples']}x f32's, "
+      "under both bf16 and f16 (the *met* column).",
+      "",
+      "| model | method | f32 MB | bf16 MB | f16 MB | bf16/f32 | f16/f32 "
+      "| activations bf16/f32 | activations f16/f32 | half param copies MB | target | met |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+  ]
+  for r in report["results"]:
+    s = r["static"]
+    for method, label in (("policy", "policy (pure JAX)"),
+                          ("policy+remat", f"policy + {REMAT}"),
+                          ("autocast", "autocast (pure JAX)")):
+      lines.append(_residual_row(
+          r["workload"], label, s["f32"]["residuals"],
+          s[f"{method} bf16"]["residuals"], s[f"{method} f16"]["residuals"], None))
+  for name, ex in report["example_models"].items():
+    fig = ex["figures"]
+    method = f"`jmp_lite.{'linen' if name == 'DigitsCNN' else 'nnx'}.apply_policy`"
+    for suffix, label in (("", method), ("+remat", f"{method} + {REMAT}")):
+      lines.append(_residual_row(
+          ex["description"], label, fig["f32"]["residuals"], fig[f"bf16{suffix}"]["residuals"],
+          fig[f"f16{suffix}"]["residuals"], targets["residual_ratio_examples"]))
+  return lines + [
+      "",
+      f"{REMAT}: the loss under `jax.checkpoint(loss, policy=jmp_lite.save_half_residuals)`,"
+      " which saves only half-precision values and recomputes everything else in the"
+      " backward pass (norm statistics kept in f32 by the default rules, softmax, casts,"
+      " ReLU masks, broadcasts). Without it, layers kept in float32 save float32 tensors."
+      " Its ratios can fall below the 0.5x floor because the f32 run saves masks and"
+      " broadcasts that it recomputes; the recomputation costs backward-pass time.",
+      "",
+  ]
+
+
+def flop_table(report: dict[str, Any]) -> list[str]:
+  lines = [
+      "## 3. Share of matmul/conv FLOPs in half precision",
+      "",
+      "`dot_general` and `conv_general_dilated` FLOPs of `jax.value_and_grad(loss)` "
+      "(forward and backward; the optimizer has no matmuls), counted on the "
+      "jaxpr, by operand dtype; half = all operands float16/bfloat16. Target: 100%.",
+      "",
+      "| model | method | GFLOP/step | half share bf16 | half share f16 | other dtypes (bf16) |",
+      "|---|---|---:|---:|---:|---|",
+  ]
+
+  def row(name, method, bf16, f16):
+    other = {k: v for k, v in bf16["by_dtype"].items() if k != "bfloat16"}
+    other_s = ", ".join(f"{k}: {v / 1e9:.3g} GFLOP" for k, v in other.items()) or "–"
+    return (f"| {name} | {method} | {bf16['total'] / 1e9:.3f} "
+            f"| {100 * bf16['half_share']:.1f}% | {100 * f16['half_share']:.1f}% | {other_s} |")
+
+  for r in report["results"]:
+    s = r["static"]
+    for method in ("policy", "autocast"):
+      lines.append(row(r["workload"], method, s[f"{method} bf16"]["flops"],
+                       s[f"{method} f16"]["flops"]))
+  for ex in report["example_models"].values():
+    fig = ex["figures"]
+    lines.append(row(ex["description"], "apply_policy", fig["bf16"]["flops"], fig["f16"]["flops"]))
+  return lines + [""]
+
+
+def compile_table(report: dict[str, Any]) -> list[str]:
+  lines = [
+      "## 4. Compile time",
+      "",
+      "Tracing + lowering + XLA compilation of the whole jitted train step (s); "
+      "bf16 jmp_lite, hand and autocast: median of "
+      f"{report['config']['compile_repeats']} rounds of compilations (each traced "
+      "afresh; rounds interleave the three variants), the others one; their ratios "
+      "are medians of the per-round ratios. The f32 step is compiled first in each "
+      "workload, so it also pays for tracing the library's own jitted helpers once.",
+      "",
+      "| workload | f32 (adam) | bf16 jmp_lite | bf16 hand | bf16 apply_if_finite "
+      "| bf16 autocast | jmp_lite/hand | jmp_lite/apply_if_finite | jmp_lite bf16/f32 "
+      "| autocast/policy |",
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in report["results"]:
+    c, q = r["compile"], r["compile_ratios"]
+    lines.append(
+        f"| {r['workload']} "
+        + "".join(f"| {c[k]['total_s']:.2f} " for k in (
+            "f32", "bf16/jmp_lite", "bf16/hand", "bf16/apply_if_finite", "bf16/autocast"))
+        + "".join(f"| {q[k]:.2f} " for k in (
+            "jmp_lite/hand bf16", "jmp_lite/apply_if_finite bf16", "jmp_lite bf16/f32",
+            "autocast/policy bf16"))
+        + "|")
+  return lines + [""]
+
+
+def autocast_table(report: dict[str, Any]) -> list[str]:
+  targets = report["config"]["targets"]
+  lines = [
+      "## 5. `autocast` vs the same model cast by hand with a policy",
+      "",
+      "bf16 compute (`p=f32,c=bf16,o=f32`), both in the same `loss_scaling` train "
+      "step. Half share: FLOP share in half precision under autocast. Residuals: "
+      "autocast's residual bytes relative to f32 and to the hand-cast policy. "
+      f"Targets: half share 100%, compile <= {targets['autocast_compile_ratio']}x, "
+      f"CPU step time <= {targets['autocast_step_ratio']}x.",
+      "",
+      "| model | half share | residuals vs f32 | residuals vs policy | compile autocast/policy "
+      "| <= 1.5 | step autocast/policy (IQR) | <= 1.05 | CPU-time ratio |",
+      "|---|---:|---:|---:|---:|:---:|---:|:---:|---:|",
+  ]
+  for r in report["results"]:
+    s = r["static"]
+    res_a, res_p = s["autocast bf16"]["residuals"], s["policy bf16"]["residuals"]
+    comp = r["compile_ratios"]["autocast/policy bf16"]
+    step = r["ratios"]["autocast/policy bf16"]
+    lines.append(
+        f"| {r['workload']}: {r['description']} "
+        f"| {100 * s['autocast bf16']['flops']['half_share']:.1f}% "
+        f"| {res_a['ratio_vs_f32']:.3f} | {res_a['bytes'] / res_p['bytes']:.3f} "
+        f"| {comp:.2f} | {runner.yes_no(comp <= targets['autocast_compile_ratio'])} "
+        f"| {runner.ratio_cell(step['wall'])} "
+        f"| {runner.yes_no(step['wall']['median'] <= targets['autocast_step_ratio'])} "
+        f"| {step['cpu']['median']:.3f} |")
+  return lines + [""]
+
+
+def table(report: dict[str, Any]) -> list[str]:
+  """The whole ``cpu.md`` page below the header."""
+  lines = [
+      "Workloads: full jitted train steps (forward, backward, Adam, loss scaling), "
+      "params float32; see `benchmarks/README.md`. Timing: variants interleaved in "
+      f"one process, {report['config']['repeats']} blocks each, order rotating; "
+      f"blocks of about {report['config']['block_s'] * 1e3:.0f} ms. CPU times say "
+      "nothing about GPUs; read the ratios.",
+      "",
+  ]
+  for section in (step_time_table, residual_table, flop_table, compile_table, autocast_table):
+    lines += section(report)
+  return lines + ["Full figures (every block time, HLO kernel counts, residuals by "
+                  "dtype): `cpu.json`.", ""]
+
+
+def add_flags(parser) -> None:
+  parser.add_argument("--compile-repeats", type=int, default=3,
+                      help="CPU suite: compilations of the bf16 jmp_lite, hand and "
+                      "autocast steps (default 3; 1 with --quick)")
+
+
+def finish_flags(parser, args) -> None:
+  if args.compile_repeats < 1:
+    parser.error(f"--compile-repeats must be >= 1, got {args.compile_repeats}")
+  if args.quick:
+    args.compile_repeats = 1
+
+
+STUDY = runner.Study(
+    name="cpu", module="benchmarks",
+    title="jmp_lite benchmarks: CPU suite",
+    description="CPU suite: ratios and static figures (any machine).",
+    # --quick (the smoke test) measures only the MLP: compilation dominates there.
+    workloads=lambda args: wl.make_workloads(
+        "quick", ["mlp"]) if args.quick else wl.make_workloads("cpu"),
+    measure=measure, table=table, repeats=(31, 3), block_s=0.1, computes=(),
+    add_flags=add_flags, finish_flags=finish_flags,
+    config=lambda args: {
+        "compile_repeats": args.compile_repeats,
+        "max_consecutive_errors": common.MAX_CONSECUTIVE_ERRORS,
+        "policies": {dt: str(wl.policy(dt)) for dt in GROUPS},
+        "groups": {k: list(v) for k, v in GROUPS.items()},
+        "targets": TARGETS},
+    summary=lambda results, args: {"example_models": {
+        name: example_static(name, args) for name in residual_recompute.MODELS}})

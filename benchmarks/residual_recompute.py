@@ -22,10 +22,12 @@ NNX, with LayerNorm), under ``p=f32,c=bf16,o=f32`` and ``p=f32,c=f16,o=f32``:
 (a) the residual bytes (``benchmarks.analysis.residual_bytes``, the measure of
 ``results/cpu.md``; float32 policy = 1.0) and (b) the step time of a full
 jitted train step (forward, backward, ``loss_scaling(adam)``, BatchNorm
-statistics carried in the state), the variants interleaved as in
-``benchmarks/wrapper_overhead.py``; ratio = median of the per-block ratios
-against ``policy``. Before timing, the gradients of the three variants are
-compared (recomputation changes the rounding at most).
+statistics carried in the state), the variants interleaved
+(``benchmarks/runner.py``); ratio = median of the per-block ratios against
+``policy``. Before timing, the gradients of the three variants are compared:
+recomputation may change their rounding, never by more than mixed precision
+itself changes them (the distance of ``policy`` to float32), or the script
+stops.
 
 **How "remat norms" is built** (what the default rules would do):
 
@@ -54,7 +56,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any, Callable
 
@@ -66,13 +67,12 @@ import optax
 import jmp_lite
 from benchmarks import analysis
 from benchmarks import common
+from benchmarks import runner
 from benchmarks import workloads as wl
 
-NAME = "residual_recompute"
 COMPUTES = ("bf16", "f16")
 VARIANTS = ("policy", "remat norms", "remat loss")
-LEARNING_RATE = 1e-3
-INITIAL_SCALE = 2.0**15
+RATIOS = {"ratio_to_policy": {name: (name, "policy") for name in VARIANTS[1:]}}
 # The recommendation's thresholds (from the issue): the candidate becomes the
 # default if it costs at most this much step time ...
 MAX_STEP_TIME_RATIO = 1.03
@@ -125,14 +125,14 @@ def _linen_remat_interceptor(classes: tuple[type, ...]):
   return intercept
 
 
-def digits_cnn(compute: str, quick: bool) -> dict[str, Any]:
+def digits_cnn(compute: str, quick: bool, seed: int) -> dict[str, Any]:
   """Losses, params, state and batch of DigitsCNN under each variant."""
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jmp_lite.linen as jlinen  # pylint: disable=import-outside-toplevel
   from models.flax_models import DigitsCNN  # pylint: disable=import-outside-toplevel
 
   batch_size = 4 if quick else 64
-  key_x, key_init = jax.random.split(jax.random.PRNGKey(0))
+  key_x, key_init = jax.random.split(jax.random.PRNGKey(seed))
   batch = {"x": jax.random.normal(key_x, (batch_size, 8, 8, 1), jnp.float32),
            "y": jnp.arange(batch_size, dtype=jnp.int32) % 10}
   classes = _full_precision_classes(jlinen.DEFAULT_MODULE_RULES, jlinen.FullPrecision)
@@ -191,7 +191,7 @@ def _nnx_remat_norms(module: Any, classes: tuple[type, ...]) -> Any:
   return module
 
 
-def char_lm(compute: str, quick: bool) -> dict[str, Any]:
+def char_lm(compute: str, quick: bool, seed: int) -> dict[str, Any]:
   """Losses, params, state and batch of CharLM under each variant."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   import jmp_lite.nnx as jnnx  # pylint: disable=import-outside-toplevel
@@ -199,12 +199,12 @@ def char_lm(compute: str, quick: bool) -> dict[str, Any]:
 
   kwargs, seq, batch_size = (dict(d_model=16, num_heads=2, num_layers=1), 8, 2) if quick \
       else (dict(d_model=128, num_heads=4, num_layers=2), 128, 16)
-  tokens = jax.random.randint(jax.random.PRNGKey(0), (batch_size, seq + 1), 0, 256,
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (batch_size, seq + 1), 0, 256,
                               jnp.int32)
   classes = _full_precision_classes(jnnx.DEFAULT_MODULE_RULES, jnnx.FullPrecision)
 
   def make_loss(spec: str, remat_norms: bool):
-    module = CharLM(256, max_len=seq, rngs=nnx.Rngs(0), **kwargs)
+    module = CharLM(256, max_len=seq, rngs=nnx.Rngs(seed), **kwargs)
     if remat_norms:
       _nnx_remat_norms(module, classes)
     graphdef, params, rest = nnx.split(jnnx.apply_policy(module, spec), nnx.Param, ...)
@@ -254,27 +254,27 @@ def residuals(model: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def gradient_check(model: dict[str, Any]) -> dict[str, float]:
-  """Relative L2 distances between the variants' gradients (all leaves).
+def make_check(model: dict[str, Any]):
+  """The criterion: relative L2 distances between the variants' gradients
+  (all leaves), ``<variant> vs policy`` for the two remat variants next to
+  ``policy vs f32``, the difference mixed precision itself makes.
+  Recomputation may change the rounding (XLA fuses the recomputed float32 ops
+  differently), never by more than that. Then two warm-up steps."""
 
-  ``<variant> vs policy`` for the two remat variants (recomputation can only
-  change the rounding, where XLA fuses the recomputed float32 ops
-  differently), next to ``policy vs f32``: the difference mixed precision
-  itself makes, for scale.
-  """
-  grads = {}
-  for name in ("f32",) + VARIANTS:
-    fn = lambda p, loss=model["losses"][name]: loss(p, model["stats"], model["batch"])[0]  # noqa: E731
-    leaves = jax.tree_util.tree_leaves(jax.jit(jax.grad(fn))(model["params"][name]))
-    grads[name] = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in leaves])
+  def check(fns, states, batch):
+    grads = {}
+    for name in ("f32",) + VARIANTS:
+      fn = lambda p, loss=model["losses"][name]: loss(p, model["stats"], batch)[0]  # noqa: E731
+      leaves = jax.tree.leaves(jax.jit(jax.grad(fn))(model["params"][name]))
+      grads[name] = np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in leaves])
+    dist = lambda a, b: float(np.linalg.norm(grads[a] - grads[b]) / np.linalg.norm(grads[b]))  # noqa: E731
+    distances = {f"{name} vs policy": dist(name, "policy") for name in VARIANTS[1:]}
+    distances["policy vs f32"] = dist("policy", "f32")
+    states, _ = runner.run_all(fns, states, batch, 2)
+    return states, {"distances": distances, "same": all(
+        distances[f"{name} vs policy"] <= distances["policy vs f32"] for name in VARIANTS[1:])}
 
-  def dist(a, b):
-    assert grads[a].shape == grads[b].shape, (a, b)
-    return float(np.linalg.norm(grads[a] - grads[b]) / np.linalg.norm(grads[b]))
-
-  return {"remat norms vs policy": dist("remat norms", "policy"),
-          "remat loss vs policy": dist("remat loss", "policy"),
-          "policy vs f32": dist("policy", "f32")}
+  return check
 
 
 def make_step(loss_fn, opt) -> common.Step:
@@ -290,74 +290,41 @@ def make_step(loss_fn, opt) -> common.Step:
   return step
 
 
-def time_variants(model: dict[str, Any], compute: str, args) -> dict[str, Any]:
-  scale = (jmp_lite.DynamicLossScale(INITIAL_SCALE) if compute == "f16"
-           else jmp_lite.NoOpLossScale())
-  opt = jmp_lite.loss_scaling(optax.adam(LEARNING_RATE), scale)
-  fns, states, compile_info = {}, {}, {}
-  for name in VARIANTS:
-    params = model["params"][name]
-    states[name] = common.fresh_copy((params, opt.init(params), model["stats"]))
-    fns[name], compile_info[name] = common.compile_step(
-        make_step(model["losses"][name], opt), states[name], model["batch"])
-  for name in VARIANTS:  # warm-up
-    states[name], _ = common.run_steps(fns[name], states[name], model["batch"], 2)
-  jax.block_until_ready(states)
-  if args.quick:
-    steps = 1
-  else:
-    states["policy"], wall, _ = common.time_block(fns["policy"], states["policy"],
-                                                  model["batch"], 3)
-    steps = int(np.clip(round(args.block_s / (wall / 3)), 1, 64))
-  per_step = common.time_interleaved(fns, states, model["batch"], steps, args.repeats,
-                                     VARIANTS)
-  out = {"steps_per_block": steps, "compile": compile_info,
-         "step_time_s": {n: common.summarize(per_step["wall"][n]) for n in VARIANTS},
-         "cpu_time_s": {n: common.summarize(per_step["cpu"][n]) for n in VARIANTS}}
-  for name in VARIANTS[1:]:
-    out[f"ratio {name} / policy"] = common.ratio_summary(
-        per_step["wall"][name], per_step["wall"]["policy"])
-    out[f"cpu ratio {name} / policy"] = common.ratio_summary(
-        per_step["cpu"][name], per_step["cpu"]["policy"])
-  return out
-
-
-def run_model(name: str, compute: str, args) -> dict[str, Any]:
-  model = MODELS[name](compute, args.quick)
+def measure(model_compute: tuple[str, str], args) -> dict[str, Any]:
+  name, compute = model_compute
+  model = MODELS[name](compute, args.quick, args.seed)
   res = residuals(model)
-  check = gradient_check(model)
   print(f"[{name} {compute}] residual MB: "
         + ", ".join(f"{k} {v['bytes'] / 2**20:.2f} ({v['ratio_vs_f32']:.3f}x f32)"
-                    for k, v in res.items())
-        + f"; gradient distances: {check}", flush=True)
-  timing = time_variants(model, compute, args)
-  print(f"[{name} {compute}] step ms: "
-        + ", ".join(f"{k} {timing['step_time_s'][k]['median'] * 1e3:.2f}"
-                    for k in VARIANTS)
-        + "; ratios: "
-        + ", ".join(f"{k} {timing[f'ratio {k} / policy']['median']:.3f}"
-                    for k in VARIANTS[1:]), flush=True)
-  return {"model": name, "compute": compute, "policy": f"p=f32,c={compute},o=f32",
-          "description": model["description"], "rematted_classes": model["rematted"],
-          "residuals": res, "gradient_distances": check, "timing": timing}
+                    for k, v in res.items()), flush=True)
+  scale = (jmp_lite.DynamicLossScale(common.INITIAL_SCALE) if compute == "f16"
+           else jmp_lite.NoOpLossScale())
+  opt = jmp_lite.loss_scaling(optax.adam(common.LEARNING_RATE), scale)
+  states = {v: common.fresh_copy((model["params"][v], opt.init(model["params"][v]),
+                                  model["stats"])) for v in VARIANTS}
+  timing = runner.measure(
+      f"{name}-{compute}", {v: make_step(model["losses"][v], opt) for v in VARIANTS},
+      states, model["batch"], runner.Timing.from_args(args),
+      check=make_check(model), ratios=RATIOS)
+  return {"workload": f"{name}-{compute}", "model": name, "compute": compute,
+          "policy": str(wl.policy(compute)), "description": model["description"],
+          "rematted_classes": model["rematted"], "residuals": res, **timing}
 
 
-# --- report -------------------------------------------------------------------------
-
-
-def recommendation(results: list[dict[str, Any]]) -> dict[str, Any]:
+def recommendation(results: list[dict[str, Any]], args=None) -> dict[str, Any]:
   """Applies the thresholds to the candidate, per model and compute dtype."""
+  del args
   rows = []
   for r in results:
     saving = 1.0 - r["residuals"]["remat norms"]["ratio_vs_policy"]
-    ratio = r["timing"]["ratio remat norms / policy"]["median"]
+    ratio = r["ratio_to_policy"]["remat norms"]["median"]
     rows.append({"model": r["model"], "compute": r["compute"],
                  "residual_saving": saving, "step_time_ratio": ratio,
                  "meets": bool(saving >= MIN_RESIDUAL_SAVING
                                and ratio <= MAX_STEP_TIME_RATIO)})
-  return {"thresholds": {"max_step_time_ratio": MAX_STEP_TIME_RATIO,
+  return {"recommendation": {"thresholds": {"max_step_time_ratio": MAX_STEP_TIME_RATIO,
                          "min_residual_saving": MIN_RESIDUAL_SAVING},
-          "rows": rows, "all_meet": all(row["meets"] for row in rows)}
+          "rows": rows, "all_meet": all(row["meets"] for row in rows)}}
 
 
 def _saving(report: dict[str, Any], model: str) -> str:
@@ -368,12 +335,9 @@ def _saving(report: dict[str, Any], model: str) -> str:
   return "(not measured)"
 
 
-def markdown(report: dict[str, Any]) -> str:
-  config = report["config"]
+def table(report: dict[str, Any]) -> list[str]:
   mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
-  lines = common.report_header(
-      "Recomputing the float32 norm regions: residual bytes and step time",
-      report) + [
+  lines = [
       "Variants, all with `jmp_lite.linen`/`jmp_lite.nnx.apply_policy` and the "
       "default rules (norm layers `FullPrecision`): **policy** as is; **remat "
       "norms** (the candidate default): every norm module's boundary (cast to "
@@ -411,13 +375,10 @@ def markdown(report: dict[str, Any]) -> str:
       "",
       "## Step time (full jitted train step)",
       "",
-      f"Forward, backward, `loss_scaling(adam({LEARNING_RATE:g}))` "
-      f"(`DynamicLossScale({INITIAL_SCALE:g})` for f16, `NoOpLossScale` for "
+      f"Forward, backward, `loss_scaling(adam({common.LEARNING_RATE:g}))` "
+      f"(`DynamicLossScale({common.INITIAL_SCALE:g})` for f16, `NoOpLossScale` for "
       "bf16), batch statistics carried in the state; state donated, compiled "
-      f"ahead of time. Median over {config['repeats']} blocks of about "
-      f"{config['block_s']} s, the three variants interleaved in one process "
-      "(order rotating); ratios: median of the per-block ratios against "
-      "`policy` (IQR in brackets), and the same from the process's CPU time.",
+      "ahead of time. " + runner.method(report["config"], "to `policy`"),
       "",
       "| model | policy | policy ms | remat norms ms | remat loss ms "
       "| remat norms / policy | remat loss / policy | CPU-time ratios (norms, loss) "
@@ -425,17 +386,13 @@ def markdown(report: dict[str, Any]) -> str:
       "|---|---|---:|---:|---:|---:|---:|---|---|",
   ]
   for r in report["results"]:
-    t, g = r["timing"], r["gradient_distances"]
-    rn, rl = t["ratio remat norms / policy"], t["ratio remat loss / policy"]
+    t, g = r["step_time_s"], r["check"]["distances"]
+    ratios, cpu = r["ratio_to_policy"], r["cpu_ratio_to_policy"]
     lines.append(
         f"| {r['description']} | `{r['policy']}` "
-        f"| {t['step_time_s']['policy']['median'] * 1e3:.2f} "
-        f"| {t['step_time_s']['remat norms']['median'] * 1e3:.2f} "
-        f"| {t['step_time_s']['remat loss']['median'] * 1e3:.2f} "
-        f"| {rn['median']:.3f} [{rn['q25']:.3f}-{rn['q75']:.3f}] "
-        f"| {rl['median']:.3f} [{rl['q25']:.3f}-{rl['q75']:.3f}] "
-        f"| {t['cpu ratio remat norms / policy']['median']:.3f}, "
-        f"{t['cpu ratio remat loss / policy']['median']:.3f} "
+        + "".join(f"| {t[v]['median'] * 1e3:.2f} " for v in VARIANTS)
+        + "".join(f"| {runner.ratio_cell(ratios[v])} " for v in VARIANTS[1:])
+        + f"| {cpu['remat norms']['median']:.3f}, {cpu['remat loss']['median']:.3f} "
         f"| {g['remat norms vs policy']:.1e}, {g['remat loss vs policy']:.1e}, "
         f"{g['policy vs f32']:.1e} |")
   rec = report["recommendation"]
@@ -451,7 +408,7 @@ def markdown(report: dict[str, Any]) -> str:
   ]
   for row in rec["rows"]:
     lines.append(f"| {row['model']} | {row['compute']} | {row['residual_saving']:.1%} "
-                 f"| {row['step_time_ratio']:.3f} | {common.yes_no(row['meets'])} |")
+                 f"| {row['step_time_ratio']:.3f} | {runner.yes_no(row['meets'])} |")
   lines += [
       "",
       "What the norm regions can and cannot save. DigitsCNN's float32 "
@@ -474,38 +431,30 @@ def markdown(report: dict[str, Any]) -> str:
       "`residual_recompute.json`.",
       "",
   ]
-  return "\n".join(lines)
+  return lines
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      prog="python -m benchmarks.residual_recompute",
-      description="Residual bytes and step time of recomputing jmp_lite's "
-                  "float32 norm regions for the Flax example models.")
-  parser.add_argument("--models", default="DigitsCNN,CharLM",
-                      help="comma-separated subset of DigitsCNN, CharLM")
-  parser.add_argument("--block-s", type=float, default=0.2,
-                      help="target duration of a timed block in seconds (default 0.2)")
-  common.add_timing_args(parser, repeats=(21, 3), computes=COMPUTES, seed=False)
-  args = common.finish_timing_args(parser, parser.parse_args(argv))
-  args.models = common.split_choices(parser, args.models, MODELS, "model")
-  if args.block_s <= 0:
-    parser.error("--block-s must be > 0")
-  return args
+def _add_flags(parser) -> None:
+  parser.add_argument("--models", default=",".join(MODELS),
+                      help=f"comma-separated subset of {','.join(MODELS)} (default all)")
+
+
+STUDY = runner.Study(
+    name="residual_recompute",
+    title="Recomputing the float32 norm regions: residual bytes and step time",
+    description="Residual bytes and step time of recomputing jmp_lite's float32 "
+                "norm regions for the Flax example models.",
+    workloads=lambda args: [(m, c) for m in args.models for c in args.computes],
+    measure=measure, table=table, repeats=(21, 3), block_s=0.2, computes=COMPUTES,
+    add_flags=_add_flags,
+    finish_flags=lambda parser, args: setattr(
+        args, "models", runner.split_choices(parser, "--models", args.models, MODELS)),
+    config=lambda args: {"models": args.models, "variants": list(VARIANTS)},
+    summary=recommendation)
 
 
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  args = parse_args(argv)
-  config = {"repeats": args.repeats, "block_s": args.block_s, "quick": args.quick,
-            "learning_rate": LEARNING_RATE, "initial_loss_scale": INITIAL_SCALE,
-            "variants": list(VARIANTS)}
-  common.publish(
-      NAME, argv, args.out, config,
-      lambda: [run_model(m, c, args) for m in args.models for c in args.computes],
-      markdown,
-      summary=lambda results: {"recommendation": recommendation(results)})
-  return 0
+  return runner.main(STUDY, argv)
 
 
 if __name__ == "__main__":

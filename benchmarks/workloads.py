@@ -1,7 +1,8 @@
-"""The three benchmark workloads (MLP, ResNet, transformer LM) at every size.
+"""Every benchmark workload, defined once, at every size.
 
-A :class:`Workload` bundles params, a synthetic batch and a float32
-cross-entropy loss; :func:`loss_fn` gives that loss computed three ways:
+A :class:`Workload` bundles a plain-JAX model of :mod:`models.jax_models`
+(params float32), a synthetic batch and a float32 cross-entropy loss;
+:func:`loss_fn` gives that loss computed three ways:
 
 * ``"f32"``: everything in float32;
 * ``"policy"``: cast by hand with a ``jmp_lite.Policy``
@@ -9,9 +10,12 @@ cross-entropy loss; :func:`loss_fn` gives that loss computed three ways:
   dtype, computing norm statistics and the softmax in float32);
 * ``"autocast"``: the float32 loss under ``jmp_lite.autocast(loss, policy)``.
 
-Sizes: ``"cpu"`` (the committed CPU figures: seconds per workload on two
-cores), ``"quick"`` (smoke test), ``"gpu"`` (ResNet-50 and GPT-2 small) and
-``"tiny"`` (the GPU suite's dry run on CPU).
+:data:`SIZES` is the size table: ``"cpu"`` (the committed CPU figures:
+seconds per workload on two cores), ``"quick"`` (smoke tests), ``"gpu"``
+(ResNet-50 and GPT-2 small: the GPU suite) and ``"tiny"`` (the GPU suite's
+code paths at the smallest size, its dry run on a CPU). The suites measure
+``mlp``, ``resnet`` and ``transformer`` (:data:`NAMES`); the wrapper-overhead
+study adds the small ``conv`` net.
 """
 
 from __future__ import annotations
@@ -25,11 +29,10 @@ import jax.numpy as jnp
 import optax
 
 import jmp_lite
-from benchmarks import models
 from benchmarks.common import Batch
 from benchmarks.common import Params
+from models import jax_models as models
 
-SIZES = ("quick", "cpu", "tiny", "gpu")
 NAMES = ("mlp", "resnet", "transformer")
 
 
@@ -38,7 +41,7 @@ class Workload:
   """A model, its batch and its loss.
 
   Attributes:
-    name: ``"mlp"``, ``"resnet"`` or ``"transformer"``.
+    name: ``"mlp"``, ``"conv"``, ``"resnet"`` or ``"transformer"``.
     description: model shape and batch, for the tables.
     init: ``key -> float32 params``.
     apply: ``(params, x) -> logits``.
@@ -71,12 +74,29 @@ def _lm_batch(key: jax.Array, batch: int, cfg: models.LMConfig) -> Batch:
 
 
 def mlp(batch: int, sizes: tuple[int, ...]) -> Workload:
+  """A ReLU MLP of layer widths ``sizes`` (input and output included)."""
   return Workload(
       name="mlp",
       description=f"MLP {'-'.join(map(str, sizes))}, batch {batch}",
       init=functools.partial(models.init_mlp, sizes=sizes),
       apply=models.apply_mlp,
       make_batch=functools.partial(_classifier_batch, shape=(batch, sizes[0]), classes=sizes[-1]),
+      examples=batch,
+      spec={"sizes": list(sizes), "batch": batch},
+  )
+
+
+def conv(batch: int, sizes: tuple[int, int, int, int]) -> Workload:
+  """Two 3x3 convolutions and a dense layer; ``sizes``: (image side,
+  channels 1, channels 2, classes)."""
+  side, c1, c2, classes = sizes
+  return Workload(
+      name="conv",
+      description=f"conv {side}x{side}x1 -> 3x3x{c1} -> 3x3x{c2}/2 -> {classes}, batch {batch}",
+      init=functools.partial(models.init_conv, sizes=sizes),
+      apply=models.apply_conv,
+      make_batch=functools.partial(_classifier_batch, shape=(batch, side, side, 1),
+                                   classes=classes),
       examples=batch,
       spec={"sizes": list(sizes), "batch": batch},
   )
@@ -108,49 +128,67 @@ def transformer(batch: int, cfg: models.LMConfig) -> Workload:
   )
 
 
-RESNET18_CPU = models.ResNetConfig(
-    blocks=(2, 2, 2, 2), widths=(16, 32, 64, 128), bottleneck=False,
-    imagenet_stem=False, stem_width=16, classes=10)
-RESNET50 = models.ResNetConfig(
-    blocks=(3, 4, 6, 3), widths=(64, 128, 256, 512), bottleneck=True,
-    imagenet_stem=True, stem_width=64, classes=1000)
-GPT2_SMALL = models.LMConfig(vocab=50257, layers=12, width=768, heads=12, seq_len=1024)
+_MLP = (784, 1024, 1024, 10)
+_MLP_QUICK = (16, 32, 32, 10)
+_LM_TINY = models.LMConfig(vocab=32, layers=1, width=16, heads=2, seq_len=8)
 
-
-def make_workloads(size: str) -> list[Workload]:
-  """The MLP, ResNet and transformer workloads at ``size`` (see module doc)."""
-  if size == "cpu":
-    return [
-        mlp(256, (784, 1024, 1024, 10)),
-        resnet(8, 32, RESNET18_CPU),
-        transformer(8, models.LMConfig(vocab=256, layers=2, width=128, heads=4, seq_len=64)),
-    ]
-  if size == "gpu":
-    return [
-        mlp(4096, (784, 4096, 4096, 4096, 10)),
-        resnet(128, 224, RESNET50),
-        transformer(8, GPT2_SMALL),
-    ]
-  if size == "quick":
-    return [
-        mlp(8, (16, 32, 32, 10)),
-        resnet(2, 8, models.ResNetConfig(
+#: The size table: every workload at every size, built on demand.
+SIZES: dict[str, dict[str, Callable[[], Workload]]] = {
+    "cpu": {
+        "mlp": lambda: mlp(256, _MLP),
+        "conv": lambda: conv(64, (28, 16, 32, 10)),
+        # ResNet-18 depth, widths quartered, 32x32 images, batch 8: tens of
+        # ms per step on 2 cores.
+        "resnet": lambda: resnet(8, 32, models.ResNetConfig(
+            blocks=(2, 2, 2, 2), widths=(16, 32, 64, 128), bottleneck=False,
+            imagenet_stem=False, stem_width=16, classes=10)),
+        "transformer": lambda: transformer(8, models.LMConfig(
+            vocab=256, layers=2, width=128, heads=4, seq_len=64)),
+    },
+    "quick": {
+        "mlp": lambda: mlp(8, _MLP_QUICK),
+        "conv": lambda: conv(4, (8, 4, 8, 10)),
+        "resnet": lambda: resnet(2, 8, models.ResNetConfig(
             blocks=(1, 1), widths=(4, 8), bottleneck=False, imagenet_stem=False,
             stem_width=4, classes=10)),
-        transformer(2, models.LMConfig(vocab=32, layers=1, width=16, heads=2, seq_len=8)),
-    ]
-  if size == "tiny":
-    # The GPU shapes' code paths (bottleneck blocks, ImageNet stem, tied
-    # embeddings) at the smallest size: one stage, one block, so that the
-    # dry run's many compilations stay short on a CPU.
-    return [
-        mlp(8, (16, 32, 32, 10)),
-        resnet(2, 16, models.ResNetConfig(
+        "transformer": lambda: transformer(2, _LM_TINY),
+    },
+    "gpu": {
+        "mlp": lambda: mlp(4096, (784, 4096, 4096, 4096, 10)),
+        # ResNet-50 and GPT-2 small.
+        "resnet": lambda: resnet(128, 224, models.ResNetConfig(
+            blocks=(3, 4, 6, 3), widths=(64, 128, 256, 512), bottleneck=True,
+            imagenet_stem=True, stem_width=64, classes=1000)),
+        "transformer": lambda: transformer(8, models.LMConfig(
+            vocab=50257, layers=12, width=768, heads=12, seq_len=1024)),
+    },
+    "tiny": {
+        # The GPU shapes' code paths (bottleneck blocks, ImageNet stem, tied
+        # embeddings) at the smallest size: one stage, one block, so that the
+        # dry run's many compilations stay short on a CPU.
+        "mlp": lambda: mlp(8, _MLP_QUICK),
+        "resnet": lambda: resnet(2, 16, models.ResNetConfig(
             blocks=(1,), widths=(4,), bottleneck=True, imagenet_stem=True,
             stem_width=4, classes=10)),
-        transformer(2, models.LMConfig(vocab=32, layers=1, width=16, heads=2, seq_len=8)),
-    ]
-  raise ValueError(f"unknown size {size!r}; choose from {SIZES}")
+        "transformer": lambda: transformer(2, _LM_TINY),
+    },
+}
+
+
+def make_workloads(size: str, names: tuple[str, ...] | list[str] = NAMES) -> list[Workload]:
+  """The workloads ``names`` at ``size`` (a key of :data:`SIZES`), in that order."""
+  if size not in SIZES:
+    raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+  missing = [n for n in names if n not in SIZES[size]]
+  if missing:
+    raise ValueError(f"no workload {', '.join(missing)} at size {size!r}; "
+                     f"it has {', '.join(SIZES[size])}")
+  return [SIZES[size][name]() for name in names]
+
+
+def policy(compute: str) -> jmp_lite.Policy:
+  """Params and outputs float32, compute in ``compute`` (``"f16"``, ``"bf16"``...)."""
+  return jmp_lite.get_policy(f"p=f32,c={compute},o=f32")
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -159,7 +197,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
       logits.astype(jnp.float32), labels).mean()
 
 
-def loss_fn(workload: Workload, mode: str, policy: jmp_lite.Policy | None = None):
+def loss_fn(workload: Workload, mode: str, policy: jmp_lite.Policy | None = None):  # pylint: disable=redefined-outer-name
   """``(params, batch) -> float32 loss`` for ``mode`` ``"f32"``, ``"policy"`` or ``"autocast"``."""
 
   def f32_loss(params: Params, batch: Batch) -> jax.Array:
@@ -176,14 +214,10 @@ def loss_fn(workload: Workload, mode: str, policy: jmp_lite.Policy | None = None
     return policy_loss
   if mode == "autocast":
     return jmp_lite.autocast(f32_loss, policy)
-  raise ValueError(f"unknown loss mode {mode!r}")
+  raise ValueError(f"unknown loss mode {mode!r}; choose from f32, policy, autocast")
 
 
 def setup(workload: Workload, seed: int) -> tuple[Params, Batch]:
   """Float32 params and a fixed synthetic batch."""
   key_params, key_batch = jax.random.split(jax.random.PRNGKey(seed))
   return workload.init(key_params), workload.make_batch(key_batch)
-
-
-def param_count(params: Params) -> int:
-  return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))

@@ -7,7 +7,9 @@ import this one as ``from examples import common``.
 
 * :data:`RESULTS_DIR`, :data:`SCRATCH_DIR`, :func:`add_output_args`,
   :func:`output_dir`: where results go (a scratch folder unless
-  ``--update-results`` asks for the committed ``examples/results/``).
+  ``--update-results`` asks for the committed ``examples/results/``), with
+  :func:`write_json` the output plumbing of :mod:`models.results`, which the
+  benchmarks share.
 * :data:`SMOOTHING`,
   :data:`ACCURACY_TOLERANCE`, :data:`LINE_STYLES`: settings the examples share.
 * :func:`flax_run_specs`: the f32 / bf16 / f16 + loss scaling runs of the Flax
@@ -20,18 +22,15 @@ import this one as ``from examples import common``.
 * :func:`loss_and_scale_axes`, :func:`style_loss_axis`,
   :func:`plot_loss_scale_steps`, :func:`plot_loss_and_scale`,
   :func:`save_figure`: pieces of the figures.
-* :func:`format_scale`, :func:`to_json`, :func:`command_line`,
-  :func:`write_markdown`, :func:`write_json`: the written results.
+* :func:`format_scale`, :func:`command_line`, :func:`write_markdown`: the
+  written results.
 * :func:`check_at_least_one`, :func:`check_positive_finite`: flag validation.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
-import tempfile
+import pathlib
 import time
 from typing import Any
 
@@ -45,17 +44,22 @@ from matplotlib import ticker  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-import jmp_lite
+import jmp_lite  # noqa: E402
+from models import results  # noqa: E402
 
 #: The committed results, written only when a script is given --update-results.
-RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                           "results")
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 #: Where the scripts write by default, so that running them leaves the clone
 #: unchanged.
-# "jmp-lite", not "jmp_lite": a folder named like the package in the system
-# temp folder would shadow it (as a namespace package) for any script run
-# from there.
-SCRATCH_DIR = os.path.join(tempfile.gettempdir(), "jmp-lite", "examples")
+SCRATCH_DIR = results.scratch_dir("examples")
+_OUTPUTS = results.Outputs(committed=RESULTS_DIR, scratch=SCRATCH_DIR)
+#: ``--out DIR`` and ``--update-results`` (mutually exclusive).
+add_output_args = _OUTPUTS.add_args
+#: The folder chosen by :func:`add_output_args`'s flags, created.
+output_dir = _OUTPUTS.folder
+#: Writes JSON with 6 significant digits, lists of numbers on one line.
+write_json = results.write_json
+
 SMOOTHING = 25  # Window of the moving average in the loss plot.
 ACCURACY_TOLERANCE = 1.0  # Points of test accuracy that count as "matching".
 # Runs that train overlap in the loss plot: dashes tell them apart.
@@ -65,27 +69,6 @@ LINE_STYLES = (
     dict(color="tab:green", linestyle=":", linewidth=2),
     dict(color="tab:red"),
 )
-
-
-# -- where results go ---------------------------------------------------------
-
-
-def add_output_args(parser) -> None:
-  """Adds ``--out DIR`` and ``--update-results`` (mutually exclusive)."""
-  group = parser.add_mutually_exclusive_group()
-  group.add_argument(
-      "--out", default=None,
-      help=f"output folder (default: {SCRATCH_DIR}, a scratch folder)")
-  group.add_argument(
-      "--update-results", action="store_true",
-      help="write into examples/results/, replacing the committed results")
-
-
-def output_dir(args) -> str:
-  """The folder chosen by :func:`add_output_args`'s flags, created."""
-  out = RESULTS_DIR if args.update_results else (args.out or SCRATCH_DIR)
-  os.makedirs(out, exist_ok=True)
-  return out
 
 
 # -- runs and data -------------------------------------------------------------
@@ -301,31 +284,10 @@ def format_scale(value: float) -> str:
   return f"{value:g}"
 
 
-def to_json(data: Any) -> str:
-  """Serialises ``data`` as readable, strictly valid JSON.
-
-  Floats keep 6 significant digits, non-finite floats become ``null``, and each
-  list of numbers (the per-step histories) is written on one line.
-  """
-
-  def clean(x):
-    if isinstance(x, dict):
-      return {k: clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-      return [clean(v) for v in x]
-    if isinstance(x, float):
-      return float(f"{x:.6g}") if math.isfinite(x) else None
-    return x
-
-  text = json.dumps(clean(data), indent=1, allow_nan=False)
-  flat_list = r"\[[^\[\]{}\"]*\]"  # A list holding no list, dict or string.
-  return re.sub(flat_list, lambda m: " ".join(m.group().split()), text)
-
-
 def command_line(name: str, config: dict[str, Any]) -> str:
   """``python -m examples.<name> --flag value ...``, the flags in ``config``."""
-  return f"python -m examples.{name} " + " ".join(
-      f"--{k.replace('_', '-')} {v}" for k, v in config.items())
+  flags = [x for k, v in config.items() for x in (f"--{k.replace('_', '-')}", v)]
+  return results.command_line(f"examples.{name}", flags)
 
 
 def write_markdown(path: str, title: str, report: list[str], command: str,
@@ -337,12 +299,6 @@ def write_markdown(path: str, title: str, report: list[str], command: str,
     f.write(f"Command: `{command}` (jax {jax.__version__}, "
             f"{jax.default_backend()} backend).\n\n")
     f.write(f"![loss curves and loss scale]({image})\n")
-
-
-def write_json(path: str, data: Any) -> None:
-  """Writes ``data`` to ``path`` as :func:`to_json`, ending in a newline."""
-  with open(path, "w") as f:
-    f.write(to_json(data) + "\n")
 
 
 # -- flags ---------------------------------------------------------------------

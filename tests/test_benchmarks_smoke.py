@@ -1,23 +1,26 @@
 """Smoke tests: the benchmarks run and write well-formed results.
 
 Benchmarks report figures; these tests only check that the scripts run end to
-end at tiny sizes (``python -m benchmarks.wrapper_overhead --quick``,
-``python -m benchmarks run --suite cpu --quick``) and that their JSON has the
-documented shape. They assert nothing about speed or ratios. The GPU suite's
-tests are in ``test_gpu_suite.py``.
+end at tiny sizes (``python -m benchmarks.<study> --quick``, ``python -m
+benchmarks run --suite cpu --quick``), that their JSON has the documented
+shape, and that the runner every study shares refuses bad flags and stops a
+study whose variants do not compute the same thing. They assert nothing about
+speed or ratios. The GPU suite's tests are in ``test_gpu_suite.py``;
+``accumulation_overhead`` runs in ``test_training_loops.py``.
 """
 
 import json
 import math
-import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-VARIANTS = ("jmp_lite", "hand")
+from helpers import example_env
+from helpers import ROOT
+
+VARIANTS = ("jmp_lite", "hand", "raise", "unchecked")
+WRAPPER_RATIOS = ("ratio_a_over_b", "raise_over_a", "a_over_unchecked")
 
 
 def _positive_finite(x):
@@ -27,13 +30,11 @@ def _positive_finite(x):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("wrapper_overhead")
-  env = dict(os.environ)
-  # One CPU device is enough; the test suite's simulated devices are not needed.
-  env.pop("XLA_FLAGS", None)
+  env = example_env()
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.wrapper_overhead", "--quick",
        "--out", str(out)],
-      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
   )
   return proc, out
 
@@ -70,9 +71,13 @@ def test_every_workload_has_positive_finite_figures(quick_run):
         assert len(stats["values"]) == repeats
         assert all(_positive_finite(v) for v in stats["values"]), stats
         assert stats["q25"] <= stats["median"] <= stats["q75"]
-    for ratio in ("ratio_a_over_b", "cpu_ratio_a_over_b"):
-      assert _positive_finite(result[ratio]["median"]), result[ratio]
-      assert result[ratio]["iqr"] >= 0
+    assert result["check"]["raise_same"] is True
+    assert result["check"]["unchecked_same"] is True
+    for name in WRAPPER_RATIOS:
+      for ratio in (name, "cpu_" + name):
+        assert _positive_finite(result[ratio]["median"]), result[ratio]
+        assert result[ratio]["iqr"] >= 0
+        assert len(result[ratio]["values"]) == repeats
     for variant in VARIANTS:
       info = result["compile"][variant]
       assert _positive_finite(info["lower_s"])
@@ -85,6 +90,7 @@ def test_markdown_names_the_command_and_every_workload(quick_run):
   _, out = quick_run
   text = (out / "wrapper_overhead.md").read_text()
   assert "python -m benchmarks.wrapper_overhead --quick" in text
+  assert "| (c) on_max_skips='raise' / (a) | (a) / (d) check_scaling=False |" in text
   for name in ("mlp-f16", "mlp-bf16", "conv-f16", "conv-bf16"):
     assert f"| {name}:" in text
 
@@ -93,11 +99,10 @@ def test_markdown_names_the_command_and_every_workload(quick_run):
 
 
 def _run_suite(out, *args):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = example_env()
   return subprocess.run(
       [sys.executable, "-m", "benchmarks", "run", *args, "--out", str(out)],
-      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
   )
 
 
@@ -111,7 +116,7 @@ def test_cpu_suite_quick_writes_json_and_markdown(cpu_quick):
   proc, out = cpu_quick
   assert proc.returncode == 0, proc.stderr[-4000:]
   report = json.loads((out / "cpu.json").read_text())
-  assert report["suite"] == "cpu"
+  assert report["benchmark"] == "cpu"
   assert "--quick" in report["command"]
   assert report["config"]["quick"] is True
   for key in ("jax", "jaxlib", "device_kind", "cpu_count", "platform"):
@@ -161,3 +166,94 @@ def test_cpu_suite_static_figures(cpu_quick):
     for dt in ("bf16", "f16"):
       assert figures[dt]["flops"]["total"] > 0
       assert _positive_finite(figures[dt]["residuals"]["ratio_vs_f32"])
+
+
+# --- every study on the one runner ------------------------------------------------
+
+
+STUDIES = {  # study: (flags that keep its smoke run short, variants it times)
+    "diagnostics_overhead": (("--computes", "f16"),
+                             ("plain", "stats", "cond_stats", "cond_step")),
+    "grad_reduction": (("--computes", "bf16", "--no-control"), ("grouped", "plain")),
+    "residual_recompute": (("--models", "DigitsCNN", "--computes", "f16"),
+                           ("policy", "remat norms", "remat loss")),
+}
+
+
+@pytest.mark.parametrize("study", sorted(STUDIES))
+def test_study_quick_run_checks_then_times(study, tmp_path):
+  flags, variants = STUDIES[study]
+  env = example_env()
+  proc = subprocess.run(
+      [sys.executable, "-m", f"benchmarks.{study}", "--quick", *flags, "--out", str(tmp_path)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads((tmp_path / f"{study}.json").read_text())
+  assert report["benchmark"] == study and report["config"]["quick"] is True
+  assert report["machine"]["jax"] and len(report["load_average"]["before"]) == 3
+  assert report["results"], "no workload ran"
+  for result in report["results"]:
+    assert result["check"]["same"] is True, result["check"]
+    assert set(result["step_time_s"]) == set(variants) == set(result["compile"])
+    for stats in result["step_time_s"].values():
+      assert len(stats["values"]) == report["config"]["repeats"]
+      assert all(_positive_finite(v) for v in stats["values"])
+  text = (tmp_path / f"{study}.md").read_text()
+  assert f"`python -m benchmarks.{study} --quick" in text and "--quick`: tiny shapes" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--computes", "f16,f8"], "--computes: 'f8' given; choose a comma-separated subset of f16,bf16"),
+    (["--models", ""], "--models: nothing given; choose a comma-separated subset of mlp,conv"),
+    (["--out", "x", "--update-results"], "not allowed with argument --out"),
+])
+def test_bad_flags_are_usage_errors(argv, message, capsys):
+  from benchmarks import wrapper_overhead  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit) as exit_info:
+    wrapper_overhead.main(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_bad_block_length_is_a_usage_error(capsys):
+  from benchmarks import residual_recompute  # pylint: disable=import-outside-toplevel
+  with pytest.raises(SystemExit):
+    residual_recompute.main(["--block-s", "0"])
+  assert "--block-s must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+
+
+def _counting_steps():
+  """Two trivial 'steps' whose state counts the steps taken."""
+  step = lambda state, batch: (state + 1, float(state))  # noqa: E731
+  return {"a": step, "b": step}, {"a": 0, "b": 0}
+
+
+def test_a_failed_check_stops_the_study_before_timing():
+  from benchmarks import runner  # pylint: disable=import-outside-toplevel
+  fns, states = _counting_steps()
+  differ = lambda fns, states, batch: (states, {"same": False, "why": "test"})  # noqa: E731
+  with pytest.raises(SystemExit, match="do not compute the same thing"):
+    runner.check_then_time("w", fns, states, None, runner.Timing(repeats=3, steps=2),
+                           check=differ, ratios={"r": ("a", "b")})
+  assert states == {"a": 0, "b": 0}  # nothing was timed
+  untimed = runner.check_then_time("w", fns, states, None, runner.Timing(repeats=3, steps=2),
+                                   check=differ, ratios={"r": ("a", "b")}, stop=False)
+  assert untimed == {"check": {"same": False, "why": "test"}}
+
+
+def test_timing_interleaves_blocks_and_reports_per_block_ratios():
+  from benchmarks import runner  # pylint: disable=import-outside-toplevel
+  fns, states = _counting_steps()
+  same = lambda fns, states, batch: (states, {"same": True})  # noqa: E731
+  result = runner.check_then_time(
+      "w", fns, states, None, runner.Timing(repeats=3, steps=2), check=same,
+      ratios={"r": ("a", "b"), "by": {"a": ("a", "b")}})
+  assert states == {"a": 6, "b": 6}  # 3 blocks of 2 steps each
+  assert result["steps_per_block"] == 2
+  wall = result["step_time_s"]
+  assert result["r"]["values"] == pytest.approx(
+      [x / y for x, y in zip(wall["a"]["values"], wall["b"]["values"])])
+  assert result["by"]["a"]["values"] == result["r"]["values"]
+  assert len(result["cpu_r"]["values"]) == 3

@@ -37,7 +37,6 @@ import chex
 import functools
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -53,6 +52,7 @@ import jmp_lite
 from helpers import assert_bit_identical
 from helpers import assert_exited_cleanly
 from helpers import assert_is_png
+from helpers import example_env
 from helpers import is_finite_number
 from helpers import ROOT
 from helpers import run_example
@@ -1564,12 +1564,10 @@ def test_example_skips_the_overflowing_windows_and_recovers(example_run):
 @pytest.fixture(scope="module")
 def benchmark_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("accumulation_overhead")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device is enough
   proc = subprocess.run(
       [sys.executable, "-m", "benchmarks.accumulation_overhead", "--quick",
        "--out", str(out)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+      cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=600,
       check=False)
   return proc, out
 

@@ -1,4 +1,8 @@
-"""The benchmark models, written in plain JAX: params are float32 pytrees.
+"""Models written in plain JAX (no Flax): params are float32 pytrees.
+
+The benchmarks' workloads (``benchmarks/workloads.py``) and the PyTorch
+side-by-side of the GPU suite (``benchmarks/torch_side.py``, layer for layer)
+are built from these.
 
 Every ``apply`` follows the dtype of its inputs: give it float16 params and
 inputs (``policy.cast_to_compute``) and its matmuls and convolutions run in
