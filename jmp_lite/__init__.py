@@ -45,6 +45,8 @@ from jmp_lite._src.autocast import op_dtypes
 # The diagnostics layer (jit-side statistics; advice and report on the host)
 # as a public submodule: jmp_lite.diagnostics.tensor_stats(...).
 from jmp_lite import diagnostics  # noqa: E402,F401  pylint: disable=g-bad-import-order
+# Float8 recipes and the float8 matmul: jmp_lite.fp8.Fp8Config(...).
+from jmp_lite import fp8  # noqa: E402,F401  pylint: disable=g-bad-import-order
 
 __version__ = "0.1.0"
 

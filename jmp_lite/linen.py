@@ -24,10 +24,10 @@ require_flax("jmp_lite.linen")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from jmp_lite._src.flax.linen import apply_policy
 from jmp_lite._src.flax.linen import DEFAULT_MODULE_RULES
-from jmp_lite._src.flax.linen import FullPrecision
+from jmp_lite._src.flax.rules import FullPrecision
 from jmp_lite._src.flax.linen import PolicyModel
 from jmp_lite._src.flax.linen import ModuleRules
-from jmp_lite._src.flax.linen import UnmatchedRuleWarning
+from jmp_lite._src.flax.rules import UnmatchedRuleWarning
 
 __all__ = (
     "DEFAULT_MODULE_RULES",

@@ -28,13 +28,15 @@ require_flax("jmp_lite.nnx")
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from jmp_lite._src.flax.nnx import apply_policy
 from jmp_lite._src.flax.nnx import DEFAULT_MODULE_RULES
-from jmp_lite._src.flax.nnx import FullPrecision
+from jmp_lite._src.flax.nnx import Fp8State
+from jmp_lite._src.flax.rules import FullPrecision
 from jmp_lite._src.flax.nnx import PolicyModule
 from jmp_lite._src.flax.nnx import ModuleRules
-from jmp_lite._src.flax.nnx import UnmatchedRuleWarning
+from jmp_lite._src.flax.rules import UnmatchedRuleWarning
 
 __all__ = (
     "DEFAULT_MODULE_RULES",
+    "Fp8State",
     "FullPrecision",
     "PolicyModule",
     "ModuleRules",

@@ -18,7 +18,7 @@ import io
 import math
 import numbers
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 from jax import lax
@@ -136,10 +136,25 @@ def integer(x: Any, what: str, owner: str, low: int = 0,
   if not low <= value <= high:
     bounds = (f"an int >= {low}" if high == INT32_MAX
               else f"between {low} and {high}")
-    raise ValueError(
-        f"{owner}: {what} must be {bounds} (it is stored as an int32), got "
-        f"{int(value)!r}.")
+    why = (" (it is stored as an int32)" if value > high == INT32_MAX
+           else "")
+    raise ValueError(f"{owner}: {what} must be {bounds}{why}, got {int(value)!r}.")
   return int(value)
+
+
+def choice(x: Any, what: str, owner: str, valid: Sequence[str],
+           help_text: str = "", aliases: Mapping[str, str] | None = None) -> str:
+  """One of ``valid`` names (case and surrounding space ignored; ``aliases``
+  map other spellings to them), canonical; ``help_text`` says what each is."""
+  tail = f" {help_text}" if help_text else (
+      f" Valid: {', '.join(map(repr, valid))}.")
+  if not isinstance(x, str):
+    raise TypeError(f"{owner}: {what} must be a string, got {_shown(x)}.{tail}")
+  key = x.strip().lower()
+  key = (aliases or {}).get(key, key)
+  if key not in valid:
+    raise ValueError(f"{owner}: unknown {what} {x!r}.{tail}")
+  return key
 
 
 def flag(x: Any, what: str, owner: str) -> bool:
@@ -175,6 +190,72 @@ def share(x: Any, what: str, owner: str, *, zero_allowed: bool) -> float:
         f"got {value}; e.g. 0.01 for 1%."
     )
   return value
+
+
+# -- arrays ------------------------------------------------------------------------
+
+
+def float_array(x: Any, what: str, *, float8: bool = False) -> jax.Array:
+  """A floating array (float32, bfloat16, float16; float8 only if allowed),
+  returned as a ``jax.Array``; bools, integers and objects are refused."""
+  if isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{what} must be a floating array, got a bool: {x!r}.")
+  try:
+    x = jax.numpy.asarray(x)
+  except TypeError:
+    raise TypeError(
+        f"{what} must be a floating array, got {_shown(x)}.") from None
+  dtype = np.dtype(x.dtype)
+  if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    raise TypeError(
+        f"{what} must be a floating array (float32, bfloat16, float16), got "
+        f"dtype {dtype.name}. Cast it first, e.g. x.astype(jnp.float32): "
+        "float8 quantization scales real values.")
+  if not float8 and dtype.itemsize == 1:
+    raise TypeError(
+        f"{what} is already float8 ({dtype.name}). Pass the high-precision "
+        "array (float32, bfloat16 or float16): the quantizer computes the "
+        "scale from it and casts it itself.")
+  return x
+
+
+# -- float8 state ------------------------------------------------------------------
+
+#: The name of the float8 amax-history state: the linen collection made by
+#: ``PolicyModel.init`` and the attribute of an NNX ``PolicyModule``.
+FP8_STATE = "fp8_state"
+
+#: Why the float8 state must not reach an optimizer, and what to do instead.
+FP8_STATE_IN_OPTIMIZER = (
+    "{owner}: the tree handed to the optimizer contains jmp_lite's float8 "
+    "state at {path} (amax histories of delayed scaling). That state is not "
+    "a parameter: an optimizer would step it like one (adding momentum and "
+    "weight decay to amaxes), which silently corrupts the float8 scales. "
+    "Give the optimizer the params only: opt.init(variables['params']) for "
+    "linen (pass the 'fp8_state' collection to apply as mutable, like "
+    "'batch_stats'), nnx.Optimizer(model, tx, wrt=nnx.Param) for NNX. "
+    "docs/fp8.md explains the state."
+)
+
+
+def _key_name(key: Any) -> Any:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return getattr(key, attr)
+  return key
+
+
+def no_fp8_state(tree: Any, owner: str) -> None:
+  """Raises if ``tree`` (params handed to an optimizer) holds the float8 state.
+
+  The state is recognised by its name (:data:`FP8_STATE`) anywhere in the
+  tree's key paths (a linen collection, an NNX attribute). Host-side; one
+  ``jax.tree`` walk of the paths.
+  """
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if any(_key_name(k) == FP8_STATE for k in path):
+      raise ValueError(FP8_STATE_IN_OPTIMIZER.format(
+          owner=owner, path=jax.tree_util.keystr(path)))
 
 
 # -- loss scales -------------------------------------------------------------------

@@ -31,6 +31,14 @@ DTYPE_NAMES: tuple[str, ...] = tuple(_NAME_TO_DTYPE) + ("half",)
 
 FLOAT32 = np.dtype(jnp.float32)
 
+#: Why a float8 dtype is not a policy dtype, and what to write instead.
+FLOAT8_POLICY_DTYPE = (
+    "float8 holds no params, activations or outputs in jmp_lite: it is a "
+    "matmul recipe, whose matmuls quantize their operands to float8 and "
+    "accumulate in float32. Write e.g. get_policy('mixed_fp8') or "
+    "'p=f32,c=bf16,o=f32,m=fp8' (docs/fp8.md)."
+)
+
 # The canonical form of each policy dtype: JAX's scalar type, as jmp returns
 # them (``policy.compute_dtype is jnp.float16``; ``half_dtype()(2 ** 15)`` makes
 # a scalar). One object per dtype, so equal policies compare and hash equal.
@@ -142,9 +150,11 @@ def floating_dtype(dtype: Any, what: str = "dtype", *, policy: bool = True,
         f"{type(dtype).__name__}: {dtype!r}. Use e.g. {example}."
     ) from None
   if policy and result not in _DTYPE_NAMES:
+    hint = (FLOAT8_POLICY_DTYPE if is_floating(result) and result.itemsize == 1
+            else "Mixed-precision policies only hold floating dtypes.")
     raise ValueError(
         f"{what} must be one of float32, float16, bfloat16 or float64, got "
-        f"{result.name}. Mixed-precision policies only hold floating dtypes."
+        f"{result.name}. {hint}"
     )
   if not is_floating(result):
     raise ValueError(

@@ -512,6 +512,7 @@ class _LossScaling:
     problem = _enclosing_problem()
     if problem is not None:
       raise TypeError(problem)
+    checks.no_fp8_state(params, "jmp_lite.loss_scaling")
     inner_state = self.inner.init(params)
     if tree_lib.find(inner_state, LossScaleState, "loss_scale"):
       raise TypeError(_NESTED)

@@ -29,13 +29,58 @@ _KEYS = {
 }
 
 #: Named presets accepted by :func:`get_policy` (Keras-style names; ``tf32``:
-#: float32 everywhere, matmuls and convolutions in TensorFloat-32).
+#: float32 everywhere, matmuls and convolutions in TensorFloat-32;
+#: ``mixed_fp8``: ``mixed_bfloat16`` with per-tensor float8 matmuls).
 PRESETS: dict[str, str] = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
     "mixed_half": "p=f32,c=half,o=f32",
     "tf32": "p=f32,c=f32,o=f32,m=tf32",
+    "mixed_fp8": "p=f32,c=bf16,o=f32,m=fp8",
 }
+
+#: The float8 matmul recipes a policy names with ``m=`` (plain data: the
+#: fields of ``jmp_lite.fp8.Fp8Config`` that differ from its defaults; the
+#: float8 layer turns a name into its config). Why each: ``docs/fp8.md``.
+FP8_RECIPES: dict[str, dict[str, Any]] = {
+    # Per-tensor current scaling, e4m3 forward, e5m2 gradients: torchao's
+    # "tensorwise", Transformer Engine's Float8CurrentScaling (HYBRID).
+    "fp8": {},
+    # One scale per row along the contracting dimension, e4m3 everywhere,
+    # power-of-two scales: torchao's "rowwise".
+    "fp8_rowwise": {"granularity": "row", "gradient_format": "e4m3"},
+    # DeepSeek-V3: 1x128 activation/gradient tiles, 128x128 weight blocks,
+    # e4m3 everywhere (Transformer Engine's Float8BlockScaling).
+    "fp8_blockwise": {"granularity": "blockwise", "gradient_format": "e4m3"},
+    # OCP MX: 1x32 blocks, E8M0 scales, e4m3 everywhere (TE's
+    # MXFP8BlockScaling default).
+    "mxfp8": {"granularity": "mxfp8", "gradient_format": "e4m3"},
+    # Per-tensor delayed scaling of the forward operands (amax histories),
+    # current-scaled gradients.
+    "fp8_delayed": {"scaling": "delayed"},
+}
+
+#: The ``jax.named_scope`` prefix of a float8 region marker (see
+#: :func:`fp8_marker`).
+FP8_SCOPE = "jmp_lite.fp8"
+
+
+class MatmulRecipe:
+  """Base class of the matmul recipes a policy can hold (``m=``).
+
+  The policy layer sits above the float8 layer, so it knows recipes only
+  through this interface: ``jmp_lite.fp8.Fp8Config`` implements it. A recipe
+  is immutable and hashable, and :meth:`spec` is its canonical text in the
+  policy grammar (a name of :data:`FP8_RECIPES`, or such a name with the
+  fields that differ: ``"fp8_rowwise(margin=1)"``).
+  """
+
+  def spec(self) -> str:
+    """The recipe's canonical text in the policy grammar."""
+    raise NotImplementedError
+
+  def check_policy_use(self) -> None:
+    """Raises if the recipe cannot sit in a policy (default: it can)."""
 
 # Matmul precisions a policy may name: ours (aliases -> canonical name) and
 # every jax.lax.DotAlgorithmPreset but DEFAULT, by lowercase name. Each maps to
@@ -59,23 +104,65 @@ _PRESETS_BY_NAME = {
 MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "f32", "bf16", *_PRESETS_BY_NAME)
 
 
-def _matmul_precision(value: Any, compute_dtype: Any) -> str | None:
-  """Validates a matmul precision for a compute dtype; its canonical name."""
+#: The compute dtypes a float8 recipe takes (its operands are quantized from
+#: them and its results come back in them).
+_FP8_COMPUTE = tuple(np.dtype(d) for d in ("float32", "bfloat16", "float16"))
+
+
+def _fp8_recipe(value: Any, compute: np.dtype) -> "str | MatmulRecipe":
+  """A float8 recipe (name or MatmulRecipe), canonical and checked."""
+  if compute not in _FP8_COMPUTE:
+    raise ValueError(
+        f"matmul_precision {_recipe_text(value)!r} is a float8 recipe, which "
+        "quantizes float32, bfloat16 or float16 operands, but the policy "
+        f"computes in {compute.name}. Use e.g. 'mixed_fp8' "
+        "(p=f32,c=bf16,o=f32,m=fp8).")
+  if isinstance(value, str):
+    return value
+  value.check_policy_use()
+  spec = value.spec()
+  # A recipe equal to a named one is stored by its name, so that the two
+  # spellings make equal (and equally hashing) policies.
+  return spec if spec in FP8_RECIPES else value
+
+
+def _recipe_text(value: Any) -> str:
+  return value if isinstance(value, str) else value.spec()
+
+
+def _parse_recipe(text: str) -> MatmulRecipe:
+  """A custom recipe written ``name(key=value;...)``, as a MatmulRecipe."""
+  # The one place the policy layer reaches into the float8 layer below it:
+  # only the float8 layer knows the fields of a recipe. Imported here, on
+  # use, so that importing the policy layer never imports the float8 one.
+  from jmp_lite._src.fp8 import config as fp8_config  # pylint: disable=g-import-not-at-top
+  return fp8_config.from_spec(text)
+
+
+def _matmul_precision(value: Any, compute_dtype: Any) -> "str | MatmulRecipe | None":
+  """Validates a matmul precision for a compute dtype; its canonical form."""
   if value is None:
     return None
+  compute = np.dtype(compute_dtype)
+  if isinstance(value, MatmulRecipe):
+    return _fp8_recipe(value, compute)
   if isinstance(value, jax.lax.DotAlgorithmPreset):
     value = value.name
   if not isinstance(value, str):
     raise TypeError(
-        "matmul_precision must be a name such as 'tf32' or "
-        "'bf16_bf16_f32_x3', or a jax.lax.DotAlgorithmPreset, got "
+        "matmul_precision must be a name such as 'tf32', 'fp8' or "
+        "'bf16_bf16_f32_x3', a jax.lax.DotAlgorithmPreset, or a "
+        "jmp_lite.fp8.Fp8Config, got "
         f"{type(value).__name__}: {value!r}."
     )
-  name = value.strip().lower()
+  name = "".join(value.split()).lower()
   if name == "default":
     return None
+  if name in FP8_RECIPES:
+    return _fp8_recipe(name, compute)
+  if "(" in name:
+    return _fp8_recipe(_parse_recipe(name), compute)
   name = _PRECISION_ALIASES.get(name, name)
-  compute = np.dtype(compute_dtype)
   if name in _JAX_PRECISION:
     if compute != dtypes.FLOAT32:
       raise ValueError(
@@ -90,7 +177,9 @@ def _matmul_precision(value: Any, compute_dtype: Any) -> str | None:
     raise ValueError(
         f"Unknown matmul precision {value!r}. Valid: {', '.join(MATMUL_PRECISIONS)}"
         " (tf32/f32/bf16 for float32 compute; the others are "
-        "jax.lax.DotAlgorithmPreset names), or 'default'."
+        "jax.lax.DotAlgorithmPreset names), 'default', or a float8 recipe: "
+        f"{', '.join(FP8_RECIPES)} (custom: 'fp8_rowwise(margin=1)' or a "
+        "jmp_lite.fp8.Fp8Config; see docs/fp8.md)."
     )
   supported = preset.supported_lhs_types or ()
   if not any(np.dtype(t) == compute for t in supported):
@@ -113,20 +202,24 @@ class Policy:
   ``matmul_precision`` (``"tf32"``, ``"f32"``, ``"bf16"`` or a
   ``jax.lax.DotAlgorithmPreset`` name) says how matmuls run where the policy
   applies; what reaches matmuls and convolutions is tabled in
-  ``docs/precision.md`` (matmul precision).
+  ``docs/precision.md`` (matmul precision). A float8 recipe (``"fp8"``,
+  ``"fp8_rowwise"``, ``"fp8_blockwise"``, ``"mxfp8"``, ``"fp8_delayed"`` or a
+  ``jmp_lite.fp8.Fp8Config``) runs the policy's matmuls in float8 instead:
+  ``docs/fp8.md``.
 
   Args:
     param_dtype: dtype parameters are stored in (usually float32).
     compute_dtype: dtype the computation runs in (float16/bfloat16 for mixed
       precision).
     output_dtype: dtype outputs are returned in.
-    matmul_precision: optional matmul precision; ``None`` leaves it to JAX's
-      default.
+    matmul_precision: optional matmul precision or float8 recipe; ``None``
+      leaves it to JAX's default.
 
   Raises:
     TypeError: if a dtype is ``None`` or not dtype-like.
-    ValueError: for a non-floating dtype, an unknown matmul precision, or one
-      that does not apply to the compute dtype (TF32 with float16 compute).
+    ValueError: for a non-floating or float8 dtype, an unknown matmul
+      precision, or one that does not apply to the compute dtype (TF32 with
+      float16 compute).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -139,12 +232,14 @@ class Policy:
     dtype('float16')
     >>> str(jmp_lite.get_policy("tf32"))
     'p=full,c=full,o=full,m=tf32'
+    >>> str(policy.with_compute_dtype("bf16").with_matmul_precision("fp8"))
+    'p=full,c=bf16,o=full,m=fp8'
   """
 
   param_dtype: type
   compute_dtype: type
   output_dtype: type
-  matmul_precision: str | None = None
+  matmul_precision: "str | MatmulRecipe | None" = None
 
   def __init__(
       self,
@@ -196,10 +291,11 @@ class Policy:
     """A context applying the matmul precision to what is traced inside it.
 
     ``jax.default_matmul_precision`` with this policy's precision, or a
-    context that changes nothing when the policy has none (an enclosing
-    policy's precision then stays in force).
+    context that changes nothing when the policy has none or a float8 recipe
+    (an enclosing policy's precision then stays in force; float8 matmuls are
+    made by autocast's interpreter, not by a precision setting).
     """
-    if self.matmul_precision is None:
+    if self.matmul_precision is None or fp8_spec(self) is not None:
       return contextlib.nullcontext()
     name = _JAX_PRECISION.get(self.matmul_precision,
                               self.matmul_precision.upper())
@@ -211,10 +307,35 @@ class Policy:
         dtypes.dtype_name(self.compute_dtype),
         dtypes.dtype_name(self.output_dtype),
     )
-    return text if self.matmul_precision is None else f"{text},m={self.matmul_precision}"
+    if self.matmul_precision is None:
+      return text
+    return f"{text},m={_recipe_text(self.matmul_precision)}"
 
   def __repr__(self) -> str:
     return f"Policy({str(self)!r})"
+
+
+def fp8_spec(policy: Policy) -> str | None:
+  """The canonical text of a policy's float8 recipe, or None if it has none."""
+  value = policy.matmul_precision
+  if isinstance(value, MatmulRecipe) or value in FP8_RECIPES:
+    return _recipe_text(value)
+  return None
+
+
+def fp8_marker(policy: Policy | None) -> str:
+  """The ``jax.named_scope`` that marks a float8 region: ``policy``'s recipe.
+
+  ``jmp_lite.fp8[<recipe>]`` (``jmp_lite.fp8[none]`` for a policy without
+  one). autocast's interpreter reads the innermost marker of every
+  ``dot_general``'s name stack: the Flax policies push one at each boundary.
+  """
+  spec = None if policy is None else fp8_spec(policy)
+  return f"{FP8_SCOPE}[{spec or 'none'}]"
+
+
+def _looks_fp8(token: str) -> bool:
+  return "fp8" in token or "float8" in token or token in FP8_RECIPES
 
 
 def _spec_error(spec: str, problem: str) -> ValueError:
@@ -229,15 +350,19 @@ def _spec_error(spec: str, problem: str) -> ValueError:
 
 
 def _parse_pairs(spec: str, text: str) -> dict[str, tuple[str, str]]:
-  """``"p=f32,c=f16"`` -> ``{"param_dtype": ("p", "f32"), ...}`` (key, value)."""
+  """``"p=f32,c=f16"`` -> ``{"param_dtype": ("p", "f32"), ...}`` (key, value).
+
+  A custom float8 recipe's fields sit in parentheses, separated by ``;``:
+  ``"c=bf16,m=fp8_rowwise(margin=1;history_length=32)"``.
+  """
   chosen: dict[str, tuple[str, str]] = {}
   for raw_part in text.split(","):
     part = raw_part.strip()
     if not part:
       raise _spec_error(spec, "it has an empty entry (a stray comma?)")
-    if part.count("=") != 1:
+    key, _, value = (s.strip() for s in part.partition("="))
+    if "=" not in part or ("=" in value and "(" not in value):
       raise _spec_error(spec, f"entry {part!r} is not a single key=value pair")
-    key, value = (s.strip() for s in part.split("="))
     if key not in _KEYS:
       raise _spec_error(spec, f"unknown key {key!r} (valid keys: {', '.join(_KEYS)})")
     field = _KEYS[key]
@@ -254,6 +379,8 @@ def _parse_dtype(spec: str, value: str, problem: str) -> np.dtype:
   try:
     return dtypes.parse_dtype(value)
   except ValueError:
+    if _looks_fp8(value):
+      problem += ". " + dtypes.FLOAT8_POLICY_DTYPE[:-1]
     raise _spec_error(spec, problem) from None
 
 
@@ -279,8 +406,13 @@ def get_policy(spec: str | Policy) -> Policy:
   * presets: ``"mixed_float16"`` (``p=f32,c=f16,o=f32``), ``"mixed_bfloat16"``
     (``p=f32,c=bf16,o=f32``), ``"mixed_half"`` (half is f16, or bf16 on TPU),
     ``"tf32"`` (``p=f32,c=f32,o=f32,m=tf32``).
+  * ``"mixed_fp8"`` (``p=f32,c=bf16,o=f32,m=fp8``): bfloat16 compute with
+    per-tensor float8 matmuls.
   * ``m=...`` / ``matmul=...`` (optional): the matmul precision, e.g.
-    ``"p=f32,c=f32,o=f32,m=tf32"`` or ``"c=f32,m=bf16_bf16_f32_x3"``; see
+    ``"p=f32,c=f32,o=f32,m=tf32"`` or ``"c=f32,m=bf16_bf16_f32_x3"``, or a
+    float8 recipe: ``fp8``, ``fp8_rowwise``, ``fp8_blockwise``, ``mxfp8``,
+    ``fp8_delayed``, or one of them with fields changed,
+    ``"m=fp8_delayed(margin=1;history_length=32)"`` (``docs/fp8.md``); see
     :class:`Policy`. ``str(policy)`` prints it only when set, so jmp's specs
     and strings are unchanged.
 
@@ -308,6 +440,8 @@ def get_policy(spec: str | Policy) -> Policy:
     True
     >>> print(jmp_lite.get_policy("c=f32, matmul=TF32"))
     p=full,c=full,o=full,m=tf32
+    >>> print(jmp_lite.get_policy("mixed_fp8"))
+    p=full,c=bf16,o=full,m=fp8
   """
   if isinstance(spec, Policy):
     return spec
@@ -324,6 +458,9 @@ def get_policy(spec: str | Policy) -> Policy:
   if "=" not in text:
     dtype = _parse_dtype(spec, text, f"Unknown dtype or preset {text!r}")
     return Policy(dtype, dtype, dtype)
+  if "(" in text:
+    # A custom float8 recipe: its parentheses hold no spaces or commas.
+    text = text.replace(" ", "")
   chosen = _parse_pairs(spec, text)
   param = _dtype_of(spec, chosen, "param_dtype", dtypes.FLOAT32)
   compute = _dtype_of(spec, chosen, "compute_dtype", param)
@@ -363,7 +500,10 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
   The wrapper casts every floating leaf of its positional and keyword arguments
   (params, inputs) to the compute dtype, calls ``fn`` (under the policy's
   matmul precision, if it has one) and casts the floating leaves of the result
-  to the output dtype. Integer inputs (labels, token ids),
+  to the output dtype. With a float8 recipe (``"mixed_fp8"``), ``fn`` is
+  traced and its matmuls run in float8 but for the defaults' exclusions
+  (``docs/fp8.md``); array leaves of the arguments are traced, other leaves
+  are static. Integer inputs (labels, token ids),
   ``None`` and other objects pass through. Keep params stored in the param
   dtype outside; gradients with respect to them come back in that dtype.
 
@@ -376,6 +516,8 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
 
   Raises:
     TypeError: if ``fn`` is not callable.
+    ValueError: for a delayed-scaling float8 recipe (it needs state: use the
+      Flax policies).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -387,10 +529,21 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
   """
   checks.function(fn, "with_policy", "a callable (e.g. model.apply)")
   policy = get_policy(policy)
+  call = None
+  if fp8_spec(policy) is not None:
+    # Float8 matmuls are made by autocast's interpreter (one mechanism for
+    # every route). The one upward dependency of the policy layer, imported
+    # on use so that a policy without float8 never loads autocast.
+    from jmp_lite._src.autocast import float8  # pylint: disable=g-import-not-at-top
+    float8.check_stateless(policy, "jmp_lite.with_policy")
+    call = functools.partial(float8.evaluate, policy=policy,
+                             owner="jmp_lite.with_policy")
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
     args, kwargs = policy.cast_to_compute((args, kwargs))
+    if call is not None:
+      return policy.cast_to_output(call(fn, args, kwargs))
     with policy.matmul_context():
       out = fn(*args, **kwargs)
     return policy.cast_to_output(out)

@@ -13,9 +13,11 @@ from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src import compat
+from jmp_lite._src.autocast import float8 as float8_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.autocast import default_rules as table_lib
+from jmp_lite._src.fp8 import config as fp8_config
 
 _TRACING_ERRORS = (
     jax.errors.ConcretizationTypeError,
@@ -76,7 +78,10 @@ def autocast(
   ``while_loop``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` too. It
   never changes ``fn``'s interface: inputs are not cast and floating outputs
   leave in the dtypes ``fn`` returns. Of a policy it uses the compute dtype and
-  the matmul precision. Array leaves of the arguments are traced, every other
+  the matmul precision; with a float8 recipe (``"mixed_fp8"``,
+  ``"c=bf16,m=fp8_rowwise"``) the matmuls run in float8, but for the
+  defaults' exclusions (the output head, batched matmuls such as attention
+  scores, shapes that are not multiples of 16: ``docs/fp8.md``). Array leaves of the arguments are traced, every other
   leaf is static; wrap the train step in ``jax.jit`` so the trace happens once.
   Guide, op lists next to torch's, limitations: ``docs/autocast.md``.
 
@@ -97,8 +102,9 @@ def autocast(
   Raises:
     TypeError: if ``fn`` is not callable, an ``op_rules`` key is not a
       primitive object, or (when called) ``fn`` cannot be traced.
-    ValueError: if the compute dtype is not floating, or a rule name is
-      unknown.
+    ValueError: if the compute dtype is not floating, a rule name is
+      unknown, or the policy's float8 recipe uses delayed scaling (which
+      needs state: the Flax policies keep it).
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
@@ -115,11 +121,19 @@ def autocast(
                   "a callable (e.g. model.apply or a loss function)")
   policy = _resolve_policy(policy_or_dtype)
   enabled = checks.flag(enabled, "enabled", "autocast")
+  fp8 = policy_lib.fp8_spec(policy) is not None
+  if fp8:
+    float8_lib.check_stateless(policy, "jmp_lite.autocast")
   if enabled:
     # On a jax whose internals autocast cannot read, only autocast fails.
     compat.require("jmp_lite.autocast")
   if compat.available():
     table = table_lib.resolve_rules(op_rules)
+    dot = compat.primitive("dot_general_p")
+    if fp8 and dot not in (op_rules or {}):
+      # Float8 matmuls where the recipe is in force; a user's own
+      # dot_general rule wins over the recipe.
+      table[dot] = float8_lib.fp8_dot_lower
 
   if not enabled:
 
@@ -129,12 +143,14 @@ def autocast(
 
     return passthrough
 
-  interp = interpreter_lib.Interpreter(policy.compute_dtype, table)
+  interp = interpreter_lib.Interpreter(
+      policy.compute_dtype, table, fp8=fp8,
+      region=fp8_config.recipe_config(policy.matmul_precision))
   name = getattr(fn, "__qualname__", None) or repr(fn)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    flat_fn, dynamic = _split_static(fn, args, kwargs)
+    flat_fn, dynamic = interpreter_lib.split_static(fn, args, kwargs)
     try:
       with policy.matmul_context():
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
@@ -156,30 +172,6 @@ def autocast(
     return jax.tree.unflatten(out_tree, outs)
 
   return wrapped
-
-
-def _split_static(
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    is_dynamic: Callable[[Any], bool] = _is_dynamic,
-) -> tuple[Callable[..., Any], list[Any]]:
-  """Splits a call into a function of its array leaves and those leaves.
-
-  Every other leaf (strings, Python scalars, Flax's ``mutable=[...]``) is
-  closed over, as if static for ``jax.jit``.
-  """
-  leaves, treedef = jax.tree.flatten((args, kwargs))
-  dynamic_idx = [i for i, leaf in enumerate(leaves) if is_dynamic(leaf)]
-
-  def flat_fn(*dynamic):
-    full = list(leaves)
-    for i, value in zip(dynamic_idx, dynamic):
-      full[i] = value
-    call_args, call_kwargs = jax.tree.unflatten(treedef, full)
-    return fn(*call_args, **call_kwargs)
-
-  return flat_fn, [leaves[i] for i in dynamic_idx]
 
 
 def op_dtypes(
@@ -217,7 +209,7 @@ def op_dtypes(
                   "lists: jmp_lite.op_dtypes(fn, *args), e.g. "
                   "op_dtypes(jmp_lite.autocast(f, 'bf16'), x)")
   compat.require("jmp_lite.op_dtypes")
-  flat_fn, dynamic = _split_static(
+  flat_fn, dynamic = interpreter_lib.split_static(
       fn,
       args,
       kwargs,

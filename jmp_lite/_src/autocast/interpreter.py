@@ -31,6 +31,21 @@ bodies; how each keeps its type invariants:
 
 Equations traced inside :func:`jmp_lite.in_float32` run with the
 ``"passthrough"`` rule, and higher-order primitives there are not entered.
+
+**Float8 regions** (``fp8=True``: a float8 recipe is in force somewhere). The
+recipe of each ``dot_general`` is the innermost float8 marker
+(``jmp_lite.fp8[<recipe>]``, :func:`jmp_lite._src.policy.fp8_marker`) in its
+name stack, else the region the interpreter carries (the policy's recipe for
+``autocast``/``with_policy``; a higher-order equation hands the recipe in
+force at it down to its bodies). The output head -- a ``dot_general`` from
+which no other one is reachable, at the top level of the traced program or in
+a non-loop body of it -- runs with no recipe. Delayed scaling's amax
+histories are threaded through an :class:`~jmp_lite._src.autocast.float8.Fp8Store`:
+every ``dot_general`` and ``scan`` equation gets a key from its name stack
+and its position; ``jit``/``closed_call`` bodies are then inlined and
+``remat`` bodies return their histories, ``scan`` bodies get per-iteration
+slots (scanned inputs and outputs), and the bodies of ``cond``, ``while``,
+``custom_jvp``/``custom_vjp`` and ``shard_map`` use current scaling.
 """
 
 from __future__ import annotations
@@ -42,15 +57,61 @@ import jax
 from jax import lax
 import numpy as np
 
+from jmp_lite._src import checks
 from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src import compat
 from jmp_lite._src.autocast import rules as rules_lib
+from jmp_lite._src.fp8 import config as fp8_config
+
+_DOT = compat.primitive("dot_general_p")
 
 def _is_disabled(eqn: Any) -> bool:
   """Traced inside a float32 island (``in_float32``): left as traced."""
   return policy_lib.ISLAND_SCOPE in compat.name_stack(eqn)
+
+
+_MARKER = policy_lib.FP8_SCOPE + "["
+
+
+def _marked_recipe(stack: str, default: Any) -> Any:
+  """The recipe of the innermost float8 marker in a name stack, or default."""
+  start = stack.rfind(_MARKER)
+  if start < 0:
+    return default
+  end = stack.find("]", start)
+  spec = stack[start + len(_MARKER):end]
+  return None if spec == "none" else fp8_config.from_spec(spec)
+
+
+def _scope_path(stack: str) -> tuple[str, ...]:
+  """The named scopes of a name stack, float8 markers left out (store keys)."""
+  return tuple(part for part in stack.split("/")
+               if part and not part.startswith(_MARKER))
+
+
+def _contains_dot(eqn: Any) -> bool:
+  if eqn.primitive is _DOT:
+    return True
+  return any(e.primitive is _DOT
+             for sub in compat.sub_jaxprs(eqn.params)
+             for e in compat.walk_eqns(sub))
+
+
+def _dot_sinks(jaxpr: Any) -> set[int]:
+  """Equations holding a ``dot_general`` from which no later one is reachable."""
+  feeds_dot: set[Any] = set()
+  sinks: set[int] = set()
+  for index in range(len(jaxpr.eqns) - 1, -1, -1):
+    eqn = jaxpr.eqns[index]
+    feeds = any(v in feeds_dot for v in eqn.outvars)
+    has_dot = _contains_dot(eqn)
+    if has_dot and not feeds:
+      sinks.add(index)
+    if has_dot or feeds:
+      feeds_dot.update(v for v in eqn.invars if not compat.is_literal(v))
+  return sinks
 
 
 def _read(env: dict[Any, Any], atom: Any) -> Any:
@@ -86,18 +147,40 @@ class Interpreter:
     compute_dtype: the low-precision dtype of ``"lower"`` ops.
     rules: the resolved rule table ``{primitive: rule}``.
     accumulate_f32: see ``OpRuleContext.accumulate_f32``.
+    fp8: whether float8 regions are possible (markers are read, the output
+      head is found); False keeps the plain autocast path untouched.
+    region: the float8 recipe (``Fp8Config``) in force where no marker says
+      otherwise, or None.
+    tail: whether nothing after the evaluated jaxpr reaches a
+      ``dot_general`` (its last matmul is then the output head).
+    store: delayed scaling's amax histories for this evaluation, or None
+      (delayed recipes then scale currently).
   """
 
   def __init__(
-      self, compute_dtype: np.dtype, rules: dict[Any, Any], accumulate_f32: bool = True
+      self, compute_dtype: np.dtype, rules: dict[Any, Any],
+      accumulate_f32: bool = True, *, fp8: bool = False, region: Any = None,
+      tail: bool = True, store: Any = None,
   ):
     self.compute_dtype = np.dtype(compute_dtype)
     self.rules = rules
     self.accumulate_f32 = accumulate_f32
+    self.fp8 = fp8
+    self.region = region
+    self.tail = tail
+    self.store = store
+
+  def child(self, **changes: Any) -> "Interpreter":
+    """A copy with some attributes changed (for a body, a JVP rule...)."""
+    attrs = dict(compute_dtype=self.compute_dtype, rules=self.rules,
+                 accumulate_f32=self.accumulate_f32, fp8=self.fp8,
+                 region=self.region, tail=self.tail, store=self.store)
+    attrs.update(changes)
+    return Interpreter(**attrs)
 
   def for_tangents(self) -> "Interpreter":
     """The interpreter for custom JVP rules (see ``OpRuleContext.accumulate_f32``)."""
-    return Interpreter(self.compute_dtype, self.rules, accumulate_f32=False)
+    return self.child(accumulate_f32=False)
 
   # -- evaluation ------------------------------------------------------------
 
@@ -111,10 +194,11 @@ class Interpreter:
       env[var] = val
       if getattr(var.aval, "weak_type", False):
         weak.add(var)
-    for eqn in jaxpr.eqns:
+    sinks = _dot_sinks(jaxpr) if self.fp8 and self.tail else set()
+    for index, eqn in enumerate(jaxpr.eqns):
       invals = [_read(env, v) for v in eqn.invars]
       in_weak = tuple(compat.is_literal(v) or v in weak for v in eqn.invars)
-      outs = self._eval_eqn(eqn, invals, in_weak)
+      outs = self._eval_eqn(eqn, invals, in_weak, index in sinks)
       if not eqn.primitive.multiple_results:
         outs = [outs]
       out_weak = bool(in_weak) and all(in_weak) and not self._recurses(eqn)
@@ -158,9 +242,24 @@ class Interpreter:
     return self._rule_for(eqn) == "recurse"
 
   def _eval_eqn(
-      self, eqn: Any, invals: list[Any], in_weak: tuple[bool, ...]
+      self, eqn: Any, invals: list[Any], in_weak: tuple[bool, ...],
+      is_sink: bool = False,
   ) -> Any:
     rule = self._rule_for(eqn)
+    recipe, site, recurse = None, None, None
+    stack = ""
+    if self.fp8:
+      stack = compat.name_stack(eqn)
+      recipe = _marked_recipe(stack, self.region)
+      if eqn.primitive is _DOT:
+        if is_sink and recipe is not None and not recipe.include_output_head:
+          recipe = None  # the output head stays in the compute dtype
+        if self.store is not None:
+          site = self.store.site(_scope_path(stack), "dot_general")
+      elif eqn.primitive is _SCAN and self.store is not None:
+        site = self.store.site(_scope_path(stack), "scan")
+    if eqn.primitive in HIGHER_ORDER:
+      recurse = self._child_for(eqn, recipe, is_sink, stack)._recurse
     ctx = rules_lib.OpRuleContext(
         primitive=eqn.primitive,
         compute_dtype=self.compute_dtype,
@@ -168,15 +267,62 @@ class Interpreter:
         out_avals=tuple(v.aval for v in eqn.outvars),
         weak=in_weak,
         accumulate_f32=self.accumulate_f32,
-        _recurse=self._recurse if eqn.primitive in HIGHER_ORDER else None,
+        fp8_config=recipe,
+        _recurse=recurse,
+        _site=site,
     )
     with compat.equation_context(eqn):
       if isinstance(rule, str):
         return ctx.apply(rule, *invals, **eqn.params)
       return rule(ctx, *invals, **eqn.params)
 
+  def _child_for(self, eqn: Any, recipe: Any, is_sink: bool,
+                 stack: str) -> "Interpreter":
+    """The interpreter of a higher-order equation's bodies."""
+    if not self.fp8:
+      return self
+    name = HIGHER_ORDER_NAMES[eqn.primitive]
+    store = None
+    if self.store is not None and name in _STORE_THREADED:
+      # A scan keys its body itself; inlined bodies extend the scopes.
+      store = (self.store if name == "scan_p"
+               else self.store.view(_scope_path(stack)))
+    tail = self.tail and is_sink and name not in _LOOPS
+    return self.child(region=recipe, tail=tail, store=store)
+
   def _recurse(self, ctx: rules_lib.OpRuleContext, *args: Any, **params: Any) -> Any:
     return HIGHER_ORDER[ctx.primitive](self, ctx, list(args), params)
+
+
+# Bodies that see the caller's float8 store (the others scale currently), and
+# loops (whose last matmul is no output head: it feeds the next iteration).
+_STORE_THREADED = frozenset({"jit_p", "closed_call_p", "remat_p", "scan_p"})
+_LOOPS = frozenset({"scan_p", "while_p"})
+
+
+def split_static(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    is_dynamic: Callable[[Any], bool] = checks.is_array,
+) -> tuple[Callable[..., Any], list[Any]]:
+  """Splits a call into a function of its array leaves and those leaves.
+
+  Every other leaf (strings, Python scalars, Flax's ``mutable=[...]``) is
+  closed over, as if static for ``jax.jit``.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  dynamic_idx = [i for i, leaf in enumerate(leaves) if is_dynamic(leaf)]
+
+  def flat_fn(*dynamic):
+    full = list(leaves)
+    for i, value in zip(dynamic_idx, dynamic):
+      full[i] = value
+    call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+    return fn(*call_args, **call_kwargs)
+
+  return flat_fn, [leaves[i] for i in dynamic_idx]
+
 
 
 # -- higher-order primitives ---------------------------------------------------
@@ -186,6 +332,10 @@ class Interpreter:
 
 
 def _jit(interp: Interpreter, ctx: rules_lib.OpRuleContext, args, params):
+  if interp.store is not None:
+    # Delayed scaling's histories flow in and out of the body: inline it (a
+    # jit inside a traced function is a call; XLA compiles one program).
+    return interp.eval_closed(compat.jit_body(params), args)
   new_body = interp.trace_closed(compat.jit_body(params), args)
   return ctx.bind(*args, **compat.with_jit_body(params, new_body))
 
@@ -199,6 +349,19 @@ def _remat(interp, ctx, args, params):
   # `differentiated` is set by JAX's AD only; jax.checkpoint recomputes it.
   del ctx
   body, prevent_cse, policy = compat.remat_parts(params)
+  store = interp.store
+  if store is not None:
+    # The body's new histories leave as outputs of the checkpointed function.
+    def run_with_histories(*xs):
+      scope = store.scope()
+      outs = interp.child(store=scope).eval_jaxpr(
+          compat.open_jaxpr(body), (), xs)
+      return outs, scope.outputs
+
+    outs, histories = jax.checkpoint(
+        run_with_histories, prevent_cse=prevent_cse, policy=policy)(*args)
+    store.merge(histories)
+    return outs
 
   def run(*xs):
     return interp.eval_jaxpr(compat.open_jaxpr(body), (), xs)
@@ -212,6 +375,23 @@ def _scan(interp, ctx, args, params):
   carry_dtypes = _float_dtypes(traced_init)
   init = cast_all(init, carry_dtypes)
   n_carry = len(init)
+
+  site = ctx._site  # pylint: disable=protected-access
+  if site is not None:
+    # Delayed scaling: one slot per iteration, as scanned inputs/outputs.
+    def step_with_histories(carry, x_and_histories):
+      x, histories = x_and_histories
+      inner = site.for_body(histories)
+      outs = interp.child(store=inner).eval_closed(
+          body, [*consts, *carry, *x])
+      return (cast_all(outs[:n_carry], carry_dtypes),
+              (outs[n_carry:], inner.final()))
+
+    carry, (ys, histories) = lax.scan(
+        step_with_histories, init, (xs, site.inputs()),
+        **compat.scan_options(params))
+    site.record(histories)
+    return [*carry, *ys]
 
   def step(carry, x):
     outs = interp.eval_closed(body, [*consts, *carry, *x])
@@ -372,3 +552,10 @@ HIGHER_ORDER: dict[Any, Callable[..., Any]] = {
     for name, handler in HIGHER_ORDER_HANDLERS.items()
     if (prim := compat.primitive(name)) is not None
 }
+#: ``{primitive: attribute name}`` of the same registry.
+HIGHER_ORDER_NAMES: dict[Any, str] = {
+    prim: name
+    for name in HIGHER_ORDER_HANDLERS
+    if (prim := compat.primitive(name)) is not None
+}
+_SCAN = compat.primitive("scan_p")

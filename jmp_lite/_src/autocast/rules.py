@@ -151,6 +151,10 @@ class OpRuleContext:
       whose matmuls compute tangents: they then run like the tangent matmuls
       of autocast's own matmul rule (compute-dtype output), so that the
       backward pass has no mixed-dtype matmuls.
+    fp8_config: the float8 recipe (``jmp_lite.fp8.Fp8Config``) in force
+      where the operation was traced, or None: outside float8 regions, in
+      float32 islands, and for the output head (``docs/fp8.md``). The
+      ``dot_general`` rule of a float8 policy reads it.
   """
 
   primitive: Any
@@ -159,7 +163,9 @@ class OpRuleContext:
   out_avals: tuple[Any, ...]
   weak: tuple[bool, ...]
   accumulate_f32: bool = True
+  fp8_config: Any = None
   _recurse: Callable[..., Any] | None = None
+  _site: Any = None
 
   def bind(self, *args: Any, **params: Any) -> Any:
     """Binds the primitive to ``args`` (like ``eval_jaxpr`` does)."""
@@ -273,6 +279,10 @@ def lower_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
   if not floats or any(dtype_of(args[i]).itemsize > 4 for i in floats):
     # Integer matmuls and float64 ops are not eligible (as in torch.autocast).
     return promote_rule(ctx, *args, **params)
+  if any(dtype_of(args[i]).itemsize == 1 for i in floats):
+    # A float8 matmul (one made by a float8 recipe inside the function) is
+    # already quantized: it runs as written.
+    return passthrough_rule(ctx, *args, **params)
   target = ctx.compute_dtype
   new_args = [tree_lib.cast(x, target) if i in floats else x for i, x in enumerate(args)]
   if "preferred_element_type" not in params or len(ctx.out_avals) != 1:

@@ -1,8 +1,11 @@
-"""Precision policies for Flax linen modules: ``apply_policy`` and the
-``PolicyModel`` it returns, per-module rules (``ModuleRules``).
+"""Policies on Flax linen models: ``apply_policy``, ``PolicyModel``,
+``ModuleRules``.
 
-How a call runs (interceptors for linen, boundary modules swapped into their
-slots for NNX) is described once, in ``docs/flax.md``.
+A linen model is a pure function of its variables, so ``PolicyModel`` wraps
+``init``/``apply``: params are cast per module, and a
+``flax.linen.intercept_methods`` interceptor casts at every boundary (and, for
+float8 recipes, marks it for autocast's interpreter). Delayed float8 scaling
+keeps its amax histories in the ``"fp8_state"`` collection.
 """
 
 from __future__ import annotations
@@ -14,15 +17,16 @@ import warnings
 import flax.linen as nn
 from flax import traverse_util
 from flax.core import FrozenDict
+from flax.core import scope as flax_scope
 import jax
+import jax.numpy as jnp
 
+from jmp_lite._src import checks
+from jmp_lite._src.fp8 import config as fp8_config
 from jmp_lite._src.flax import rules as common
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 
-Path = common.Path
-FullPrecision = common.FullPrecision
-UnmatchedRuleWarning = common.UnmatchedRuleWarning
 
 
 class ModuleRules(common.ModuleRulesBase):
@@ -70,12 +74,12 @@ class ModuleRules(common.ModuleRulesBase):
 DEFAULT_MODULE_RULES = ModuleRules(
     (
         (nn.BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.InstanceNorm),
-        FullPrecision(),
+        common.FullPrecision(),
     ),
 )
 
 
-def _recorder(classes: dict[Path, type]) -> Callable[..., Any]:
+def _recorder(classes: dict[common.Path, type]) -> Callable[..., Any]:
   """An interceptor that records the class of every module that runs."""
 
   def intercept(next_fun, args, kwargs, context):
@@ -89,10 +93,14 @@ def _recorder(classes: dict[Path, type]) -> Callable[..., Any]:
 
 
 def _boundary_interceptor(
-    resolver: common.Resolver, seen: set[Path]
+    resolver: common.Resolver, seen: set[common.Path], fp8: bool = False
 ) -> Callable[..., Any]:
-  """An interceptor casting inputs and outputs at every policy boundary."""
-  active: list[Path] = []
+  """An interceptor casting inputs and outputs at every policy boundary.
+
+  With ``fp8``, each boundary also marks its region with its policy's float8
+  recipe (or none) for autocast's interpreter.
+  """
+  active: list[common.Path] = []
 
   def intercept(next_fun, args, kwargs, context):
     name = context.method_name
@@ -112,7 +120,7 @@ def _boundary_interceptor(
     active.append(path)
     try:
       args, kwargs = policy.cast_to_compute((args, kwargs))
-      with policy.matmul_context():
+      with common.fp8_region(policy, fp8), policy.matmul_context():
         return policy.cast_to_output(next_fun(*args, **kwargs))
     finally:
       active.pop()
@@ -120,7 +128,7 @@ def _boundary_interceptor(
   return intercept
 
 
-def _map_params(params: Any, fn: Callable[[Path, Any], Any]) -> Any:
+def _map_params(params: Any, fn: Callable[[common.Path, Any], Any]) -> Any:
   """Maps ``fn(owner_path, leaf)`` over a params collection.
 
   ``owner_path`` is the path of the module owning the leaf. Boxed leaves such
@@ -170,7 +178,11 @@ class PolicyModel:
 
     The model runs as written (no casting) to create its variables; then each
     module's params are cast to the param dtype of its effective policy.
-    Other collections (``batch_stats``...) are returned as created.
+    Other collections (``batch_stats``...) are returned as created. Where a
+    policy has a delayed-scaling float8 recipe, the model is also traced
+    once more (abstractly, under its policy) to create the ``"fp8_state"``
+    collection: zero amax histories for each float8 matmul
+    (``docs/fp8.md``).
 
     Args:
       rngs: as for ``flax.linen.Module.init`` (a key or a dict of keys).
@@ -188,7 +200,7 @@ class PolicyModel:
       >>> model.init(jax.random.key(0), jnp.ones((2, 4)))["params"]["scale"].dtype
       dtype('float32')
     """
-    classes: dict[Path, type] = {}
+    classes: dict[common.Path, type] = {}
     with nn.intercept_methods(_recorder(classes)):
       variables = self.module.init(rngs, *args, method=method, **kwargs)
     resolver = common.Resolver(self.policy, self.module_rules, classes)
@@ -202,6 +214,9 @@ class PolicyModel:
           ),
       )
       variables = _replace_collection(variables, "params", params)
+    if self._fp8_kind() == "delayed":
+      state = self._initial_fp8_state(variables, rngs, args, method, kwargs)
+      variables = _replace_collection(variables, checks.FP8_STATE, state)
     return variables
 
   def apply(
@@ -217,7 +232,11 @@ class PolicyModel:
 
     Params are cast per module to the compute dtype of its effective policy,
     floating inputs and outputs are cast at every boundary, and mutable
-    collections come back in the dtypes they came in with.
+    collections come back in the dtypes they came in with. Where a policy
+    has a float8 recipe, the model is traced and its matmuls run in float8
+    (``docs/fp8.md``); a delayed-scaling recipe reads the ``"fp8_state"``
+    collection, and rolls it (returns the new one) when ``mutable`` includes
+    ``"fp8_state"``, as BatchNorm's ``"batch_stats"``.
 
     Args:
       variables: the variables (from :meth:`init`, or your own with params
@@ -233,7 +252,8 @@ class PolicyModel:
 
     Raises:
       ValueError: if a param is stored narrower than its policy's param dtype
-        (e.g. float16 params under a float32-param policy).
+        (e.g. float16 params under a float32-param policy), or a delayed
+        float8 recipe finds no ``"fp8_state"`` in ``variables``.
 
     Example:
       >>> import jax, jax.numpy as jnp, flax.linen as nn, jmp_lite.linen as jlinen
@@ -243,7 +263,17 @@ class PolicyModel:
       >>> y.dtype, updates["batch_stats"]["mean"].dtype
       (dtype('float32'), dtype('float32'))
     """
-    call_kwargs = dict(rngs=rngs, method=method, mutable=mutable, **kwargs)
+    fp8 = self._fp8_kind()
+    fp8_state, flax_mutable, roll = None, mutable, False
+    if fp8 is not None:
+      variables, fp8_state = _pop_collection(variables, checks.FP8_STATE)
+      roll = fp8 == "delayed" and flax_scope.in_filter(mutable,
+                                                        checks.FP8_STATE)
+      flax_mutable = _without(mutable, checks.FP8_STATE)
+      if fp8 == "delayed" and fp8_state is None:
+        raise ValueError(_NO_FP8_STATE)
+    call_kwargs = dict(rngs=rngs, method=method, mutable=flax_mutable,
+                       **kwargs)
     classes = (
         self._discover(variables, args, call_kwargs)
         if self.module_rules.has_class_rules
@@ -261,10 +291,19 @@ class PolicyModel:
           ),
       )
       run_variables = _replace_collection(variables, "params", params)
-    seen: set[Path] = set()
-    with (nn.intercept_methods(_boundary_interceptor(resolver, seen)),
-          self.policy.matmul_context()):
-      out = self.module.apply(run_variables, *args, **call_kwargs)
+    seen: set[common.Path] = set()
+    interceptor = _boundary_interceptor(resolver, seen, fp8=fp8 is not None)
+    if fp8 is None:
+      with nn.intercept_methods(interceptor), self.policy.matmul_context():
+        out = self.module.apply(run_variables, *args, **call_kwargs)
+    else:
+      float8 = common.fp8_interpreter()
+      store = None if fp8 == "current" else float8.Fp8Store(
+          fp8_state, "roll" if roll else "read")
+      with nn.intercept_methods(interceptor):
+        out = float8.evaluate(self.module.apply, (run_variables, *args),
+                              call_kwargs, self.policy, store=store,
+                              owner="jmp_lite.linen")
     known = seen | set(classes)
     if params is not None:
       known |= _owner_paths(params)
@@ -273,8 +312,11 @@ class PolicyModel:
     # matches the model itself (e.g. a bare BatchNorm under DEFAULT_MODULE_RULES).
     if mutable is False:
       return self.policy.cast_to_output(out)
-    y, updated = out
-    return self.policy.cast_to_output(y), tree_lib.cast_like(updated, variables)
+    y, updated = (out, {}) if flax_mutable is False else out
+    updated = tree_lib.cast_like(updated, variables)
+    if roll:
+      updated = _replace_collection(updated, checks.FP8_STATE, store.final())
+    return self.policy.cast_to_output(y), updated
 
   def module_policies(
       self, variables: Any, *args: Any, **kwargs: Any
@@ -314,9 +356,42 @@ class PolicyModel:
 
   # -- helpers ----------------------------------------------------------------
 
-  def _discover(self, variables: Any, args: tuple, call_kwargs: dict) -> dict[Path, type]:
+  def _fp8_kind(self) -> str | None:
+    """``"delayed"``, ``"current"`` or None: the float8 recipes in force."""
+    return fp8_config.scaling_in_use(
+        [self.policy, *(o for _, o in self.module_rules)])
+
+  def _initial_fp8_state(self, variables: Any, rngs: Any, args: tuple,
+                         method: Any, kwargs: dict) -> dict:
+    """Zero amax histories for each delayed float8 matmul of one call."""
+    kwargs = {k: v for k, v in kwargs.items()
+              if k not in ("mutable", "capture_intermediates")}
+    rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
+
+    call_kwargs = dict(rngs=rngs, method=method, mutable=True, **kwargs)
+    float8 = common.fp8_interpreter()
+
+    def trace(variables):
+      store = float8.Fp8Store(None, "create")
+      classes = (self._discover(variables, args, call_kwargs)
+                 if self.module_rules.has_class_rules else {})
+      resolver = common.Resolver(self.policy, self.module_rules, classes)
+      params = variables.get("params")
+      run = variables if params is None else _replace_collection(
+          variables, "params", _map_params(
+              params, lambda owner, leaf: tree_lib.cast_floating(
+                  leaf, resolver.effective(owner).compute_dtype)))
+      with nn.intercept_methods(_boundary_interceptor(resolver, set(), True)):
+        float8.evaluate(self.module.apply, (run, *args), call_kwargs,
+                        self.policy, store=store, owner="jmp_lite.linen")
+      return store.final()
+
+    shapes = jax.eval_shape(trace, variables)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+  def _discover(self, variables: Any, args: tuple, call_kwargs: dict) -> dict[common.Path, type]:
     """Traces the model abstractly to learn the class at every module path."""
-    classes: dict[Path, type] = {}
+    classes: dict[common.Path, type] = {}
 
     def run():
       # Only module classes matter here, not dtypes: standard promotion lets
@@ -341,16 +416,47 @@ class PolicyModel:
         ),
     )
 
-  def _warn_unmatched(self, paths: set[Path]) -> None:
+  def _warn_unmatched(self, paths: set[common.Path]) -> None:
     message = common.unmatched_message(
         self.module_rules, sorted(common.all_prefixes(paths), key=common.path_str),
         type(self.module).__name__,
     )
     if message:
-      warnings.warn(message, UnmatchedRuleWarning, stacklevel=3)
+      warnings.warn(message, common.UnmatchedRuleWarning, stacklevel=3)
 
 
-def _owner_paths(params: Any) -> set[Path]:
+_NO_FP8_STATE = (
+    "jmp_lite.linen: the policy has a delayed-scaling float8 recipe, whose "
+    "amax histories live in the 'fp8_state' collection, but the variables "
+    "passed to apply have none. Create the variables with "
+    "policy_model.init(...) (it makes the collection), keep the collection "
+    "next to 'params' (an optimizer gets variables['params'] only), and pass "
+    "mutable=['fp8_state'] (with your other mutable collections) in training "
+    "steps. docs/fp8.md, delayed scaling."
+)
+
+
+def _pop_collection(variables: Any, name: str) -> tuple[Any, Any]:
+  """``(variables without the collection, the collection or None)``."""
+  if not isinstance(variables, Mapping) or name not in variables:
+    return variables, None
+  rest = {k: v for k, v in variables.items() if k != name}
+  if isinstance(variables, FrozenDict):
+    rest = FrozenDict(rest)
+  return rest, variables[name]
+
+
+def _without(mutable: Any, name: str) -> Any:
+  """A ``mutable`` filter without one collection (False if nothing is left)."""
+  if mutable is False:
+    return False
+  left = flax_scope.subtract_filters(mutable, name)
+  if isinstance(left, (set, frozenset, list, tuple)):
+    return sorted(left) or False
+  return left
+
+
+def _owner_paths(params: Any) -> set[common.Path]:
   return {p[:-1] for p in traverse_util.flatten_dict(params)}
 
 

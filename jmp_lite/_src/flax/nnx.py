@@ -1,8 +1,11 @@
-"""Precision policies for Flax NNX modules: ``apply_policy`` and the
-``PolicyModule`` it returns, per-module rules (``ModuleRules``).
+"""Policies on Flax NNX models: ``apply_policy``, ``PolicyModule``,
+``ModuleRules``, ``Fp8State``.
 
-How a call runs (interceptors for linen, boundary modules swapped into their
-slots for NNX) is described once, in ``docs/flax.md``.
+NNX modules are stateful objects built eagerly, so ``PolicyModule`` holds the
+model: a call splits it, casts params per module into a private copy, swaps
+every rule-matched submodule for a boundary module in its slot, and writes the
+changed non-param state back. Delayed float8 scaling keeps its amax histories
+in an :class:`Fp8State` variable of the ``PolicyModule``.
 """
 
 from __future__ import annotations
@@ -11,15 +14,15 @@ from typing import Any, Callable
 import warnings
 
 from flax import nnx
+import jax
 import numpy as np
 
+from jmp_lite._src import checks
+from jmp_lite._src.fp8 import config as fp8_config
 from jmp_lite._src.flax import rules as common
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 
-Path = common.Path
-FullPrecision = common.FullPrecision
-UnmatchedRuleWarning = common.UnmatchedRuleWarning
 
 
 class ModuleRules(common.ModuleRulesBase):
@@ -63,7 +66,7 @@ class ModuleRules(common.ModuleRulesBase):
 DEFAULT_MODULE_RULES = ModuleRules(
     (
         (nnx.BatchNorm, nnx.LayerNorm, nnx.GroupNorm, nnx.RMSNorm, nnx.InstanceNorm),
-        FullPrecision(),
+        common.FullPrecision(),
     ),
 )
 
@@ -81,10 +84,35 @@ def _cast(tree: Any, dtype: np.dtype) -> Any:
   return tree_lib.cast_floating(tree, dtype, is_leaf=_is_nnx_object)
 
 
-def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs):
+def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs,
+                fp8: bool = False, path: common.Path = ()):
   args, kwargs = _cast((args, kwargs), policy.compute_dtype)
-  with policy.matmul_context():
+  with common.fp8_region(policy, fp8, path), policy.matmul_context():
     return _cast(fn(*args, **kwargs), policy.output_dtype)
+
+
+class Fp8State(nnx.Variable):
+  """The amax histories of delayed float8 scaling, on an NNX ``PolicyModule``.
+
+  Not an ``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never
+  sees it, and ``nnx.grad`` does not differentiate it. Its value is a nested
+  dict of float32 arrays (``docs/fp8.md``), created on the model's first call
+  and rolled on every call in training mode (``model.train()``, the
+  default); ``model.eval()`` freezes it, as it freezes BatchNorm's
+  statistics. Filter it like any variable type: ``nnx.state(model,
+  jnnx.Fp8State)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jmp_lite.nnx as jnnx
+    >>> model = jnnx.apply_policy(nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
+    ...                           "p=f32,c=bf16,o=f32,m=fp8_delayed(include_output_head=true)")
+    >>> _ = model(jnp.ones((16, 16)))
+    >>> history = model.fp8_state.get_value()["dot_general_0"]["lhs"]
+    >>> history.shape, float(history[0])
+    ((16,), 1.0)
+  """
 
 
 class _Boundary(nnx.Module):
@@ -97,12 +125,16 @@ class _Boundary(nnx.Module):
   ``nnx.vmap``) split and merge it like any other submodule.
   """
 
-  def __init__(self, module: nnx.Module, policy: policy_lib.Policy):
+  def __init__(self, module: nnx.Module, policy: policy_lib.Policy,
+               fp8: bool = False, path: common.Path = ()):
     self.module = module
     self.policy = policy
+    self.fp8 = fp8
+    self.path = path
 
   def __call__(self, *args, **kwargs):
-    return _call_under(self.policy, self.module, args, kwargs)
+    return _call_under(self.policy, self.module, args, kwargs, self.fp8,
+                       self.path)
 
   def __getattr__(self, name: str) -> Any:
     # Only reached for names the boundary itself lacks. Private names are
@@ -112,10 +144,10 @@ class _Boundary(nnx.Module):
       raise AttributeError(name)
     attr = getattr(module, name)
     if callable(attr) and common.is_policy_method(name) and hasattr(attr, "__self__"):
-      policy = self.policy
+      policy, fp8, path = self.policy, self.fp8, self.path
 
       def method(*args, **kwargs):
-        return _call_under(policy, attr, args, kwargs)
+        return _call_under(policy, attr, args, kwargs, fp8, path)
 
       return method
     return attr
@@ -180,6 +212,14 @@ class PolicyModule(nnx.Module):
   ``"module"``; save ``nnx.state(policy_module.module)`` to get checkpoints
   that load into the plain module.
 
+  With a float8 recipe in its policy or rules, a call runs the module as a
+  pure function of its state through autocast's interpreter (its matmuls in
+  float8, ``docs/fp8.md``) and writes the changed state back; with a
+  delayed-scaling recipe it also holds the amax histories as
+  :class:`Fp8State` ``fp8_state``, rolled on each call unless
+  ``use_running_average`` (set by ``model.eval()``, cleared by
+  ``model.train()``).
+
   Attributes:
     module: the wrapped module.
     policy: the model's policy (its inputs are cast to ``compute_dtype``, its
@@ -204,6 +244,11 @@ class PolicyModule(nnx.Module):
     self.module = module
     self.policy = policy
     self.module_rules = module_rules
+    self._fp8 = fp8_config.scaling_in_use(
+        [policy, *(o for _, o in module_rules)])
+    if self._fp8 == "delayed":
+      setattr(self, checks.FP8_STATE, Fp8State({}))
+      self.use_running_average = False
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     """Calls the wrapped module under the policy.
@@ -243,6 +288,9 @@ class PolicyModule(nnx.Module):
     resolver = self._resolver()
     graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
     _check_params(params, resolver)
+    if self._fp8 is not None:
+      return self._call_fp8(method, graphdef, params, rest, resolver, args,
+                            kwargs)
     copy = nnx.merge(graphdef, _cast_params(params, resolver), rest)
     if isinstance(method, str):
       fn = getattr(copy, method)
@@ -258,6 +306,55 @@ class PolicyModule(nnx.Module):
       _undo(undo)
     changed = nnx.state(copy, nnx.Not(nnx.Param))
     nnx.update(self.module, tree_lib.cast_like(changed, rest))
+    return out
+
+  def _call_fp8(self, method, graphdef, params, rest, resolver, args, kwargs):
+    """``call_method`` through autocast's interpreter, as a pure function."""
+    float8 = common.fp8_interpreter()
+    # NNX objects among the arguments (an nnx.Rngs) travel as their state.
+    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_object)
+    objects = {i: x for i, x in enumerate(leaves) if _is_nnx_object(x)}
+    split = {i: nnx.split(x) for i, x in objects.items()}
+
+    def pure(params, rest, leaves, object_states):
+      copy = nnx.merge(graphdef, _cast_params(params, resolver), rest)
+      leaves = list(leaves)
+      merged = {i: nnx.merge(split[i][0], state)
+                for i, state in object_states.items()}
+      for i, obj in merged.items():
+        leaves[i] = obj
+      call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
+      if isinstance(method, str):
+        fn = getattr(copy, method)
+      else:
+        fn = lambda *a, **k: method(copy, *a, **k)
+      undo = _install_boundaries(copy, _boundaries(copy, resolver, fp8=True))
+      try:
+        out = _call_under(resolver.boundary(()), fn, call_args, call_kwargs,
+                          fp8=True)
+        out = _cast(out, self.policy.output_dtype)
+      finally:
+        _undo(undo)
+      return (out, nnx.state(copy, nnx.Not(nnx.Param)),
+              {i: nnx.state(obj) for i, obj in merged.items()})
+
+    store = None
+    if self._fp8 == "delayed":
+      store = float8.Fp8Store(
+          getattr(self, checks.FP8_STATE).get_value(),
+          "read" if self.use_running_average else "roll",
+          create_missing=True)
+    plain = [None if i in objects else x for i, x in enumerate(leaves)]
+    out, changed, object_states = float8.evaluate(
+        pure, (params, rest, plain, {i: s for i, (_, s) in split.items()}),
+        {}, self.policy, store=store, owner="jmp_lite.nnx")
+    nnx.update(self.module, tree_lib.cast_like(changed, rest))
+    for i, state in object_states.items():
+      nnx.update(objects[i], state)
+    if store is not None:
+      new = store.final()
+      if new:
+        getattr(self, checks.FP8_STATE).set_value(new)
     return out
 
   def module_policies(self) -> dict[str, policy_lib.Policy]:
@@ -303,14 +400,15 @@ def _cast_params(params: Any, resolver: common.Resolver) -> Any:
   ])
 
 
-def _compute_dtype(resolver: common.Resolver, variable_path: Path) -> np.dtype:
+def _compute_dtype(resolver: common.Resolver, variable_path: common.Path) -> np.dtype:
   return resolver.effective(variable_path[:-1]).compute_dtype
 
 
-def _boundaries(root: nnx.Module, resolver: common.Resolver) -> dict[int, _Boundary]:
+def _boundaries(root: nnx.Module, resolver: common.Resolver,
+                fp8: bool = False) -> dict[int, _Boundary]:
   """``id(module) -> _Boundary`` for every rule-matched submodule of ``root``."""
   return {
-      id(node): _Boundary(node, resolver.boundary(path))
+      id(node): _Boundary(node, resolver.boundary(path), fp8, tuple(path))
       for path, node in nnx.iter_modules(root)
       if path and resolver.boundary(path) is not None
   }
@@ -385,7 +483,7 @@ def apply_policy(
       module_rules, sorted(paths, key=common.path_str), type(module).__name__
   )
   if message:
-    warnings.warn(message, UnmatchedRuleWarning, stacklevel=2)
+    warnings.warn(message, common.UnmatchedRuleWarning, stacklevel=2)
   _check_params(nnx.state(module, nnx.Param),
                 _resolver(module, policy, module_rules))
   return wrapped

@@ -1,0 +1,389 @@
+"""The static configuration of a float8 matmul (a recipe).
+
+:class:`Fp8Config` is a frozen, hashable dataclass: pass it as a static value
+(``functools.partial(fp8_dot_general, config=...)``, a module attribute, a
+``jit`` static argument) or as a policy's matmul precision
+(``Policy(..., matmul_precision=Fp8Config(...))``). Its constructor validates
+and canonicalises every field, so equal recipes compare and hash equal.
+
+The policy grammar names recipes (``m=fp8``, ``m=fp8_rowwise``...): the names
+and their fields are plain data in the policy layer
+(:data:`jmp_lite._src.policy.FP8_RECIPES`); :func:`recipe_config` turns a
+policy's matmul precision into its config, and :meth:`Fp8Config.spec` /
+:func:`from_spec` write and read a config in the grammar
+(``"fp8_rowwise(margin=1)"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+from jmp_lite._src import checks
+from jmp_lite._src import dtypes as dtypes_lib
+from jmp_lite._src import policy as policy_lib
+from jmp_lite._src.fp8 import formats as formats_lib
+from jmp_lite._src.fp8 import scaling as scaling_lib
+
+#: The matmul granularities: how each operand of a float8 matmul is scaled.
+MATMUL_GRANULARITIES: tuple[str, ...] = ("tensor", "row", "blockwise", "mxfp8")
+#: The scaling modes.
+SCALING_MODES: tuple[str, ...] = ("current", "delayed")
+#: Delayed scaling's defaults: a 16-step history, its maximum, no margin
+#: (why: ``docs/fp8.md``, delayed scaling).
+DEFAULT_HISTORY_LENGTH = 16
+DEFAULT_AMAX_ALGORITHM = "max"
+#: By default only matmuls whose M, N and K are multiples of this run in
+#: float8 (float8 tensor-core GEMMs need multiples of 16).
+DEFAULT_DIM_MULTIPLE = 16
+
+MATMUL_GRANULARITY_HELP = (
+    "Valid matmul granularities are 'tensor' (one scale per operand), 'row' "
+    "(one scale per row along the contracting dimension, for each operand "
+    "and for each backward matmul: torchao's rowwise recipe), 'blockwise' "
+    "(DeepSeek-V3: 1 x block_size tiles for the lhs and the gradient, "
+    "block_size x block_size blocks for the rhs, block_size 128 by default) "
+    "and 'mxfp8' (1x32 blocks along the contracting dimension with "
+    "power-of-two E8M0 scales)."
+)
+SCALING_HELP = (
+    "Valid scaling modes are 'current' (the scale of each operand is computed "
+    "from its own amax, just in time: the default) and 'delayed' (the scales "
+    "of the forward operands come from amax histories of earlier steps; "
+    "per-tensor granularity only; the incoming gradient stays current-scaled)."
+)
+DELAYED_GRANULARITY_HELP = (
+    "Delayed scaling keeps one amax history per tensor, so it needs "
+    "granularity='tensor'. Use scaling='current' with 'row', 'blockwise' or "
+    "'mxfp8': their scales follow the data of each step, which is what makes "
+    "them accurate."
+)
+BLOCK_SIZE_HELP = (
+    "block_size sets the tile/block edge of granularity='blockwise' (default "
+    "128, DeepSeek-V3's). It must be a positive multiple of 16: each block "
+    "is a float8 GEMM along the contracting dimension, and float8 tensor "
+    "cores need multiples of 16."
+)
+DELAYED_ONLY_HELP = (
+    "history_length, margin and amax_algorithm configure delayed scaling's "
+    "amax histories; with scaling='current' leave them unset (use the recipe "
+    "'fp8_delayed', or scaling='delayed')."
+)
+POLICY_COMPUTE_DTYPE = (
+    "Fp8Config.compute_dtype is the result dtype of fp8_dot_general called "
+    "directly; in a policy the policy's compute dtype applies. Leave it None "
+    "(e.g. dataclasses.replace(config, compute_dtype=None))."
+)
+
+_OWNER = "Fp8Config"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config(policy_lib.MatmulRecipe):
+  """How float8 matmuls quantize their operands and gradients (a recipe).
+
+  The named recipes of the policy grammar are configs: ``m=fp8`` is
+  ``Fp8Config()``, ``m=fp8_rowwise`` is ``Fp8Config(granularity="row",
+  gradient_format="e4m3")``, and so on (``docs/fp8.md``). Build one to change
+  a field, and put it in a policy (``Policy(..., matmul_precision=config)``,
+  ``policy.with_matmul_precision(config)``) or pass it to
+  :func:`~jmp_lite.fp8.fp8_dot_general`. ``str(policy)`` writes it in the
+  grammar (:meth:`spec`), and ``get_policy`` reads that back.
+
+  Attributes:
+    forward_format: the format of both forward operands, ``"e4m3"`` (default)
+      or ``"e5m2"``.
+    gradient_format: the format of the incoming gradient in the backward pass:
+      ``"e5m2"`` (default: the "hybrid" recipe, for its range) or ``"e4m3"``
+      (e4m3 everywhere, as the rowwise, blockwise and MX recipes use).
+    granularity: ``"tensor"`` (default), ``"row"``, ``"blockwise"`` or
+      ``"mxfp8"``. Every granularity scales along the contracting dimension
+      of the matmul at hand, so the backward matmuls requantize their operands
+      along their own contracting dimensions (except per-tensor scaling, whose
+      forward operands are reused).
+    scaling: ``"current"`` (default) or ``"delayed"`` (per-tensor only: the
+      forward operands are scaled from amax histories of earlier steps, the
+      incoming gradient from its own amax).
+    power_of_two_scales: round computed scales up to powers of two (default
+      True: exact scaling). MX scales always are.
+    block_size: the tile/block size of ``"blockwise"`` (default 128, a
+      positive multiple of 16); must be None for the other granularities.
+    history_length: delayed scaling's amax history length (default 16).
+    margin: delayed scaling's headroom in powers of two (default 0): scales
+      are multiplied by ``2**margin``.
+    amax_algorithm: delayed scaling's amax from its history, ``"max"``
+      (default) or ``"most_recent"``.
+    include_output_head: under a policy, also run the output head (the last
+      matmul of the forward pass) in float8 (default False).
+    include_batched: under a policy, also run matmuls with batch dimensions
+      (attention scores and their product with the values) in float8
+      (default False).
+    dim_multiple: under a policy, matmuls run in float8 only where M, N and
+      K are multiples of it (default 16; 1 admits every shape).
+    compute_dtype: the dtype of the result when ``fp8_dot_general`` gets no
+      ``preferred_element_type``; None (default): the (promoted) dtype of the
+      operands. Must be None in a policy.
+    native_mx: with ``"mxfp8"``, run the block-scaled matmul natively
+      (``jax.nn.scaled_matmul``, cuDNN/cuBLAS MXFP8) when the program is
+      lowered for CUDA, and the exact emulation on every other platform
+      (default True); False: the emulation everywhere (e.g. to export one
+      program for several platforms, which the native path cannot lower for).
+
+  Raises:
+    TypeError, ValueError: for a field of the wrong type or value.
+
+  Example:
+    >>> import jmp_lite
+    >>> from jmp_lite.fp8 import Fp8Config
+    >>> Fp8Config(granularity="row") == Fp8Config(granularity=" Row ")
+    True
+    >>> config = Fp8Config(scaling="delayed", margin=1)
+    >>> config.spec(), config.history_length
+    ('fp8_delayed(margin=1)', 16)
+    >>> print(jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(config))
+    p=full,c=bf16,o=full,m=fp8_delayed(margin=1)
+  """
+
+  forward_format: str = "e4m3"
+  gradient_format: str = "e5m2"
+  granularity: str = "tensor"
+  scaling: str = "current"
+  power_of_two_scales: bool = True
+  block_size: int | None = None
+  history_length: int | None = None
+  margin: float = 0.0
+  amax_algorithm: str | None = None
+  include_output_head: bool = False
+  include_batched: bool = False
+  dim_multiple: int = DEFAULT_DIM_MULTIPLE
+  compute_dtype: Any = None
+  native_mx: bool = True
+
+  def __post_init__(self):
+    fwd = formats_lib.get_format(self.forward_format, "forward_format").name
+    grad = formats_lib.get_format(self.gradient_format, "gradient_format").name
+    granularity = scaling_lib.check_granularity(
+        self.granularity, MATMUL_GRANULARITIES, MATMUL_GRANULARITY_HELP,
+        owner=_OWNER)
+    scaling = checks.choice(self.scaling, "scaling", _OWNER, SCALING_MODES,
+                            SCALING_HELP)
+    if scaling == "delayed" and granularity != "tensor":
+      raise ValueError(
+          f"scaling='delayed' with granularity={granularity!r} is not "
+          f"supported. {DELAYED_GRANULARITY_HELP}")
+    power_of_two = checks.flag(self.power_of_two_scales, "power_of_two_scales",
+                               _OWNER)
+    if granularity == "mxfp8" and not power_of_two:
+      raise ValueError(
+          "granularity='mxfp8' uses E8M0 scales, which are powers of two: "
+          "power_of_two_scales=False is not possible with it.")
+    block_size = self._block_size(granularity)
+    history, margin, algorithm = self._delayed_fields(scaling)
+    fields = dict(
+        forward_format=fwd, gradient_format=grad, granularity=granularity,
+        scaling=scaling, power_of_two_scales=power_of_two,
+        block_size=block_size, history_length=history, margin=margin,
+        amax_algorithm=algorithm,
+        include_output_head=checks.flag(
+            self.include_output_head, "include_output_head", _OWNER),
+        include_batched=checks.flag(self.include_batched, "include_batched",
+                                    _OWNER),
+        dim_multiple=checks.integer(self.dim_multiple, "dim_multiple", _OWNER,
+                                    low=1),
+        compute_dtype=None if self.compute_dtype is None else
+        dtypes_lib.canonical_dtype(self.compute_dtype,
+                                   "Fp8Config.compute_dtype"),
+        native_mx=checks.flag(self.native_mx, "native_mx", _OWNER),
+    )
+    for name, value in fields.items():
+      object.__setattr__(self, name, value)
+
+  def _block_size(self, granularity: str) -> int | None:
+    block_size = self.block_size
+    if granularity != "blockwise":
+      if block_size is not None:
+        raise ValueError(
+            f"Fp8Config.block_size={block_size!r} only applies to "
+            f"granularity='blockwise' (got {granularity!r}); leave it None. "
+            "MXFP8 blocks are always 32 elements.")
+      return None
+    if block_size is None:
+      return scaling_lib.DEFAULT_BLOCK_SIZE
+    block_size = checks.integer(block_size, "block_size", _OWNER)
+    if block_size < 16 or block_size % 16:
+      raise ValueError(
+          f"Fp8Config.block_size={block_size} is not a positive multiple "
+          f"of 16. {BLOCK_SIZE_HELP}")
+    return int(block_size)
+
+  def _delayed_fields(self, scaling: str) -> tuple[Any, float, Any]:
+    history, algorithm = self.history_length, self.amax_algorithm
+    margin = checks.static_number(self.margin, "margin", _OWNER)
+    if scaling != "delayed":
+      if history is not None or algorithm is not None or margin != 0:
+        raise ValueError(
+            f"Fp8Config: history_length={history!r}, margin={self.margin!r}, "
+            f"amax_algorithm={algorithm!r} with scaling='current'. "
+            f"{DELAYED_ONLY_HELP}")
+      return None, 0.0, None
+    history = DEFAULT_HISTORY_LENGTH if history is None else checks.integer(
+        history, "history_length", _OWNER, low=1, high=2**20)
+    algorithm = checks.choice(
+        DEFAULT_AMAX_ALGORITHM if algorithm is None else algorithm,
+        "amax_algorithm", _OWNER, scaling_lib.AMAX_ALGORITHMS,
+        scaling_lib.AMAX_ALGORITHM_HELP)
+    return history, margin, algorithm
+
+  @property
+  def forward(self) -> formats_lib.Fp8Format:
+    """The forward operands' :class:`~jmp_lite._src.fp8.formats.Fp8Format`."""
+    return formats_lib.get_format(self.forward_format)
+
+  @property
+  def gradient(self) -> formats_lib.Fp8Format:
+    """The incoming gradient's :class:`~jmp_lite._src.fp8.formats.Fp8Format`."""
+    return formats_lib.get_format(self.gradient_format)
+
+  def spec(self) -> str:
+    """The recipe in the policy grammar: ``"fp8_rowwise(margin=1)"``.
+
+    The named recipe with this granularity and scaling, followed by the
+    fields that differ from it, in field order; ``from_spec`` (and
+    ``get_policy``'s ``m=``) reads it back to an equal config.
+    """
+    name = _base_name(self.granularity, self.scaling)
+    base = _named(name)
+    changed = [
+        f"{f.name}={_render(getattr(self, f.name))}"
+        for f in dataclasses.fields(self)
+        if getattr(self, f.name) != getattr(base, f.name)
+    ]
+    return f"{name}({';'.join(changed)})" if changed else name
+
+  def check_policy_use(self) -> None:
+    """Raises if the config cannot be a policy's recipe (a compute dtype)."""
+    if self.compute_dtype is not None:
+      raise ValueError(
+          f"{self.spec()}: compute_dtype="
+          f"{np.dtype(self.compute_dtype).name}. {POLICY_COMPUTE_DTYPE}")
+
+
+def _base_name(granularity: str, scaling: str) -> str:
+  for name, fields in policy_lib.FP8_RECIPES.items():
+    if (fields.get("granularity", "tensor") == granularity
+        and fields.get("scaling", "current") == scaling):
+      return name
+  raise AssertionError(f"no named recipe for {granularity}/{scaling}")
+
+
+@functools.lru_cache(maxsize=None)
+def _named(name: str) -> Fp8Config:
+  return Fp8Config(**policy_lib.FP8_RECIPES[name])
+
+
+def _render(value: Any) -> str:
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if isinstance(value, float):
+    return f"{value:g}"
+  if isinstance(value, np.dtype):
+    return value.name
+  return str(value).lower()
+
+
+def _parse_value(text: str) -> Any:
+  if text in ("true", "false"):
+    return text == "true"
+  if text == "none":
+    return None
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+SPEC_HELP = (
+    "A float8 recipe is one of {names}, optionally followed by the fields to "
+    "change in parentheses, separated by ';', e.g. "
+    "'fp8_delayed(margin=1;history_length=32)' or "
+    "'fp8_rowwise(gradient_format=e5m2)'. Fields: {fields}."
+)
+
+
+def _spec_help() -> str:
+  return SPEC_HELP.format(
+      names=", ".join(policy_lib.FP8_RECIPES),
+      fields=", ".join(f.name for f in dataclasses.fields(Fp8Config)
+                       if f.name != "compute_dtype"))
+
+
+@functools.lru_cache(maxsize=None)
+def from_spec(text: str) -> Fp8Config:
+  """Reads a recipe written in the policy grammar (see :meth:`Fp8Config.spec`).
+
+  Args:
+    text: ``"name"`` or ``"name(field=value;...)"``; case and whitespace are
+      ignored.
+
+  Returns:
+    The :class:`Fp8Config`.
+
+  Raises:
+    ValueError: for an unknown name or field, or a malformed entry.
+    TypeError: for a value of the wrong type (as :class:`Fp8Config` raises).
+  """
+  compact = "".join(text.split()).lower()
+  name, paren, rest = compact.partition("(")
+  if name not in policy_lib.FP8_RECIPES or (paren and not rest.endswith(")")):
+    raise ValueError(f"Malformed float8 recipe {text!r}. {_spec_help()}")
+  fields = dict(policy_lib.FP8_RECIPES[name])
+  names = {f.name for f in dataclasses.fields(Fp8Config)} - {"compute_dtype"}
+  body = rest[:-1]
+  for entry in body.split(";") if body else ():
+    key, eq, value = entry.partition("=")
+    if not eq or not key or not value:
+      raise ValueError(
+          f"Malformed entry {entry!r} in the float8 recipe {text!r}: write "
+          f"field=value. {_spec_help()}")
+    if key not in names:
+      raise ValueError(
+          f"Unknown field {key!r} in the float8 recipe {text!r}. "
+          f"{_spec_help()}")
+    fields[key] = _parse_value(value)
+  return Fp8Config(**fields)
+
+
+def recipe_config(matmul_precision: Any) -> Fp8Config | None:
+  """The float8 config of a policy's matmul precision, or None if not float8.
+
+  Args:
+    matmul_precision: a ``Policy.matmul_precision`` (a name, an
+      :class:`Fp8Config`, or None).
+
+  Returns:
+    The config of a named recipe (``"fp8"`` -> ``Fp8Config()``), the config
+    itself, or None for a precision that is no float8 recipe.
+  """
+  if isinstance(matmul_precision, Fp8Config):
+    return matmul_precision
+  if isinstance(matmul_precision, str) and (
+      matmul_precision in policy_lib.FP8_RECIPES):
+    return _named(matmul_precision)
+  return None
+
+
+def scaling_in_use(policies: Any) -> str | None:
+  """The float8 scaling that ``policies`` need: ``"delayed"`` if any
+  (Policy objects; others ignored) has a delayed recipe, ``"current"`` if
+  any has another float8 recipe, None without float8."""
+  configs = [recipe_config(p.matmul_precision) for p in policies
+             if isinstance(p, policy_lib.Policy)]
+  configs = [c for c in configs if c is not None]
+  if any(c.scaling == "delayed" for c in configs):
+    return "delayed"
+  return "current" if configs else None

@@ -1,0 +1,564 @@
+"""A float8 ``dot_general`` with a float8 backward pass.
+
+:func:`fp8_dot_general` has the signature of :func:`jax.lax.dot_general` plus a
+static :class:`~jmp_lite._src.fp8.config.Fp8Config`, so that
+``functools.partial(fp8_dot_general, config=...)`` can be Flax's
+``dot_general`` or an autocast rule for ``dot_general_p``.
+
+How it computes (every granularity, every platform):
+
+1. Each operand is brought to the canonical form ``(B, M, K)`` / ``(B, N, K)``
+   (batch dimensions, free dimensions, contracting dimensions, each group
+   flattened), with plain transposes and reshapes that autodiff handles.
+2. A ``jax.custom_vjp`` quantizes both operands with saturating casts
+   (e4m3 by default) and multiplies them with ``preferred_element_type=
+   float32``: float8 operands reach the ``dot_general`` (no upcast before it)
+   and accumulate in float32. The scales multiply the float32 result (per
+   tensor, per row), or each contracting block's float32 partial product
+   (blockwise: the DeepSeek-V3 scheme of promoting every 128-element partial
+   sum to float32 and scaling it), and the result is cast to the compute
+   dtype.
+3. The backward pass quantizes the incoming gradient (e5m2 by default) and
+   runs both backward matmuls in float8 with float32 accumulation:
+   ``dlhs = g @ rhs^T`` contracts over N and ``drhs = g^T @ lhs`` over M. Per
+   tensor, the forward's float8 operands are reused (saved as residuals, a
+   quarter of a float32 copy); per row, per block and MX, a scale computed
+   along K does not fit a contraction along N or M, so the operands are
+   requantized along the backward matmul's own contracting dimension from the
+   high-precision residuals (torchao's rowwise recipe; DeepSeek-V3 quantizes
+   the weight in 128x128 blocks precisely so that they fit both directions,
+   which requantizing reproduces exactly).
+
+Contracting dimensions that do not divide into the block size (blockwise,
+MX) are zero-padded: exact for a dot product, since the padding contributes
+nothing and does not change any block's amax.
+
+**MXFP8 and the platform.** Where the program is lowered for CUDA (and
+``config.native_mx``), the MX matmul is ``jax.nn.scaled_matmul`` on the same
+E8M0 scales and float8 values: the ``__op$block_scaled_dot`` custom call that
+``jax.nn.scaled_dot_general`` also lowers to. XLA:GPU's
+``BlockScalingRewriter`` (openxla/xla,
+``xla/service/gpu/transforms/block_scaling_rewriter.cc``) turns it into a
+cuDNN block-scaled GEMM where cuDNN supports it (MXFP8 tensor cores:
+Blackwell; not both operands e5m2), and otherwise into a composite that
+dequantizes both operands and runs one ``dot`` (Hopper and older). On every
+other platform the matmul is that same computation, the exact emulation:
+both operands dequantized to float32 and one float32 ``dot_general``.
+(Neither was run on a GPU here: this was verified on the exported CUDA
+program.) The choice is made by
+``jax.lax.platform_dependent``, i.e. by the platform the program is lowered
+for, not by ``jax.default_backend()``: a program exported for ``cuda`` from a
+CPU machine takes the native path, and the CPU program contains none of it.
+Two consequences of the native path: ``jax.export`` refuses its custom call
+unless given ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+"__op$block_scaled_dot")]`` (the target has no compatibility guarantee), and
+a program lowered for several platforms at once (``platforms=["cpu",
+"cuda"]``) cannot be lowered with it, since JAX has no CPU rule for
+``scaled_matmul``: use ``native_mx=False`` there.
+
+**Delayed scaling** (``config.scaling="delayed"``, per tensor): the caller
+passes ``scales=DelayedScales(lhs, rhs, grad)``, float32 scalars computed from
+amax histories (:func:`~jmp_lite._src.fp8.scaling.scale_from_history`). The
+matmul reports the amaxes it observed through autodiff: the cotangent of
+``scales`` is a ``DelayedScales`` holding the amax of the lhs, of the rhs and
+of the incoming gradient (the only way a backward-pass value can leave a
+``jax.grad`` without host callbacks; Flax's fp8 ops use the same device).
+Where one ``scales`` feeds several matmul calls (a ``scan`` body, a weight
+used twice), autodiff *sums* these cotangents: give each call its own scales
+to read exact amaxes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import checks
+from jmp_lite._src import dtypes as dtypes_lib
+from jmp_lite._src.fp8 import config as config_lib
+from jmp_lite._src.fp8 import formats as formats_lib
+from jmp_lite._src.fp8 import scaling as scaling_lib
+
+_F32 = np.dtype(np.float32)
+Fp8Config = config_lib.Fp8Config
+_DEFAULT_CONFIG = Fp8Config()
+
+#: The target of the custom call ``jax.nn.scaled_matmul`` lowers to on CUDA.
+NATIVE_MX_CUSTOM_CALL = "__op$block_scaled_dot"
+
+DIMENSION_NUMBERS_HELP = (
+    "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
+    "(lhs_batch, rhs_batch)), four tuples of non-negative axis indices, as "
+    "for jax.lax.dot_general; e.g. (((1,), (0,)), ((), ())) for a matrix "
+    "product, (((2,), (1,)), ((0,), (0,))) for a batched one."
+)
+DELAYED_SCALES_HELP = (
+    "With Fp8Config(scaling='delayed') the matmul needs "
+    "scales=DelayedScales(lhs=..., rhs=..., grad=...): float32 scalars, the "
+    "dequantization scales of the lhs, the rhs and the incoming gradient "
+    "(grad=None: the gradient is current-scaled, as the policies do), "
+    "computed from amax histories with scale_from_history. The cotangent of "
+    "`scales` returns the amaxes this call observed."
+)
+
+
+class DelayedScales(NamedTuple):
+  """The per-tensor scales of a delayed-scaling float8 matmul.
+
+  Float32 scalars: dequantization scales (``x ≈ q * scale``). ``grad=None``
+  scales the incoming gradient from its own amax (current scaling): what the
+  policies do, so that their state holds forward amaxes only
+  (``docs/fp8.md``). As the cotangent of :func:`fp8_dot_general`'s
+  ``scales`` argument, the same structure holds the amaxes the matmul
+  observed (``grad`` None where it was not given).
+
+  Attributes:
+    lhs: the scale of the left operand.
+    rhs: the scale of the right operand.
+    grad: the scale of the incoming gradient (backward pass), or None.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_lite import fp8
+    >>> config = fp8.Fp8Config(scaling="delayed")
+    >>> scales = fp8.DelayedScales(jnp.float32(1.0), jnp.float32(0.5))
+    >>> y = fp8.fp8_dot_general(jnp.ones((2, 16)), jnp.ones((16, 4)),
+    ...                         (((1,), (0,)), ((), ())), config=config,
+    ...                         scales=scales)
+    >>> float(y[0, 0])
+    16.0
+  """
+
+  lhs: Any
+  rhs: Any
+  grad: Any = None
+
+
+# ---------------------------------------------------------------------------
+# Argument checking.
+# ---------------------------------------------------------------------------
+
+
+def _axes(value: Any) -> tuple[int, ...]:
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    return (int(value),)
+  out = tuple(value)
+  if any(isinstance(a, bool) or not isinstance(a, (int, np.integer))
+         for a in out):
+    raise TypeError
+  return tuple(int(a) for a in out)
+
+
+def _check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):
+  """Normalised ``((lc, rc), (lb, rb))``, or a ValueError naming the problem."""
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    lc, rc, lb, rb = _axes(lc), _axes(rc), _axes(lb), _axes(rb)
+  except (TypeError, ValueError):
+    raise ValueError(
+        f"Malformed dimension_numbers {dimension_numbers!r}. "
+        f"{DIMENSION_NUMBERS_HELP}") from None
+  problem = None
+  if len(lc) != len(rc):
+    problem = "lhs and rhs have different numbers of contracting axes"
+  elif len(lb) != len(rb):
+    problem = "lhs and rhs have different numbers of batch axes"
+  for side, axes, shape in (("lhs", lc + lb, lhs_shape),
+                            ("rhs", rc + rb, rhs_shape)):
+    if problem is None and any(not 0 <= a < len(shape) for a in axes):
+      problem = f"an {side} axis is out of range for shape {tuple(shape)}"
+    if problem is None and len(set(axes)) != len(axes):
+      problem = f"an {side} axis appears twice"
+  if problem is None:
+    for a, b in zip(lc, rc):
+      if lhs_shape[a] != rhs_shape[b]:
+        problem = (f"contracting sizes differ: lhs axis {a} has "
+                   f"{lhs_shape[a]}, rhs axis {b} has {rhs_shape[b]}")
+        break
+  if problem is None:
+    for a, b in zip(lb, rb):
+      if lhs_shape[a] != rhs_shape[b]:
+        problem = (f"batch sizes differ: lhs axis {a} has {lhs_shape[a]}, "
+                   f"rhs axis {b} has {rhs_shape[b]}")
+        break
+  if problem is not None:
+    raise ValueError(
+        f"Invalid dimension_numbers {dimension_numbers!r} for lhs shape "
+        f"{tuple(lhs_shape)} and rhs shape {tuple(rhs_shape)}: {problem}. "
+        f"{DIMENSION_NUMBERS_HELP}")
+  return (lc, rc), (lb, rb)
+
+
+def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
+  if config.scaling == "current":
+    if scales is not None:
+      raise ValueError(
+          "scales were given, but the config uses current scaling "
+          "(Fp8Config(scaling='current')), which computes its own. Pass "
+          "Fp8Config(scaling='delayed') to use precomputed scales.")
+    return None
+  if not isinstance(scales, DelayedScales):
+    raise TypeError(
+        f"Missing or malformed scales: got {type(scales).__name__}. "
+        f"{DELAYED_SCALES_HELP}")
+  out = []
+  for name, value in zip(DelayedScales._fields, scales):
+    if name == "grad" and value is None:
+      out.append(None)
+      continue
+    value = checks.float_array(value, f"scales.{name}")
+    if value.shape != ():
+      raise ValueError(
+          f"scales.{name} must be a scalar, got shape {value.shape}. "
+          f"{DELAYED_SCALES_HELP}")
+    out.append(value.astype(_F32))
+  return DelayedScales(*out)
+
+
+def _result_dtype(lhs, rhs, preferred_element_type, config):
+  if preferred_element_type is not None:
+    return dtypes_lib.canonical_dtype(preferred_element_type,
+                                      "preferred_element_type")
+  if config.compute_dtype is not None:
+    return config.compute_dtype
+  a, b = np.dtype(lhs.dtype), np.dtype(rhs.dtype)
+  if a == b:
+    return a
+  # JAX's floating promotion lattice (bf16 + f16 -> f32), spelled out so that
+  # it does not depend on jax_numpy_dtype_promotion (strict mode refuses it).
+  if np.dtype(np.float64) in (a, b):
+    return np.dtype(np.float64)
+  return _F32
+
+
+# ---------------------------------------------------------------------------
+# Canonical form.
+# ---------------------------------------------------------------------------
+
+
+def _to_canonical(x, batch, contract):
+  """``x`` as ``(B, F, K)``: batch axes (in order), free axes, contracting."""
+  free = [d for d in range(x.ndim) if d not in batch and d not in contract]
+  perm = list(batch) + free + list(contract)
+  if perm != list(range(x.ndim)):
+    x = jnp.transpose(x, perm)
+  b = math.prod(x.shape[:len(batch)])
+  f = math.prod(x.shape[len(batch):len(batch) + len(free)])
+  k = math.prod(x.shape[len(batch) + len(free):])
+  return x.reshape(b, f, k), free
+
+
+# ---------------------------------------------------------------------------
+# Quantized operands and their products.
+# ---------------------------------------------------------------------------
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+  """A ``(B, P, C)`` float8 operand of a product contracting over C.
+
+  ``kind`` is static: "row" (``scale`` a scalar or ``(B, P, 1)``, factored
+  out of the dot), "kblock" (``scale`` float32 ``(B, P, C // T)``, one per
+  contracting block) or "mx" (``scale`` E8M0 ``(B, P, C // 32)``).
+  """
+
+  values: jax.Array
+  scale: jax.Array
+  kind: str = dataclasses.field(metadata={"static": True})
+
+
+def _pad_contracting(x, multiple):
+  pad = -x.shape[-1] % multiple
+  if pad:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, pad)))
+  return x
+
+
+def _quantize_operand(x, fmt, kind, config, scale=None):
+  """Quantizes a ``(B, P, C)`` array for a product over C.
+
+  ``kind``: "tensor", "row", "tile" (1 x T along C), "block" (T x T over P
+  and C) or "mx". Returns the ``_Operand`` and the observed amax.
+  """
+  b, p, c = x.shape
+  pow2 = config.power_of_two_scales
+  if kind == "tensor":
+    q = scaling_lib.quantize_blocks(x, fmt, (b, p, c), scale, pow2,
+                                    scalar_scale=True)
+    return _Operand(q.values, q.scale, "row"), q.amax
+  if kind == "row":
+    q = scaling_lib.quantize_blocks(x, fmt, (1, 1, c), None, pow2)
+    return _Operand(q.values, q.scale, "row"), q.amax
+  if kind == "mx":
+    q = scaling_lib.quantize_mx_last(
+        _pad_contracting(x, scaling_lib.MX_BLOCK_SIZE), fmt)
+    return _Operand(q.values, q.scale, "mx"), q.amax
+  t = config.block_size
+  xp = _pad_contracting(x, t)
+  if kind == "tile":
+    q = scaling_lib.quantize_blocks(xp, fmt, (1, 1, t), None, pow2)
+    return _Operand(q.values, q.scale, "kblock"), q.amax
+  assert kind == "block", kind
+  q = scaling_lib.quantize_blocks(xp, fmt, (1, t, t), None, pow2)
+  per_row = scaling_lib.broadcast_blocks(q.scale, (1, t, 1),
+                                         (b, p, q.scale.shape[-1]))
+  return _Operand(q.values, per_row, "kblock"), q.amax
+
+
+def _transposed(op: _Operand) -> _Operand:
+  """A per-tensor operand ``(B, P, C)`` as ``(B, C, P)``: same scale."""
+  assert op.kind == "row" and op.scale.ndim == 0
+  return _Operand(jnp.swapaxes(op.values, 1, 2), op.scale, op.kind)
+
+
+_DN = (((2,), (2,)), ((0,), (0,)))  # (B, P, C) x (B, Q, C) -> (B, P, Q)
+
+
+def _product(a: _Operand, b: _Operand, native_mx: bool) -> jax.Array:
+  """float32 ``(B, P, Q)``: the scaled product of two float8 operands."""
+  if a.kind == "row":
+    assert b.kind == "row"
+    acc = jax.lax.dot_general(a.values, b.values, _DN,
+                              preferred_element_type=_F32)
+    b_scale = b.scale if b.scale.ndim == 0 else jnp.swapaxes(b.scale, 1, 2)
+    # One multiplication by the product of the scales (cuBLAS's alpha): with
+    # power-of-two scales exact, and it overflows only where the result does,
+    # unlike (acc * a_scale) * b_scale with a huge a_scale and a tiny b_scale.
+    return acc * (a.scale * b_scale)
+  if a.kind == "kblock":
+    assert b.kind == "kblock"
+    bsz, p, c = a.values.shape
+    q = b.values.shape[1]
+    nk = a.scale.shape[-1]
+    t = c // nk
+    acc = jax.lax.dot_general(
+        a.values.reshape(bsz, p, nk, t), b.values.reshape(bsz, q, nk, t),
+        (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=_F32)
+    a_scale = jnp.swapaxes(a.scale, 1, 2)[:, :, :, None]   # (B, nk, P, 1)
+    b_scale = jnp.swapaxes(b.scale, 1, 2)[:, :, None, :]   # (B, nk, 1, Q)
+    return jnp.sum(acc * (a_scale * b_scale), axis=1)
+  assert a.kind == b.kind == "mx", (a.kind, b.kind)
+  args = (a.values, a.scale, b.values, b.scale)
+  if not native_mx:
+    return _mx_emulated(*args)
+  return jax.lax.platform_dependent(*args, cuda=_mx_native,
+                                    default=_mx_emulated)
+
+
+def _mx_emulated(a_values, a_scale, b_values, b_scale):
+  """The exact emulation: the float32 dot of the dequantized operands."""
+  def dequantized(values, scale):
+    full = scaling_lib.broadcast_blocks(
+        formats_lib.decode_e8m0(scale), (1, 1, scaling_lib.MX_BLOCK_SIZE),
+        values.shape)
+    return values.astype(_F32) * full
+  return jax.lax.dot_general(dequantized(a_values, a_scale),
+                             dequantized(b_values, b_scale), _DN,
+                             preferred_element_type=_F32)
+
+
+@jax.custom_batching.custom_vmap
+def _mx_native(a_values, a_scale, b_values, b_scale):
+  """MXFP8 on the GPU: ``jax.nn.scaled_matmul`` (cuDNN block-scaled GEMM)."""
+  return jax.nn.scaled_matmul(a_values, b_values, a_scale, b_scale,
+                              preferred_element_type=_F32)
+
+
+@_mx_native.def_vmap
+def _mx_native_vmap(axis_size, in_batched, a_values, a_scale, b_values,
+                    b_scale):
+  # JAX's batching rule for scaled_matmul requires every operand batched along
+  # the same axis; fold the vmapped axis into B instead, broadcasting the
+  # operands that are not batched.
+  args = []
+  for x, batched in zip((a_values, a_scale, b_values, b_scale), in_batched):
+    if not batched:
+      x = jnp.broadcast_to(x[None], (axis_size,) + x.shape)
+    args.append(x.reshape((-1,) + x.shape[2:]))
+  out = _mx_native(*args)
+  return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+
+# ---------------------------------------------------------------------------
+# The custom gradient.
+# ---------------------------------------------------------------------------
+
+# (lhs kind, rhs kind) of the forward product, per granularity.
+_FORWARD_KINDS = {"tensor": ("tensor", "tensor"), "row": ("row", "row"),
+                  "blockwise": ("tile", "block"), "mxfp8": ("mx", "mx")}
+# (gradient kind, other operand kind) of each backward product.
+_BACKWARD_KINDS = {"row": ("row", "row"), "mxfp8": ("mx", "mx")}
+
+
+def _forward(a, b, scales, config):
+  lhs_kind, rhs_kind = _FORWARD_KINDS[config.granularity]
+  fmt = config.forward
+  qa, amax_a = _quantize_operand(a, fmt, lhs_kind, config,
+                                 None if scales is None else scales.lhs)
+  qb, amax_b = _quantize_operand(b, fmt, rhs_kind, config,
+                                 None if scales is None else scales.rhs)
+  return _product(qa, qb, config.native_mx), qa, qb, amax_a, amax_b
+
+
+class _Static(NamedTuple):
+  """The static arguments of the custom-gradient matmul (hashable)."""
+
+  config: Fp8Config
+  out_dtype: np.dtype
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_matmul(a, b, scales, static):
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` in float8, result in out_dtype."""
+  return _forward(a, b, scales, static.config)[0].astype(static.out_dtype)
+
+
+def _fp8_matmul_fwd(a, b, scales, static):
+  out, qa, qb, amax_a, amax_b = _forward(a, b, scales, static.config)
+  if static.config.granularity == "tensor":
+    # Per-tensor scales fit any contraction: keep the float8 operands.
+    saved = (qa, qb)
+  else:
+    saved = (a, b)
+  return out.astype(static.out_dtype), (saved, scales, amax_a, amax_b)
+
+
+def _fp8_matmul_bwd(static, residuals, g):
+  config = static.config
+  saved, scales, amax_a, amax_b = residuals
+  grad_fmt, fwd_fmt = config.gradient, config.forward
+  gt = jnp.swapaxes(g, 1, 2)  # (B, N, M): the gradient contracting over M
+  if config.granularity == "tensor":
+    qa, qb = saved
+    g_op, amax_g = _quantize_operand(g, grad_fmt, "tensor", config,
+                                     None if scales is None else scales.grad)
+    if scales is not None and scales.grad is None:
+      amax_g = None
+    da = _product(g_op, _transposed(qb), config.native_mx)
+    db = _product(_transposed(g_op), _transposed(qa), config.native_mx)
+  else:
+    a, b = saved
+    if config.granularity == "blockwise":
+      # DeepSeek-V3: gradients in 1 x T tiles along the contracting dimension;
+      # the weight's T x T blocks serve both directions; the activation is
+      # requantized in tiles along M for the weight gradient.
+      dgrad_kinds, wgrad_kinds = ("tile", "block"), ("tile", "tile")
+    else:
+      dgrad_kinds = wgrad_kinds = _BACKWARD_KINDS[config.granularity]
+    g_n, _ = _quantize_operand(g, grad_fmt, dgrad_kinds[0], config)
+    bt, _ = _quantize_operand(jnp.swapaxes(b, 1, 2), fwd_fmt, dgrad_kinds[1],
+                              config)
+    da = _product(g_n, bt, config.native_mx)
+    g_m, _ = _quantize_operand(gt, grad_fmt, wgrad_kinds[0], config)
+    at, _ = _quantize_operand(jnp.swapaxes(a, 1, 2), fwd_fmt, wgrad_kinds[1],
+                              config)
+    db = _product(g_m, at, config.native_mx)
+    amax_g = None
+  da = da.astype(static.lhs_dtype)
+  db = db.astype(static.rhs_dtype)
+  if scales is None:
+    return da, db, None
+  return da, db, DelayedScales(amax_a, amax_b, amax_g)
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+# ---------------------------------------------------------------------------
+# The public function.
+# ---------------------------------------------------------------------------
+
+
+def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
+                    precision: Any = None, preferred_element_type: Any = None,
+                    *, out_sharding: Any = None,
+                    config: Fp8Config = _DEFAULT_CONFIG,
+                    scales: DelayedScales | None = None) -> jax.Array:
+  """``jax.lax.dot_general`` in float8, forward and backward.
+
+  Both operands are quantized (``config.forward_format``, e4m3 by default)
+  with saturating casts and scales of ``config.granularity``, multiplied with
+  float8 operands and float32 accumulation, and the result is dequantized.
+  The backward pass quantizes the incoming gradient
+  (``config.gradient_format``, e5m2 by default) and computes both operand
+  gradients with float8 matmuls and float32 accumulation; see the module
+  docstring for how operands are requantized and how MXFP8 picks the native
+  GPU path.
+
+  Args:
+    lhs: a float32, bfloat16 or float16 array (not float8: the matmul
+      quantizes it itself).
+    rhs: likewise.
+    dimension_numbers: as for ``jax.lax.dot_general``: any contracting and
+      batch axes (Dense: ``(((x.ndim - 1,), (0,)), ((), ()))``; attention:
+      batched products such as ``(((3,), (3,)), ((0, 2), (0, 2)))``).
+    precision: accepted for signature compatibility and ignored: a float8
+      product has a single precision.
+    preferred_element_type: the result dtype (float32, bfloat16, float16 or
+      float64). Accumulation is float32 regardless.
+    out_sharding: must be None (accepted for signature compatibility).
+    config: the static :class:`Fp8Config` (default: per-tensor current
+      scaling, e4m3 forward, e5m2 gradients).
+    scales: with ``config.scaling="delayed"``, the :class:`DelayedScales`;
+      its cotangent holds the amaxes observed. None otherwise.
+
+  Returns:
+    The product, shaped as ``jax.lax.dot_general``'s, in
+    ``preferred_element_type`` if given, else ``config.compute_dtype`` if set,
+    else the operands' (promoted) dtype.
+
+  Raises:
+    TypeError: for non-floating or float8 operands, a config that is not an
+      ``Fp8Config``, or missing delayed-scaling scales.
+    ValueError: for malformed or inconsistent dimension numbers, scales given
+      to current scaling, or an out_sharding.
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp
+    >>> from jmp_lite._src import fp8
+    >>> dot = functools.partial(fp8.fp8_dot_general,
+    ...                         config=fp8.Fp8Config(granularity="row"))
+    >>> @jax.jit
+    ... def loss_and_grad(x, w):
+    ...   loss = lambda w: dot(x, w, (((1,), (0,)), ((), ()))).sum()
+    ...   return jax.value_and_grad(loss)(w)
+    >>> loss, grad = loss_and_grad(jnp.ones((4, 32)), jnp.full((32, 8), 0.5))
+    >>> float(loss), grad.shape, grad.dtype
+    (512.0, (32, 8), dtype('float32'))
+  """
+  if not isinstance(config, Fp8Config):
+    raise TypeError(
+        f"config must be an Fp8Config, got {type(config).__name__}: "
+        f"{config!r}. Build one with e.g. Fp8Config(granularity='row').")
+  if out_sharding is not None:
+    raise ValueError(
+        f"fp8_dot_general does not support out_sharding (got "
+        f"{out_sharding!r}): leave it None and constrain the result's "
+        "sharding with jax.lax.with_sharding_constraint instead.")
+  lhs = checks.float_array(lhs, "lhs")
+  rhs = checks.float_array(rhs, "rhs")
+  del precision
+  (lc, rc), (lb, rb) = _check_dimension_numbers(dimension_numbers, lhs.shape,
+                                                rhs.shape)
+  scales = _check_scales(scales, config)
+  out_dtype = _result_dtype(lhs, rhs, preferred_element_type, config)
+  a, lhs_free = _to_canonical(lhs, lb, lc)
+  b, rhs_free = _to_canonical(rhs, rb, rc)
+  shape = ([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lhs_free] +
+           [rhs.shape[d] for d in rhs_free])
+  if 0 in a.shape or 0 in b.shape:
+    # An empty operand: the product is all zeros (or empty), as is its
+    # gradient; nothing to quantize.
+    return jnp.zeros(shape, out_dtype)
+  static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  out = _fp8_matmul(a, b, scales, static)
+  return out.reshape(shape)

@@ -1,0 +1,456 @@
+"""Float8 in the Flax policies: which dots run in float8 (linen, NNX, per
+module), delayed scaling's state (creation, rolling, evaluation, scan/remat,
+gradient accumulation, checkpoints, optimizers), exported programs, training.
+"""
+
+import functools
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+import jmp_lite.linen as jlinen
+import jmp_lite.nnx as jnnx
+
+from test_fp8_policy import assert_no_host_calls
+from test_fp8_policy import cuda_ops
+from test_fp8_policy import cuda_program
+from test_fp8_policy import fp8_counts
+from test_fp8_policy import jaxpr_dots
+
+E4, BF = ("float8_e4m3fn",) * 2, ("bfloat16",) * 2
+DELAYED = "p=f32,c=bf16,o=f32,m=fp8_delayed"
+X = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)),
+                jnp.float32)
+Y = jnp.arange(16) % 16
+
+
+def xent(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+# ---------------------------------------------------------------------------
+# linen
+# ---------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, carry, _):
+    return nn.relu(nn.Dense(32)(carry)), None
+
+
+class LM(nn.Module):
+  """Dense, LayerNorm, a scan over two layers, a remat'd Dense, the head."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32, name="inp")(x)
+    x = nn.LayerNorm(name="norm")(x)
+    x, _ = nn.scan(Block, variable_axes={"params": 0},
+                   split_rngs={"params": True}, length=2)(name="blocks")(x, None)
+    x = nn.remat(nn.Dense)(32, name="mid")(x)
+    return nn.Dense(16, name="head")(x)
+
+
+@functools.lru_cache(maxsize=None)
+def linen_model(policy, rules=None):
+  """(model, variables), made once per policy."""
+  model = jlinen.apply_policy(
+      LM(), policy, jlinen.DEFAULT_MODULE_RULES if rules is None else rules)
+  return model, model.init(jax.random.key(0), X)
+
+
+def linen_step(model, opt):
+  """A train step: loss scaling + the optimizer on params, state rolled."""
+  def step(variables, opt_state, x, y):
+    def loss(params):
+      logits, updates = model.apply({**variables, "params": params}, x,
+                                    mutable=["fp8_state"])
+      return xent(logits, y), updates
+    (value, updates), grads = jmp_lite.scaled_value_and_grad(
+        loss, opt_state, has_aux=True)(variables["params"])
+    deltas, opt_state = opt.update(grads, opt_state, variables["params"])
+    params = optax.apply_updates(variables["params"], deltas)
+    return {**variables, **updates, "params": params}, opt_state, value
+  return step
+
+
+def test_linen_dots_in_float8_but_the_head():
+  model, variables = linen_model("mixed_fp8")
+  assert set(variables) == {"params"}  # current scaling: no state
+  # inp, the scan body, mid in float8; the head in bf16; LayerNorm has none.
+  assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [E4] * 3 + [BF]
+
+
+def test_linen_module_rules_choose_per_module():
+  rules = (jlinen.ModuleRules(("mid", "p=f32,c=bf16,o=bf16,m=fp8"))
+           + jlinen.DEFAULT_MODULE_RULES)
+  model, variables = linen_model("mixed_bfloat16", rules)
+  assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [BF, BF, E4, BF]
+  # The recipe asks for the head too; a rule keeps it out, and FullPrecision
+  # (norm layers by default) resolves to no float8.
+  rules = (jlinen.ModuleRules(("head", "mixed_bfloat16"),
+                              ("inp", jlinen.FullPrecision()))
+           + jlinen.DEFAULT_MODULE_RULES)
+  model, variables = linen_model(
+      "p=f32,c=bf16,o=f32,m=fp8(include_output_head=true)", rules)
+  assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [
+      ("float32",) * 2, E4, E4, BF]
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("policy", ["mixed_fp8", DELAYED])
+def test_linen_exported_cuda_step(policy):
+  model, variables = linen_model(policy)
+  opt = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.NoOpLossScale())
+  text = cuda_program(linen_step(model, opt), variables,
+                      opt.init(variables["params"]), X, Y)
+  dots = cuda_ops(text)
+  # Forward: inp, the scan body, mid (e4m3 x e4m3). Backward: inp's weight
+  # gradient (X is no parameter), the scan body's and mid's two products,
+  # all from the e5m2 gradient. Every float8 dot accumulates in float32.
+  assert fp8_counts(dots) == (3, 5)
+  assert all(r == "f32" for d, r in dots if d[0].startswith("f8"))
+  assert [d for d, _ in dots if not d[0].startswith("f8")] == [
+      ("bf16", "bf16")] * 3  # the head, forward and backward
+  assert_no_host_calls(text)
+
+
+# -- delayed scaling's state ------------------------------------------------------
+
+
+def test_linen_init_creates_one_history_per_site():
+  _, variables = linen_model(DELAYED)
+  state = variables["fp8_state"]["LM"]
+  shapes = jax.tree.map(jnp.shape, state)
+  assert shapes == {
+      "inp": {"dot_general_0": {"lhs": (16,), "rhs": (16,)}},
+      "mid": {"dot_general_0": {"lhs": (16,), "rhs": (16,)}},
+      # The scan over two layers: one slot per iteration.
+      "scan_0": {"blocks": {"Dense_0": {"dot_general_0": {
+          "lhs": (2, 16), "rhs": (2, 16)}}}},
+  }
+  assert all(not np.any(leaf) for leaf in jax.tree.leaves(state))
+  assert jax.tree.leaves(state)[0].dtype == jnp.float32
+
+
+def _set_all(tree, value):
+  return jax.tree.map(lambda h: jnp.full_like(h, value), tree)
+
+
+def test_linen_apply_rolls_when_mutable_and_reads_otherwise():
+  model, variables = linen_model(DELAYED)
+  y, updates = model.apply(variables, X, mutable=["fp8_state"])
+  assert set(updates) == {"fp8_state"}
+  state = updates["fp8_state"]["LM"]
+  inp = state["inp"]["dot_general_0"]
+  x_bf16 = X.astype(jnp.bfloat16).astype(jnp.float32)
+  kernel = variables["params"]["inp"]["kernel"].astype(jnp.bfloat16)
+  assert float(inp["lhs"][0]) == float(jnp.max(jnp.abs(x_bf16)))
+  assert float(inp["rhs"][0]) == float(jnp.max(jnp.abs(kernel)).astype(
+      jnp.float32))
+  assert not np.any(inp["lhs"][1:])
+  slots = state["scan_0"]["blocks"]["Dense_0"]["dot_general_0"]["lhs"]
+  assert slots[0, 0] != slots[1, 0] and not np.any(slots[:, 1:])
+  # The first step had no history: current scaling, exactly.
+  current, _ = linen_model("mixed_fp8")
+  np.testing.assert_array_equal(y, current.apply(variables, X))
+  # Rolling again pushes the new amaxes in front.
+  _, again = model.apply({**variables, **updates}, X, mutable=["fp8_state"])
+  rolled = again["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"]
+  np.testing.assert_array_equal(rolled[:2], [inp["lhs"][0]] * 2)
+  # Evaluation reads: no state back. A history whose max is far above the
+  # data makes coarser scales, so the output changes; the history of this
+  # very step reproduces current scaling.
+  read = {**variables, **updates}
+  assert isinstance(model.apply(read, X), jax.Array)
+  np.testing.assert_array_equal(model.apply(read, X), y)
+  huge = {**variables, "fp8_state": _set_all(read["fp8_state"], 1e4)}
+  assert not np.array_equal(model.apply(huge, X), y)
+
+
+@pytest.mark.parametrize("margin", [0, 2, 8])
+def test_linen_delayed_margin_and_algorithm(margin):
+  model, variables = linen_model(
+      "p=f32,c=bf16,o=f32,m=fp8_delayed(amax_algorithm=most_recent;"
+      f"margin={margin})")
+  _, updates = model.apply(variables, X, mutable=["fp8_state"])
+  # most_recent: the large older entries are ignored, so with no margin the
+  # scales are current scaling's, exactly.
+  old = jax.tree.map(lambda h: h.at[..., 1:].set(1e6), updates["fp8_state"])
+  out = model.apply({**variables, "fp8_state": old}, X)
+  current, _ = linen_model("mixed_fp8")
+  # A margin multiplies the (power-of-two) scales by 2**margin: every value
+  # moves down by whole binades, which changes no rounding while it stays in
+  # e4m3's normal range (>= 2**-6): margin 2 leaves this data's output
+  # bitwise unchanged; margin 8 pushes the small values into subnormals.
+  same = np.array_equal(out, current.apply(variables, X))
+  assert same == (margin < 8)
+
+
+def test_linen_state_errors():
+  model, variables = linen_model(DELAYED)
+  with pytest.raises(ValueError, match="'fp8_state' collection.*have none.*"
+                     "policy_model.init"):
+    model.apply({"params": variables["params"]}, X)
+  partial = {**variables, "fp8_state": {"LM": {}}}
+  with pytest.raises(ValueError, match="no amax history for the matmul at "
+                     "LM/inp/dot_general_0"):
+    model.apply(partial, X)
+  # Delayed-scaling state handed to an optimizer.
+  opt = jmp_lite.loss_scaling(optax.adam(1e-3))
+  with pytest.raises(ValueError, match=r"float8 state at \['fp8_state'\]"
+                     r"\['LM'\].*variables\['params'\]"):
+    opt.init(variables)
+
+
+@pytest.mark.standard_promotion
+def test_linen_plain_optax_loop_keeps_the_state_intact():
+  """The loop of Flax's docs: the optimizer sees variables['params'] only."""
+  model, variables = linen_model(DELAYED)
+  opt = optax.adam(1e-2)
+  opt_state = opt.init(variables["params"])
+  traces = []
+
+  @jax.jit
+  def step(variables, opt_state, x):
+    traces.append(1)
+    def loss(params):
+      out, updates = model.apply({**variables, "params": params}, x,
+                                 mutable=["fp8_state"])
+      return xent(out, Y), updates
+    (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(
+        variables["params"])
+    deltas, opt_state = opt.update(grads, opt_state)
+    return ({**variables, **updates,
+             "params": optax.apply_updates(variables["params"], deltas)},
+            opt_state, value)
+
+  amaxes = []
+  for i in range(3):
+    x = X * (i + 1)
+    amaxes.append(float(jnp.max(jnp.abs(x.astype(jnp.bfloat16)))))
+    variables, opt_state, _ = step(variables, opt_state, x)
+  history = variables["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"]
+  np.testing.assert_array_equal(history[:4], amaxes[::-1] + [0.0])
+  assert traces == [1]  # no recompilation on the second step
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("accumulate", ["loss_scaling", "optax.MultiSteps"])
+def test_linen_accumulation_history_covers_every_micro_batch(accumulate):
+  model, variables = linen_model(DELAYED)
+  k = 4
+  if accumulate == "loss_scaling":
+    opt = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.NoOpLossScale(),
+                                accumulation_steps=k)
+    step = jax.jit(linen_step(model, opt))
+  else:
+    opt = optax.MultiSteps(optax.adam(1e-2), every_k_schedule=k)
+
+    @jax.jit
+    def step(variables, opt_state, x, y):
+      def loss(params):
+        out, updates = model.apply({**variables, "params": params}, x,
+                                   mutable=["fp8_state"])
+        return xent(out, y), updates
+      (value, updates), grads = jax.value_and_grad(loss, has_aux=True)(
+          variables["params"])
+      deltas, opt_state = opt.update(grads, opt_state, variables["params"])
+      return ({**variables, **updates,
+               "params": optax.apply_updates(variables["params"], deltas)},
+              opt_state, value)
+  opt_state = opt.init(variables["params"])
+  scales = [1.0, 8.0, 2.0, 0.5]  # the micro-batches' magnitudes
+  for s in scales:
+    variables, opt_state, _ = step(variables, opt_state, X * s, Y)
+  history = variables["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"]
+  expected = [float(jnp.max(jnp.abs((X * s).astype(jnp.bfloat16))))
+              for s in scales[::-1]]
+  np.testing.assert_array_equal(history[:k], expected)
+  # With the default "max" over 16 >= k entries, the next scale covers the
+  # largest micro-batch of the window.
+  assert float(jnp.max(history)) == max(expected)
+
+
+def test_linen_state_checkpoint_round_trip(tmp_path):
+  model, variables = linen_model(DELAYED)
+  _, updates = model.apply(variables, X, mutable=["fp8_state"])
+  variables = {**variables, **updates}
+  try:
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    restored = jax.tree.unflatten(jax.tree.structure(variables),
+                                  [np.asarray(a) for a in
+                                   jax.tree.leaves(variables)])
+  else:
+    with ocp.StandardCheckpointer() as checkpointer:
+      checkpointer.save(tmp_path / "ckpt", variables)
+      checkpointer.wait_until_finished()
+      restored = checkpointer.restore(tmp_path / "ckpt", variables)
+  jax.tree.map(np.testing.assert_array_equal, restored, variables)
+  np.testing.assert_array_equal(model.apply(restored, X),
+                                model.apply(variables, X))
+
+
+def test_linen_cond_bodies_scale_currently():
+  class WithCond(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("inner", nn.initializers.lecun_normal(), (32, 32))
+      x = jax.lax.cond(x.sum() > 0, lambda x: x @ w, lambda x: x * 2, x)
+      return nn.Dense(16, name="head")(nn.Dense(32, name="outer")(x))
+
+  model = jlinen.apply_policy(WithCond(), DELAYED)
+  variables = model.init(jax.random.key(0), X)
+  assert set(variables["fp8_state"]["WithCond"]) == {"outer"}
+  assert jaxpr_dots(lambda v: model.apply(v, X), variables)[:2] == [E4, E4]
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("policy", ["mixed_fp8", DELAYED])
+def test_linen_training_is_finite_and_close_to_bf16(policy):
+  def run(policy):
+    model, variables = linen_model(policy)
+    opt = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.NoOpLossScale())
+    step = jax.jit(linen_step(model, opt))
+    opt_state = opt.init(variables["params"])
+    losses = []
+    for _ in range(4):
+      variables, opt_state, loss = step(variables, opt_state, X, Y)
+      losses.append(float(loss))
+    return losses
+
+  bf16, f8 = run("mixed_bfloat16"), run(policy)
+  assert all(np.isfinite(f8)) and f8[-1] < f8[0]
+  assert abs(f8[-1] - bf16[-1]) <= 0.05 * bf16[-1], (f8, bf16)
+
+
+# ---------------------------------------------------------------------------
+# NNX
+# ---------------------------------------------------------------------------
+
+
+class NnxLM(nnx.Module):
+  """Linear, LayerNorm, nnx.scan over two layers, dropout, the head."""
+
+  def __init__(self, rngs):
+    self.inp = nnx.Linear(32, 32, rngs=rngs)
+    self.norm = nnx.LayerNorm(32, rngs=rngs)
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def layers(rngs):
+      return nnx.Linear(32, 32, rngs=rngs)
+
+    self.layers = layers(rngs)
+    self.drop = nnx.Dropout(0.25)
+    self.head = nnx.Linear(32, 16, rngs=rngs)
+
+  def __call__(self, x, rngs=None):
+    x = self.norm(self.inp(x))
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, layer):
+      return nnx.relu(layer(x))
+
+    x = self.drop(body(x, self.layers), rngs=rngs, deterministic=rngs is None)
+    return self.head(x)
+
+
+def nnx_model(policy, rules=None):
+  return jnnx.apply_policy(
+      NnxLM(nnx.Rngs(0)), policy,
+      jnnx.DEFAULT_MODULE_RULES if rules is None else rules)
+
+
+def test_nnx_dots_in_float8_but_the_head():
+  model = nnx_model("mixed_fp8")
+  graphdef, state = nnx.split(model)
+  run = lambda state: nnx.merge(graphdef, state)(X)
+  assert jaxpr_dots(run, state) == [E4, E4, BF]
+  rules = jnnx.ModuleRules(("inp", "p=f32,c=bf16,o=bf16,m=fp8"))
+  model = nnx_model("mixed_bfloat16", rules + jnnx.DEFAULT_MODULE_RULES)
+  graphdef, state = nnx.split(model)
+  assert jaxpr_dots(run, state) == [E4, BF, BF]
+
+
+@pytest.mark.standard_promotion
+def test_nnx_delayed_state_train_eval_and_optimizers():
+  model = nnx_model(DELAYED)
+  optimizer = nnx.Optimizer(model, jmp_lite.loss_scaling(
+      optax.adam(1e-2), jmp_lite.NoOpLossScale()), wrt=nnx.Param)
+  assert model.fp8_state.get_value() == {}
+  model(X)  # the first call creates the histories (before jitting a step)
+  # The optimizer never sees the state; handing it over is an error.
+  assert not any("fp8_state" in jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_flatten_with_path(optimizer.opt_state)[0])
+  with pytest.raises(ValueError, match="float8 state at.*fp8_state"):
+    nnx.Optimizer(model, jmp_lite.loss_scaling(optax.adam(1e-2)),
+                  wrt=nnx.Variable)
+  shapes = jax.tree.map(jnp.shape, model.fp8_state.get_value())
+  assert shapes == {"dot_general_0": {"lhs": (16,), "rhs": (16,)},
+                    "scan_0": {"dot_general_0": {"lhs": (2, 16),
+                                                 "rhs": (2, 16)}}}
+  traces = []
+
+  @nnx.jit
+  def step(model, optimizer, x, rngs):
+    traces.append(1)
+    loss_scale = jmp_lite.get_loss_scale(optimizer.opt_state)
+
+    # The Rngs go in as an argument: NNX refuses to mutate one captured by
+    # closure inside nnx.grad (with or without a policy).
+    def loss_fn(model, rngs):
+      loss = xent(model(x, rngs=rngs), Y)
+      return loss_scale.scale(loss), loss
+
+    grads, loss = nnx.grad(loss_fn, has_aux=True)(model, rngs)
+    optimizer.update(model, grads)
+    return loss
+
+  rngs = nnx.Rngs(dropout=1)
+  losses = [float(step(model, optimizer, X * s, rngs)) for s in (2.0, 3.0)]
+  assert all(np.isfinite(losses)) and traces == [1]
+  assert int(rngs.dropout.count[...]) == 2  # call arguments' state advances
+  history = model.fp8_state.get_value()["dot_general_0"]["lhs"]
+  expected = [float(jnp.max(jnp.abs((X * s).astype(jnp.bfloat16))))
+              for s in (3.0, 2.0, 1.0)]
+  np.testing.assert_array_equal(history[:3], expected)
+  # Evaluation freezes the histories, as it freezes BatchNorm's statistics.
+  model.eval()
+  frozen = model.fp8_state.get_value()
+  model(X * 10)
+  jax.tree.map(np.testing.assert_array_equal, model.fp8_state.get_value(),
+               frozen)
+  model.train()
+  model(X * 10)
+  assert float(model.fp8_state.get_value()["dot_general_0"]["lhs"][0]) == (
+      float(jnp.max(jnp.abs((X * 10).astype(jnp.bfloat16)))))
+
+
+@pytest.mark.standard_promotion
+def test_nnx_exported_cuda_step():
+  model = nnx_model("mixed_fp8")
+  graphdef, state = nnx.split(model)
+
+  def step(state, x):
+    model = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(lambda m: xent(m(x), Y))(model)
+    return loss, grads
+
+  text = cuda_program(step, state, X)
+  dots = cuda_ops(text)
+  # inp and the scan body forward; inp's weight gradient and the body's two
+  # backward products from e5m2; the head in bf16.
+  assert fp8_counts(dots) == (2, 3)
+  assert [d for d, _ in dots if not d[0].startswith("f8")] == [
+      ("bf16", "bf16")] * 3
+  assert_no_host_calls(text)

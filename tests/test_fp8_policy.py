@@ -1,0 +1,473 @@
+"""Float8 in the policy: the grammar and presets, autocast and with_policy,
+the default exclusions, the program exported for CUDA, training steps, errors.
+
+The Flax policies (linen, NNX) and delayed scaling's state: test_fp8_flax.py.
+"""
+
+import contextlib
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite import fp8
+from jmp_lite._src import policy as policy_lib
+
+RECIPES = tuple(policy_lib.FP8_RECIPES)
+CURRENT = tuple(r for r in RECIPES if r != "fp8_delayed")
+E4, E5 = "float8_e4m3fn", "float8_e5m2"
+
+# ---------------------------------------------------------------------------
+# Helpers (test_fp8_flax.py imports them).
+# ---------------------------------------------------------------------------
+
+
+def jaxpr_dots(fn, *args):
+  """Operand dtype names of every live ``dot_general`` ``fn`` runs, in order."""
+  return [dtypes for op, dtypes in jmp_lite.op_dtypes(fn, *args)
+          if op == "dot_general"]
+
+
+_MX_CHECK = [jax.export.DisabledSafetyCheck.custom_call(
+    "__op$block_scaled_dot")]
+_TYPE = re.compile(r"x(f8E4M3FN|f8E5M2|f8E8M0FNU|bf16|f16|f32)>")
+
+
+def cuda_program(fn, *args):
+  """The StableHLO text of ``jax.jit(fn)`` exported for CUDA (on this CPU)."""
+  exported = jax.export.export(jax.jit(fn), platforms=["cuda"],
+                               disabled_checks=_MX_CHECK)(*args)
+  return exported.mlir_module()
+
+
+def cuda_ops(text, op="dot_general"):
+  """``[(operand element types, result element type)]`` of each ``op``."""
+  out = []
+  for line in text.splitlines():
+    if f"stablehlo.{op}" in line and "->" in line:
+      operands, result = line.rsplit(" : ", 1)[1].split("->")
+      out.append((tuple(_TYPE.findall(operands)),
+                  _TYPE.findall(result)[0]))
+  return out
+
+
+def assert_no_host_calls(text, allowed=()):
+  """No host callback, and no custom call but the allowed ones."""
+  assert "callback" not in text
+  calls = set(re.findall(r"custom_call @([\w$.]+)", text))
+  assert calls <= set(allowed), calls
+
+
+def fp8_counts(dots):
+  """(forward e4m3 x e4m3 dots, backward dots taking an e5m2 gradient)."""
+  fwd = sum(d == ("f8E4M3FN", "f8E4M3FN") for d, _ in dots)
+  bwd = sum("f8E5M2" in d for d, _ in dots)
+  return fwd, bwd
+
+
+def _data(shape, seed, scale=1.0):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape)
+                     * scale, jnp.float32)
+
+
+# A two-layer MLP (the second layer is the output head) and an attention
+# score: the exclusions in one function.
+PARAMS = {"w1": _data((32, 64), 0, 0.2), "w2": _data((64, 16), 1, 0.2)}
+X = _data((16, 32), 2)
+Y = jnp.arange(16) % 16
+
+
+def mlp(params, x):
+  h = jax.nn.relu(x @ params["w1"])
+  return h @ params["w2"]
+
+
+def mlp_with_attention(params, x):
+  h = jax.nn.relu(x @ params["w1"])                        # (16, 64)
+  q = h.reshape(16, 4, 16)
+  scores = jnp.einsum("qhd,khd->hqk", q, q)                # batched
+  h = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores), q).reshape(16, 64)
+  return h @ params["w2"]                                  # the head
+
+
+def loss_fn(params, x, y):
+  logits = mlp(params, x).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+# ---------------------------------------------------------------------------
+# The grammar, the presets, the recipe type.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_named_recipe_round_trips_and_hashes(recipe):
+  policy = jmp_lite.get_policy(f"p=f32,c=bf16,o=f32,m={recipe}")
+  assert policy.matmul_precision == recipe
+  assert str(policy) == f"p=full,c=bf16,o=full,m={recipe}"
+  again = jmp_lite.get_policy(str(policy))
+  assert again == policy and hash(again) == hash(policy)
+  # The same recipe as a config makes the same policy.
+  config = fp8.Fp8Config(**policy_lib.FP8_RECIPES[recipe])
+  assert config.spec() == recipe
+  built = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.float32,
+                          matmul_precision=config)
+  assert built == policy and hash(built) == hash(policy)
+
+
+def test_mixed_fp8_preset_and_spellings():
+  policy = jmp_lite.get_policy("mixed_fp8")
+  assert policy == jmp_lite.get_policy(" P=F32, c = BF16 ,o=f32,m = FP8 ")
+  assert policy == jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(
+      "fp8")
+  assert policy.compute_dtype is jnp.bfloat16
+  assert str(policy) == "p=full,c=bf16,o=full,m=fp8"
+  assert policy.with_matmul_precision(None) == jmp_lite.get_policy(
+      "mixed_bfloat16")
+
+
+@pytest.mark.parametrize("config", [
+    fp8.Fp8Config(granularity="row"),                 # e5m2 gradients
+    fp8.Fp8Config(scaling="delayed", margin=1, history_length=32,
+                  amax_algorithm="most_recent"),
+    fp8.Fp8Config(granularity="blockwise", block_size=64,
+                  gradient_format="e4m3", include_batched=True),
+    fp8.Fp8Config(granularity="mxfp8", native_mx=False, dim_multiple=32),
+    fp8.Fp8Config(include_output_head=True, power_of_two_scales=False),
+], ids=lambda c: c.spec())
+def test_custom_recipes_round_trip(config):
+  policy = jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(config)
+  text = str(policy)
+  assert text.startswith("p=full,c=bf16,o=full,m=") and "(" in text
+  again = jmp_lite.get_policy(text)
+  assert again == policy and hash(again) == hash(policy)
+  assert again.matmul_precision == config
+  assert jmp_lite.get_policy(text.upper()) == policy
+
+
+def test_delayed_defaults_and_matmul_context():
+  config = fp8.Fp8Config(scaling="delayed")
+  assert (config.history_length, config.margin, config.amax_algorithm) == (
+      16, 0.0, "max")
+  # A float8 recipe sets no float32 matmul precision (and, inside a tf32
+  # region, leaves it in force).
+  for recipe in RECIPES:
+    context = jmp_lite.get_policy(f"c=f32,m={recipe}").matmul_context()
+    assert isinstance(context, contextlib.nullcontext)
+  f = jmp_lite.with_policy(lambda x, w: (x @ w).sum(), "p=f32,c=f32,o=f32,m=fp8")
+  eqns = jax.make_jaxpr(f)(jnp.ones((2, 8)), jnp.ones((8, 2))).eqns
+  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  assert dots and all(e.params["precision"] is None for e in dots)
+
+
+@pytest.mark.parametrize("spec,error,pattern", [
+    ("m=fp9", ValueError, "Unknown matmul precision 'fp9'.*fp8, fp8_rowwise"),
+    ("m=fp8(foo=1)", ValueError, "Unknown field 'foo'.*Fields: "),
+    ("m=fp8_rowwise(margin)", ValueError, "Malformed entry 'margin'"),
+    ("m=fp8_rowwise(margin=1", ValueError, "Malformed float8 recipe"),
+    ("m=fp8(margin=1)", ValueError, "margin=1.*scaling='current'"),
+    ("m=fp8_delayed(history_length=0)", ValueError, "history_length.*got 0"),
+    ("m=fp8_delayed(amax_algorithm=mean)", ValueError, "'mean'.*'max'"),
+    ("m=fp8_blockwise(block_size=100)", ValueError,
+     "block_size=100 is not a positive multiple of 16"),
+    ("m=fp8_blockwise(block_size=8)", ValueError, "block_size=8"),
+    ("m=fp8(granularity=row;scaling=delayed)", ValueError,
+     "granularity='tensor'"),
+    ("m=fp8(dim_multiple=0)", ValueError, "dim_multiple.*got 0"),
+    ("m=fp8(include_batched=yes)", TypeError, "include_batched must be a bool"),
+    ("c=f64,m=fp8", ValueError, "computes in float64"),
+    ("c=fp8", ValueError, "Unknown dtype 'fp8'.*matmul recipe.*mixed_fp8"),
+    ("c=float8_e4m3fn", ValueError, "float8_e4m3fn.*matmul recipe"),
+    ("fp8", ValueError, "Unknown dtype or preset 'fp8'.*mixed_fp8"),
+    ("p=f32,c=bf16=m", ValueError, "not a single key=value pair"),
+])
+def test_bad_specs_name_the_value(spec, error, pattern):
+  with pytest.raises(error, match=pattern):
+    jmp_lite.get_policy(spec)
+
+
+def test_float8_dtypes_and_bad_recipes_are_refused():
+  for field in range(3):
+    dtypes = [jnp.float32] * 3
+    dtypes[field] = jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match="float8_e4m3fn.*matmul recipe"):
+      jmp_lite.Policy(*dtypes)
+  with pytest.raises(ValueError, match="float8_e5m2.*mixed_fp8"):
+    jmp_lite.get_policy("bf16").with_param_dtype(jnp.float8_e5m2)
+  with pytest.raises(ValueError, match="compute_dtype=bfloat16.*Leave it None"):
+    jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(
+        fp8.Fp8Config(compute_dtype=jnp.bfloat16))
+  with pytest.raises(TypeError, match="matmul_precision.*Fp8Config.*int: 8"):
+    jmp_lite.Policy(jnp.float32, jnp.float32, jnp.float32, matmul_precision=8)
+
+
+# ---------------------------------------------------------------------------
+# autocast and with_policy: which dots run in float8.
+# ---------------------------------------------------------------------------
+
+
+def test_autocast_puts_float8_in_every_dot_but_the_head():
+  f = jmp_lite.autocast(mlp, "mixed_fp8")
+  assert jaxpr_dots(f, PARAMS, X) == [(E4, E4), ("bfloat16", "bfloat16")]
+  assert f(PARAMS, X).dtype == jnp.float32          # the interface is kept
+  grad = jax.grad(lambda p: jmp_lite.autocast(loss_fn, "mixed_fp8")(p, X, Y))
+  dots = set(jaxpr_dots(grad, PARAMS))
+  # Forward e4m3 products, backward products of an e5m2 gradient, the head
+  # (forward and backward) in bfloat16; nothing else.
+  assert dots == {(E4, E4), (E5, E4), ("bfloat16",) * 2}
+
+
+def test_with_policy_changes_only_the_dots():
+  plain = jmp_lite.with_policy(mlp_with_attention, "mixed_bfloat16")
+  f = jmp_lite.with_policy(mlp_with_attention, "mixed_fp8")
+  assert jaxpr_dots(f, PARAMS, X) == [(E4, E4)] + [("bfloat16",) * 2] * 3
+  assert [d for d in jaxpr_dots(plain, PARAMS, X)] == [("bfloat16",) * 2] * 4
+  softmax = lambda g: [d for op, d in jmp_lite.op_dtypes(g, PARAMS, X)
+                       if op == "exp"]
+  assert softmax(f) == softmax(plain) == [("bfloat16",)]  # as traced
+  out = f(PARAMS, X)
+  assert out.dtype == jnp.float32
+  ref = plain(PARAMS, X)
+  assert float(jnp.linalg.norm(out - ref)) <= 0.1 * float(jnp.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("route", ["autocast", "with_policy"])
+def test_opting_back_in(route):
+  wrap = jmp_lite.autocast if route == "autocast" else jmp_lite.with_policy
+  recipe = lambda **kw: jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(
+      fp8.Fp8Config(**kw))
+  assert jaxpr_dots(wrap(mlp_with_attention, recipe(include_output_head=True,
+                                                    include_batched=True)),
+                    PARAMS, X) == [(E4, E4)] * 4
+  # A head of 10 classes is no multiple of 16: dim_multiple=1 admits it.
+  w2 = PARAMS["w2"][:, :10]
+  params = {**PARAMS, "w2": w2}
+  assert jaxpr_dots(wrap(mlp, recipe(include_output_head=True)),
+                    params, X)[-1] == ("bfloat16",) * 2
+  assert jaxpr_dots(wrap(mlp, recipe(include_output_head=True,
+                                     dim_multiple=1)),
+                    params, X)[-1] == (E4, E4)
+  # A batch of 12 rows (M) is excluded too.
+  assert jaxpr_dots(wrap(mlp, recipe()), PARAMS, X[:12])[0] == ("bfloat16",) * 2
+
+
+def test_what_stays_out_of_float8():
+  def model(params, x, tokens):
+    emb = jnp.take(params["embed"], tokens, axis=0)              # a gather
+    img = jax.lax.conv_general_dilated(                          # a conv
+        x[None, :, :, None], params["kernel"], (1, 1), "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"))[0, :, :, 0]
+    ints = jnp.ones((16, 16), jnp.int32) @ jnp.ones((16, 16), jnp.int32)
+    h = (emb + img) @ params["w1"] + ints.sum().astype(jnp.float32)
+    norm = jmp_lite.in_float32(lambda h: h @ params["w_norm"])(h)  # an island
+    return norm @ params["w2"]
+  params = {"embed": _data((64, 32), 3), "kernel": _data((3, 3, 1, 1), 4),
+            "w1": PARAMS["w1"], "w_norm": _data((64, 64), 5),
+            "w2": PARAMS["w2"]}
+  tokens = jnp.arange(16) % 64
+  f = jmp_lite.autocast(model, "mixed_fp8")
+  ops = jmp_lite.op_dtypes(f, params, X, tokens)
+  conv = [d for op, d in ops if op == "conv_general_dilated"]
+  assert conv == [("bfloat16", "bfloat16")]
+  dots = [d for op, d in ops if op == "dot_general"]
+  # the int matmul as written, w1 in float8, the island in f32, the head bf16.
+  assert dots == [(), (E4, E4), ("float32",) * 2, ("bfloat16",) * 2]
+
+
+def test_user_dot_rule_wins_over_the_recipe():
+  dot = jax.lax.dot_general_p
+  f = jmp_lite.autocast(mlp, "mixed_fp8", op_rules={dot: "f32"})
+  assert jaxpr_dots(f, PARAMS, X) == [("float32",) * 2] * 2
+
+
+def test_delayed_recipes_need_state():
+  for wrap in (jmp_lite.autocast, jmp_lite.with_policy):
+    with pytest.raises(ValueError,
+                       match="'fp8_delayed' uses delayed scaling.*linen"):
+      wrap(mlp, "p=f32,c=bf16,o=f32,m=fp8_delayed")
+
+
+def test_markers_scope_recipes_and_reach_bodies():
+  """The innermost marker wins; a marker around jit/scan reaches its body."""
+  rowwise = jmp_lite.get_policy("c=bf16,m=fp8_rowwise")
+
+  def region(policy, fn):
+    def wrapped(*args):
+      with jax.named_scope(policy_lib.fp8_marker(policy)):
+        return fn(*args)
+    return wrapped
+
+  def f(params, x):
+    h = region(None, lambda x: x @ params["w1"])(x)            # no float8
+    body = lambda c, _: (jax.nn.relu(c @ params["sq"]), None)
+    h2, _ = region(rowwise, lambda h: jax.lax.scan(body, h, length=2))(
+        h[:, :32])
+    h3 = region(rowwise, jax.jit(lambda h: h @ params["sq"]))(h2)
+    return h3 @ params["w2"][:32]
+  params = {**PARAMS, "sq": _data((32, 32), 6)}
+  g = jmp_lite.autocast(f, "mixed_fp8")
+  assert jaxpr_dots(g, params, X) == [("bfloat16",) * 2, (E4, E4), (E4, E4),
+                                      ("bfloat16",) * 2]
+  text = cuda_program(jax.grad(lambda p: g(p, X).sum()), params)
+  # rowwise: e4m3 gradients; the scan body and the jit body, forward and
+  # backward, all in float8.
+  f8 = [d for d, _ in cuda_ops(text) if d == ("f8E4M3FN", "f8E4M3FN")]
+  assert len(f8) == 2 + 2 * 2
+
+
+# ---------------------------------------------------------------------------
+# The program a GPU runs.
+# ---------------------------------------------------------------------------
+
+
+def _train_step(route, policy):
+  opt = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.NoOpLossScale())
+  if route == "autocast":
+    loss = jmp_lite.autocast(loss_fn, policy)
+  else:
+    apply = jmp_lite.with_policy(mlp_with_attention, policy)
+    loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(
+        apply(p, x), y).mean()
+
+  def step(params, state, x, y):
+    value, grads = jmp_lite.scaled_value_and_grad(loss, state)(params, x, y)
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, value
+  return opt, step
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("route", ["autocast", "with_policy"])
+def test_exported_cuda_step(route):
+  opt, step = _train_step(route, "mixed_fp8")
+  text = cuda_program(step, PARAMS, opt.init(PARAMS), X, Y)
+  dots = cuda_ops(text)
+  f8 = [(d, r) for d, r in dots if any(t.startswith("f8") for t in d)]
+  # w1: forward e4m3 x e4m3 and the e5m2 weight gradient; every float8 dot
+  # accumulates in float32 and takes two float8 operands.
+  assert fp8_counts(dots) == (1, 1)
+  assert all(r == "f32" and all(t.startswith("f8") for t in d) for d, r in f8)
+  rest = [d for d, _ in dots if (d, _) not in f8]
+  # The head forward and backward (3 products), with_policy's two attention
+  # products forward and backward (6 more).
+  half = {"autocast": 3, "with_policy": 9}[route]
+  assert rest == [("bf16", "bf16")] * half
+  assert_no_host_calls(text)
+
+
+@pytest.mark.standard_promotion
+def test_exported_cuda_recipes():
+  for recipe, fwd, grad in (("fp8_rowwise", "f8E4M3FN", "f8E4M3FN"),
+                            ("fp8_blockwise", "f8E4M3FN", "f8E4M3FN")):
+    opt, step = _train_step("autocast", f"p=f32,c=bf16,o=f32,m={recipe}")
+    text = cuda_program(step, PARAMS, opt.init(PARAMS), X, Y)
+    f8 = [(d, r) for d, r in cuda_ops(text) if d[0].startswith("f8")]
+    assert sorted(f8) == [((grad, fwd), "f32"), ((fwd, fwd), "f32")]
+    assert_no_host_calls(text)
+  opt, step = _train_step("autocast", "p=f32,c=bf16,o=f32,m=mxfp8")
+  text = cuda_program(step, PARAMS, opt.init(PARAMS), X, Y)
+  calls = cuda_ops(text, "custom_call")
+  # MX: jax.nn.scaled_matmul's block-scaled GEMM, E8M0 scales, f32 out.
+  assert len(calls) == 2
+  assert all(d.count("f8E8M0FNU") == 2 and d.count("f8E4M3FN") >= 1
+             and r == "f32" for d, r in calls)
+  assert_no_host_calls(text, allowed={"__op$block_scaled_dot"})
+
+
+# ---------------------------------------------------------------------------
+# Training.
+# ---------------------------------------------------------------------------
+
+#: How far a float8 run may end from the bfloat16 run of the same steps (the
+#: final loss, relative). e4m3 keeps 3 mantissa bits (relative rounding error
+#: up to 2**-4 per operand); over a few steps of a small MLP the losses stay
+#: within a few percent.
+LOSS_RTOL = 0.05
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("route", ["autocast", "with_policy"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_training_is_finite_and_close_to_bf16(route, jit):
+  def run(policy):
+    opt, step = _train_step(route, policy)
+    traces = []
+
+    def counted(*args):
+      traces.append(1)
+      return step(*args)
+    fn = jax.jit(counted) if jit else counted
+    params, state = PARAMS, opt.init(PARAMS)
+    losses = []
+    for _ in range(4 if jit else 2):  # eager: every op dispatched alone
+      params, state, loss = fn(params, state, X, Y)
+      losses.append(float(loss))
+    return losses, params, len(traces)
+
+  bf16, _, _ = run("mixed_bfloat16")
+  f8, params, traces = run("mixed_fp8")
+  assert all(np.isfinite(f8)) and all(np.all(np.isfinite(p)) for p in jax.tree.leaves(params))
+  assert f8[-1] < f8[0]
+  assert abs(f8[-1] - bf16[-1]) <= LOSS_RTOL * bf16[-1], (f8, bf16)
+  if jit:
+    assert traces == 1  # no recompilation on the second step
+
+
+#: How far float8 gradients may be from float32's (relative norm). One e4m3
+#: matmul is within 4% of float32 here (unit roundoff 2**-4 per operand); the
+#: first layer's weight gradient passes through a ReLU mask and the softmax,
+#: which amplify it: bfloat16's is 6% off, every float8 recipe's 14-15%.
+GRAD_RTOL = 0.2
+
+
+@pytest.mark.parametrize("recipe", CURRENT)
+def test_every_current_recipe_gives_gradients_close_to_f32(recipe):
+  policy = f"p=f32,c=bf16,o=f32,m={recipe}"
+  grad = jax.jit(jax.value_and_grad(jmp_lite.autocast(loss_fn, policy)))
+  (l8, g8), (l32, g32) = grad(PARAMS, X, Y), jax.value_and_grad(loss_fn)(
+      PARAMS, X, Y)
+  assert abs(float(l8) - float(l32)) <= 0.02 * float(l32)
+  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g32)):
+    assert np.all(np.isfinite(a))
+    assert float(jnp.linalg.norm(a - b)) <= GRAD_RTOL * float(
+        jnp.linalg.norm(b))
+
+
+# ---------------------------------------------------------------------------
+# Bad inputs.
+# ---------------------------------------------------------------------------
+
+
+def test_fp8_dot_general_bad_operands_name_the_value():
+  dn = (((1,), (0,)), ((), ()))
+  with pytest.raises(TypeError, match="lhs must be a floating array.*int32"):
+    fp8.fp8_dot_general(jnp.ones((2, 16), jnp.int32), jnp.ones((16, 2)), dn)
+  with pytest.raises(TypeError, match="rhs is already float8.*float8_e4m3fn"):
+    fp8.fp8_dot_general(jnp.ones((2, 16)),
+                        jnp.ones((16, 2), jnp.float8_e4m3fn), dn)
+  with pytest.raises(TypeError, match="Missing or malformed scales"):
+    fp8.fp8_dot_general(jnp.ones((2, 16)), jnp.ones((16, 2)), dn,
+                        config=fp8.Fp8Config(scaling="delayed"))
+  # Delayed scaling with a current-scaled gradient (what the policies use).
+  config = fp8.Fp8Config(scaling="delayed")
+  scales = fp8.DelayedScales(jnp.float32(2.0**-6), jnp.float32(2.0**-6))
+
+  def loss(x, w, s):
+    return fp8.fp8_dot_general(x, w, dn, config=config, scales=s).sum()
+  grads = jax.grad(loss, argnums=(0, 1, 2))(jnp.ones((2, 16)),
+                                           jnp.ones((16, 2)), scales)
+  assert grads[2].grad is None and float(grads[2].lhs) == 1.0
+  assert float(grads[0][0, 0]) == 2.0
+
+
+def test_dataclass_replace_keeps_the_config_valid():
+  config = fp8.Fp8Config(granularity="row")
+  assert dataclasses.replace(config, gradient_format="e4m3").spec() == (
+      "fp8_rowwise")
+  with pytest.raises(ValueError, match="block_size=64 only applies"):
+    dataclasses.replace(config, block_size=64)
