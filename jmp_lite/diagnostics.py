@@ -1,10 +1,14 @@
 """Mixed-precision diagnostics: which values underflow or overflow in half
-precision, and what to do about it.
+precision, what float8 would clip or flush, and what to do about it.
 
 :func:`tensor_stats` and :func:`group_stats` measure any pytree inside a
 jitted step; :func:`advise` and :func:`report` turn the statistics into a
 static loss scale, float16 or bfloat16, what to keep in float32, a table and
-a plot. Guide: ``docs/diagnostics.md``.
+a plot. For float8, :func:`fp8_stats` measures what each scaling recipe
+(a plain cast, per tensor, per row, blockwise, MXFP8, a delayed scale) would
+clip at the format's max and flush to zero, with the quantizers the float8
+matmul runs, and :func:`advise_fp8` picks the cheapest granularity per layer
+or keeps the layer out of float8. Guide: ``docs/diagnostics.md``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -16,8 +20,16 @@ Example:
   >>> advice = diagnostics.advise(stats)                    # on the host
   >>> advice.dtype, advice.loss_scale == 2.0**22
   ('float16', True)
+  >>> acts = {"dense": jnp.ones((4, 64)).at[0].set(1e6)}    # an outlier row
+  >>> fp8 = jax.jit(diagnostics.fp8_stats, static_argnums=1)(acts, "activation")
+  >>> diagnostics.advise_fp8(fp8).granularity
+  {'dense': 'row'}
 """
 
+from jmp_lite._src.diagnostics.fp8_advice import advise_fp8
+from jmp_lite._src.diagnostics.fp8_advice import Fp8Advice
+from jmp_lite._src.diagnostics.fp8_stats import fp8_stats
+from jmp_lite._src.diagnostics.fp8_stats import Fp8Stats
 from jmp_lite._src.diagnostics.report import Advice
 from jmp_lite._src.diagnostics.report import advise
 from jmp_lite._src.diagnostics.report import report
@@ -27,8 +39,12 @@ from jmp_lite._src.diagnostics.stats import TensorStats
 
 __all__ = (
     "Advice",
+    "Fp8Advice",
+    "Fp8Stats",
     "TensorStats",
     "advise",
+    "advise_fp8",
+    "fp8_stats",
     "group_stats",
     "report",
     "tensor_stats",

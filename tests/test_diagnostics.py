@@ -1158,10 +1158,10 @@ def test_every_cost_figure_of_the_guide_is_in_the_committed_results():
 # ---------------------------------------------------------------------------
 
 
-def test_the_public_names_are_the_six_a_user_calls():
+def test_the_public_names_are_the_ten_a_user_calls():
   assert sorted(diagnostics.__all__) == sorted(
       ["tensor_stats", "group_stats", "TensorStats", "advise", "Advice",
-       "report"])
+       "report", "fp8_stats", "Fp8Stats", "advise_fp8", "Fp8Advice"])
   public = {n for n in vars(diagnostics) if not n.startswith("_")}
   assert public == set(diagnostics.__all__)
 
@@ -1174,12 +1174,16 @@ def test_the_guide_uses_public_names_only():
   assert used and used <= set(diagnostics.__all__), used - set(diagnostics.__all__)
 
 
-def test_the_layer_imports_trees_dtypes_and_checks_only():
+def test_the_layer_imports_trees_dtypes_checks_and_fp8_only():
   """No loss-scale module (its range comes from checks), no matplotlib at
-  module level, no Flax or optax."""
+  module level, no Flax or optax; the float8 quantizers (the layer above)
+  for the float8 statistics."""
   import ast  # pylint: disable=g-import-not-at-top
   allowed = {"jmp_lite._src.checks", "jmp_lite._src.tree",
-             "jmp_lite._src.dtypes", "jmp_lite._src.diagnostics.stats"}
+             "jmp_lite._src.dtypes", "jmp_lite._src.fp8",
+             "jmp_lite._src.diagnostics.stats",
+             "jmp_lite._src.diagnostics.report",
+             "jmp_lite._src.diagnostics.fp8_stats"}
   package = ROOT / "jmp_lite" / "_src" / "diagnostics"
   for path in sorted(package.glob("*.py")):
     tree = ast.parse(path.read_text())

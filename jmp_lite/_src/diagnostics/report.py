@@ -33,9 +33,20 @@ _EXPONENTS = TensorStats.HISTOGRAM_EXPONENTS
 # -- reading statistics on the host ---------------------------------------------
 
 
+#: What to do with float8 statistics given to the half-precision advice.
+FP8_STATS_GIVEN = (
+    "advise, report, format_table and plot_histograms read half-precision "
+    "statistics (diagnostics.tensor_stats); these are float8 statistics "
+    "(diagnostics.fp8_stats): give them to diagnostics.advise_fp8, whose "
+    "result prints its own table.")
+
+
 def _as_stats(tree: Any) -> Any:
   """A tree of statistics as it is, or the statistics of a tree of arrays."""
   leaves = jax.tree.leaves(tree, is_leaf=is_stats)
+  if any(not isinstance(leaf, TensorStats) and is_stats(leaf)
+         for leaf in leaves):
+    raise TypeError(FP8_STATS_GIVEN)
   if any(isinstance(leaf, TensorStats) for leaf in leaves):
     return tree
   return tensor_stats(tree)

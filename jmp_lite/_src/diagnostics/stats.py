@@ -2,9 +2,11 @@
 precision, per leaf of any pytree, and grouped per module.
 
 :class:`TensorStats`, :func:`tensor_stats` (exact counts and a histogram of
-binades for every floating leaf) and :func:`group_stats`. The host side
-(advice, table, plot, report) is :mod:`jmp_lite._src.diagnostics.report`.
-This module knows trees, dtypes and argument checks only. Guide:
+binades for every floating leaf) and :func:`group_stats` (which groups the
+float8 statistics of :mod:`~jmp_lite._src.diagnostics.fp8_stats` too). The
+host side (advice, table, plot, report) is
+:mod:`jmp_lite._src.diagnostics.report`. This module knows trees, dtypes,
+argument checks and the float8 statistics' type only. Guide:
 ``docs/diagnostics.md``.
 """
 
@@ -22,6 +24,8 @@ import numpy as np
 
 from jmp_lite._src import checks
 from jmp_lite._src import tree as tree_lib
+from jmp_lite._src.diagnostics.fp8_stats import combine_fp8_stats
+from jmp_lite._src.diagnostics.fp8_stats import Fp8Stats
 
 # -- the float16 / bfloat16 ranges --------------------------------------------
 
@@ -511,8 +515,9 @@ def tensor_stats(tree: Any, loss_scale: Any = 1.0) -> Any:
 
 
 def is_stats(x: Any) -> bool:
-  """Whether ``x`` is a :class:`TensorStats` (a leaf of a statistics tree)."""
-  return isinstance(x, TensorStats)
+  """Whether ``x`` is a :class:`TensorStats` or an :class:`Fp8Stats` (a leaf
+  of a statistics tree)."""
+  return isinstance(x, (TensorStats, Fp8Stats))
 
 
 # -- naming and grouping ---------------------------------------------------------
@@ -525,11 +530,21 @@ def _path_name(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/") or ROOT_NAME
 
 
-def _named_leaves(stats: Any, what: str) -> list[tuple[str, TensorStats]]:
-  """``(path, TensorStats)`` for each leaf of a tree of statistics."""
+def _named_leaves(stats: Any, what: str, fp8: bool = False
+                  ) -> list[tuple[str, Any]]:
+  """``(path, TensorStats)`` for each leaf of a tree of statistics
+  (:class:`Fp8Stats` too with ``fp8``)."""
   leaves = jax.tree.leaves_with_path(stats, is_leaf=is_stats)
   out = []
   for path, leaf in leaves:
+    if fp8 and isinstance(leaf, Fp8Stats):
+      out.append((_path_name(path), leaf))
+      continue
+    if isinstance(leaf, Fp8Stats):
+      raise TypeError(
+          f"{what} reads half-precision statistics (diagnostics.tensor_stats)"
+          f", got float8 statistics (Fp8Stats) at {_path_name(path)!r}. "
+          "Give float8 statistics to diagnostics.advise_fp8.")
     if not isinstance(leaf, TensorStats):
       kind = (f"a {leaf.dtype} array" if checks.is_array(leaf)
               else type(leaf).__name__)
@@ -586,27 +601,34 @@ def _group_key(by: Any) -> Callable[[str], str]:
   return key
 
 
-def group_stats(stats: Any, by: Any = None) -> dict[str, TensorStats]:
+def group_stats(stats: Any, by: Any = None) -> dict[str, Any]:
   """Flattens a tree of statistics into ``{path: TensorStats}``, or groups it.
 
   Paths are the leaves' key paths joined by ``/`` (``params/Dense_0/kernel``;
   a bare array is ``<root>``). A group adds up its leaves' counts and
-  histograms and keeps the largest ``max_abs``. Jit-safe.
+  histograms and keeps the largest ``max_abs``. Jit-safe. Float8 statistics
+  (:class:`Fp8Stats`) group the same way: counts and row errors add up, the
+  largest row error is kept; a group holds one kind and one role.
 
   Args:
-    stats: the output of :func:`tensor_stats` (or of this function).
+    stats: the output of :func:`tensor_stats` or :func:`fp8_stats` (or of
+      this function).
     by: ``None``: one entry per leaf; an int ``n > 0``: the first ``n`` path
       components; ``n < 0``: drop the last ``-n`` components (``-1`` gives a
       parameter's module, ``-2`` a linen intermediate's module); or a
       function from a leaf's path to its group's name.
 
   Returns:
-    A dict from path (or group name) to :class:`TensorStats`, in the order
-    the leaves come; empty for an empty tree.
+    A dict from path (or group name) to :class:`TensorStats` (or
+    :class:`Fp8Stats`), in the order the leaves come; empty for an empty
+    tree.
 
   Raises:
-    TypeError: if ``stats`` holds something other than :class:`TensorStats`,
-      or ``by`` is not one of the above.
+    TypeError: if ``stats`` holds something other than statistics, a group
+      mixes :class:`TensorStats` and :class:`Fp8Stats`, or ``by`` is not one
+      of the above.
+    ValueError: if a group mixes float8 statistics of different roles,
+      formats, recipes or block sizes.
 
   Example:
     >>> import jax.numpy as jnp
@@ -622,8 +644,8 @@ def group_stats(stats: Any, by: Any = None) -> dict[str, TensorStats]:
   and NNX activations.
   """
   key = _group_key(by)
-  groups: dict[str, list[TensorStats]] = {}
-  for name, leaf in _named_leaves(stats, "group_stats"):
+  groups: dict[str, list[Any]] = {}
+  for name, leaf in _named_leaves(stats, "group_stats", fp8=True):
     group = key(name)
     if not isinstance(group, str):
       raise TypeError(
@@ -631,4 +653,16 @@ def group_stats(stats: Any, by: Any = None) -> dict[str, TensorStats]:
           f"{type(group).__name__}: {group!r}."
       )
     groups.setdefault(group, []).append(leaf)
-  return {group: combine_stats(leaves) for group, leaves in groups.items()}
+  out = {}
+  for group, leaves in groups.items():
+    kinds = {type(leaf) for leaf in leaves}
+    if kinds == {Fp8Stats}:
+      out[group] = combine_fp8_stats(leaves, group)
+    elif kinds == {TensorStats}:
+      out[group] = combine_stats(leaves)
+    else:
+      raise TypeError(
+          f"group_stats: group {group!r} mixes half-precision statistics "
+          "(TensorStats) with float8 statistics (Fp8Stats); group each tree "
+          "on its own.")
+  return out

@@ -1,0 +1,349 @@
+"""Host-side float8 advice: per layer, the cheapest granularity that keeps
+the float8 losses small, or to keep the layer out of float8.
+
+:class:`Fp8Advice` and :func:`advise_fp8`. They read the statistics of
+:mod:`jmp_lite._src.diagnostics.fp8_stats` on the host. Guide:
+``docs/diagnostics.md`` (Float8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+
+from jmp_lite._src import checks
+from jmp_lite._src.diagnostics.fp8_stats import combine_fp8_stats
+from jmp_lite._src.diagnostics.fp8_stats import Fp8Stats
+from jmp_lite._src.diagnostics.fp8_stats import GRANULARITIES
+from jmp_lite._src.diagnostics.fp8_stats import ROLES
+from jmp_lite._src.diagnostics.report import _format_percent
+from jmp_lite._src.diagnostics.stats import _group_key
+from jmp_lite._src.diagnostics.stats import _path_name
+from jmp_lite._src.diagnostics.stats import is_stats
+from jmp_lite._src.diagnostics.stats import TensorStats
+from jmp_lite._src.fp8 import config as fp8_config
+from jmp_lite._src.fp8 import formats as fp8_formats
+from jmp_lite._src.fp8 import scaling as fp8_scaling
+
+#: The default share of entries :func:`advise_fp8` lets a granularity flush
+#: to zero: 1%, the share of float16 underflow :func:`advise` accepts.
+DEFAULT_MAX_FLUSHED = 0.01
+#: The default share of entries :func:`advise_fp8` lets a recipe clip: none.
+DEFAULT_MAX_CLIPPED = 0.0
+
+_NAMES = {"tensor": "per tensor", "row": "per row", "blockwise": "blockwise",
+          "mxfp8": "MXFP8", "delayed": "with the given delayed scales",
+          "cast": "without scaling"}
+_PLURAL = {"activation": "activations", "weight": "weights",
+           "gradient": "gradients"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Advice:
+  """What :func:`advise_fp8` recommends per layer, with the figures behind it.
+
+  ``str(advice)`` is the verdict per layer, a table of the measurements and
+  the reasons. ``docs/diagnostics.md`` (Float8) explains the rule.
+
+  Attributes:
+    granularity: ``{layer: granularity}``, the cheapest float8 granularity
+      that keeps every measured role of the layer within the limits:
+      ``"tensor"``, ``"row"``, ``"blockwise"`` or ``"mxfp8"`` (the order
+      they are tried in), or ``None``: keep the layer out of float8.
+    keep_out: the layers whose granularity is ``None``, in order.
+    delayed: ``{layer: fits}`` for the layers measured with a delayed scale
+      (``fp8_stats(..., scale=...)``): whether those scales keep every role
+      within the limits.
+    max_clipped: the limit on the share of entries clipped.
+    max_flushed: the limit on the share of entries flushed to zero.
+    max_error: ``{format: limit}`` on the mean relative row error.
+    stats: ``{layer: {role: Fp8Stats}}``, the measurements, grouped.
+    reasons: one sentence per decision that is not per tensor, per layer
+      kept out, per delayed scale that does not fit, and per warning.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import diagnostics
+    >>> stats = {"w": diagnostics.fp8_stats(jnp.ones((64, 64)), "weight")}
+    >>> diagnostics.advise_fp8(stats).granularity
+    {'w': 'tensor'}
+  """
+
+  granularity: Mapping[str, str | None]
+  keep_out: tuple[str, ...]
+  delayed: Mapping[str, bool]
+  max_clipped: float
+  max_flushed: float
+  max_error: Mapping[str, float]
+  stats: Mapping[str, Mapping[str, Fp8Stats]]
+  reasons: tuple[str, ...]
+
+  def __str__(self) -> str:
+    if not self.stats:
+      return "\n".join(f"- {r}" for r in self.reasons)
+    lines = ["| layer | float8 granularity | roles measured |",
+             "|---|---|---|"]
+    for layer, choice in self.granularity.items():
+      verdict = "keep out of float8" if choice is None else choice
+      if layer in self.delayed:
+        verdict += ("; delayed scales fit" if self.delayed[layer]
+                    else "; delayed scales do not fit")
+      lines.append(f"| {layer} | {verdict} | "
+                   f"{', '.join(self.stats[layer])} |")
+    lines += ["", _measurements(self.stats), ""]
+    limits = ", ".join(f"{fmt} {100 * v:g}%"
+                       for fmt, v in self.max_error.items())
+    lines.append(
+        f"Limits: clipped <= {_format_percent(self.max_clipped)}%, flushed <= "
+        f"{_format_percent(self.max_flushed)}%, mean row error <= {limits}.")
+    lines += [f"- {r}" for r in self.reasons]
+    return "\n".join(lines)
+
+
+def _percent(share: float) -> str:
+  return _format_percent(share)
+
+
+def _error(value: float) -> str:
+  return f"{100 * value:.1f}"
+
+
+def _cell(s: Fp8Stats, fmt: str, recipe: str) -> str:
+  clipped = s.fraction("clipped", recipe, fmt)
+  flushed = _percent(s.fraction("flushed", recipe, fmt))
+  error = _error(s.error(recipe, fmt))
+  if recipe in ("cast", "delayed"):
+    return f"{_percent(clipped)} / {flushed} / {error}"
+  cell = f"{flushed} / {error}"
+  return cell + (f" (clipped {_percent(clipped)})" if clipped else "")
+
+
+def _measurements(stats: Mapping[str, Mapping[str, Fp8Stats]]) -> str:
+  recipes = ("cast",) + GRANULARITIES
+  if any("delayed" in s.recipes for roles in stats.values()
+         for s in roles.values()):
+    recipes += ("delayed",)
+  titles = [f"{r}: clipped / flushed / error %" if r in ("cast", "delayed")
+            else f"{r}: flushed / error %" for r in recipes]
+  lines = ["| layer | role | format | entries | max abs | "
+           + " | ".join(titles) + " |",
+           "|---|---|---|--:|--:|" + "--:|" * len(recipes)]
+  for layer, roles in stats.items():
+    for role, s in roles.items():
+      for fmt in s.formats:
+        cells = [layer, role, fmt, f"{int(s.size):,}",
+                 f"{float(s.max_abs):.3g}"]
+        cells += [_cell(s, fmt, r) if r in s.recipes else "–"
+                  for r in recipes]
+        lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _problems(s: Fp8Stats, recipe: str, limits) -> list[str]:
+  """What exceeds the limits for the role's first format and ``recipe``."""
+  max_clipped, max_flushed, max_error = limits
+  fmt = s.formats[0]
+  out = []
+  clipped = s.fraction("clipped", recipe, fmt)
+  if clipped > max_clipped:
+    out.append(f"clip {_percent(clipped)}% (limit {_percent(max_clipped)}%)")
+  flushed = s.fraction("flushed", recipe, fmt)
+  if flushed > max_flushed:
+    out.append(f"flush {_percent(flushed)}% to zero (limit "
+               f"{_percent(max_flushed)}%)")
+  error = s.error(recipe, fmt)
+  if error > max_error[fmt]:
+    out.append(f"lose {_error(error)}% of each row on average (limit "
+               f"{100 * max_error[fmt]:g}%)")
+  return out
+
+
+def _describe(problems: Mapping[str, list[str]]) -> str:
+  return "; ".join(f"its {_PLURAL[role]} ({role_fmt}) {' and '.join(p)}"
+                   for (role, role_fmt), p in problems.items() if p)
+
+
+def _named(stats: Any) -> list[tuple[str, Fp8Stats]]:
+  leaves = jax.tree.leaves_with_path(stats, is_leaf=is_stats)
+  out = []
+  for path, leaf in leaves:
+    if isinstance(leaf, Fp8Stats):
+      out.append((_path_name(path), leaf))
+      continue
+    if isinstance(leaf, TensorStats):
+      got = "half-precision statistics (TensorStats, from tensor_stats)"
+    elif checks.is_array(leaf):
+      got = f"a {leaf.dtype} array"
+    else:
+      got = type(leaf).__name__
+    raise TypeError(
+        f"advise_fp8 expects float8 statistics (a tree of Fp8Stats from "
+        f"diagnostics.fp8_stats), got {got} at {_path_name(path)!r}. Measure "
+        "the values first, e.g. diagnostics.fp8_stats(params, 'weight'); "
+        "half-precision statistics go to diagnostics.advise.")
+  return out
+
+
+def _granularities(granularities: Any) -> tuple[str, ...]:
+  if isinstance(granularities, str) or not isinstance(granularities,
+                                                      (tuple, list)):
+    raise TypeError(
+        "advise_fp8: granularities must be a tuple of granularity names, "
+        f"cheapest first, got {type(granularities).__name__}: "
+        f"{granularities!r}; e.g. ('tensor', 'row', 'blockwise').")
+  names = tuple(fp8_scaling.check_granularity(
+      g, GRANULARITIES, fp8_config.MATMUL_GRANULARITY_HELP)
+                for g in granularities)
+  if not names or len(set(names)) != len(names):
+    raise ValueError(
+        "advise_fp8: granularities must name at least one granularity, each "
+        f"once, got {granularities!r}. {fp8_config.MATMUL_GRANULARITY_HELP}")
+  return names
+
+
+def _max_error(max_error: Any) -> dict[str, float]:
+  if max_error is None:
+    return {name: fp8_formats.get_format(name).unit_roundoff
+            for name in fp8_formats.FORMAT_NAMES}
+  value = checks.at_least(
+      max_error, "max_error", "advise_fp8", 0,
+      "it is the largest mean relative row error allowed, e.g. 0.0625 "
+      "(None: each format's unit roundoff, 2**-4 for e4m3, 2**-3 for e5m2)")
+  return {name: value for name in fp8_formats.FORMAT_NAMES}
+
+
+def advise_fp8(stats: Any, *, by: Any = None,
+               max_clipped: float = DEFAULT_MAX_CLIPPED,
+               max_flushed: float = DEFAULT_MAX_FLUSHED,
+               max_error: float | None = None,
+               granularities: Sequence[str] = GRANULARITIES) -> Fp8Advice:
+  """Per layer: the cheapest float8 granularity, or keep it out of float8.
+
+  The leaves are grouped into layers (``by``, as in :func:`group_stats`),
+  each role's statistics combined within a layer. A granularity *fits* a
+  role when, in the role's first measured format, at most ``max_clipped`` of
+  the entries are clipped, at most ``max_flushed`` flushed to zero, and the
+  mean relative row error is at most ``max_error``. Each layer gets the first
+  of ``granularities`` — by default ``"tensor"``, ``"row"``,
+  ``"blockwise"``, ``"mxfp8"``, the float8 matmul's cost order — that fits
+  every role measured, or ``None`` (keep it in the compute dtype) when none
+  does.
+
+  Args:
+    stats: a tree of :class:`Fp8Stats` (from :func:`fp8_stats`), e.g.
+      ``{"weight": ..., "activation": ..., "gradient": ...}``.
+    by: how leaf paths map to layers: ``None`` (each leaf is a layer), an
+      int or a function from a path to the layer's name, as in
+      :func:`group_stats`.
+    max_clipped: the share of entries a recipe may clip, in [0, 1]
+      (default 0: current scaling never clips; clipping means a stale
+      scale).
+    max_flushed: the share of entries a granularity may flush to zero, in
+      [0, 1] (default 1%).
+    max_error: the largest mean relative row error; None (default): each
+      format's unit roundoff (6.25% for e4m3, 12.5% for e5m2), the most
+      rounding alone can cost a row in the format's normal range.
+    granularities: the granularities to try, cheapest first (e.g. without
+      ``"mxfp8"`` on GPUs without MXFP8 tensor cores, where it brings no
+      speedup).
+
+  Returns:
+    An :class:`Fp8Advice`.
+
+  Raises:
+    TypeError: for statistics that are traced (call it outside ``jit``) or
+      not :class:`Fp8Stats`, or non-numeric limits.
+    ValueError: for limits out of range, an unknown or repeated
+      granularity, or a layer whose statistics of one role measured
+      different things.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import diagnostics
+    >>> x = jnp.ones((4, 64)).at[0].set(1e6)     # one row of outliers
+    >>> stats = {"dense": diagnostics.fp8_stats(x, "activation")}
+    >>> diagnostics.advise_fp8(stats).granularity
+    {'dense': 'row'}
+
+  See ``docs/diagnostics.md`` (Float8) for the limits, the cost order and
+  how to capture each role.
+  """
+  max_clipped = checks.share(max_clipped, "max_clipped", "advise_fp8",
+                             zero_allowed=True)
+  max_flushed = checks.share(max_flushed, "max_flushed", "advise_fp8",
+                             zero_allowed=True)
+  errors = _max_error(max_error)
+  ladder = _granularities(granularities)
+  key = _group_key(by)
+  named = _named(stats)
+  if not checks.is_concrete([leaf for _, leaf in named]):
+    raise TypeError(
+        "advise_fp8 reads statistics on the host; call it outside jax.jit, "
+        "on the statistics the jitted step returned.")
+  grouped: dict[str, dict[str, list[Fp8Stats]]] = {}
+  for name, leaf in named:
+    layer = key(name)
+    if not isinstance(layer, str):
+      raise TypeError(
+          f"advise_fp8: by({name!r}) must return a string, got "
+          f"{type(layer).__name__}: {layer!r}.")
+    grouped.setdefault(layer, {}).setdefault(leaf.role, []).append(leaf)
+  layers = {
+      layer: {role: jax.device_get(combine_fp8_stats(roles[role],
+                                                     f"{layer} ({role})"))
+              for role in ROLES if role in roles}
+      for layer, roles in grouped.items()}
+  if not layers:
+    return Fp8Advice({}, (), {}, max_clipped, max_flushed, errors, {},
+                     ("No floating-point leaves: nothing to advise.",))
+
+  limits = (max_clipped, max_flushed, errors)
+  choice: dict[str, str | None] = {}
+  delayed: dict[str, bool] = {}
+  reasons: list[str] = []
+  for layer, roles in layers.items():
+    failed = []
+    for granularity in ladder:
+      problems = {(role, s.formats[0]): _problems(s, granularity, limits)
+                  for role, s in roles.items()}
+      if not any(problems.values()):
+        choice[layer] = granularity
+        break
+      failed.append((granularity, problems))
+    else:
+      choice[layer] = None
+    if choice[layer] is None:
+      reasons.append(
+          f"Keep {layer} out of float8 (in the compute dtype): even "
+          f"{_NAMES[ladder[-1]]}, {_describe(failed[-1][1])}.")
+    elif failed:
+      why = "; ".join(f"{_NAMES[g]}, {_describe(p)}" for g, p in failed)
+      reasons.append(f"{layer}: {choice[layer]}, because {why}.")
+    measured = [s for s in roles.values() if "delayed" in s.recipes]
+    if measured:
+      problems = {(role, s.formats[0]): _problems(s, "delayed", limits)
+                  for role, s in roles.items() if "delayed" in s.recipes}
+      delayed[layer] = not any(problems.values())
+      if not delayed[layer]:
+        reasons.append(
+            f"{layer}: the given delayed scales do not fit: "
+            f"{_describe(problems)}. A larger margin or current scaling "
+            "avoids clipping.")
+    for role, s in roles.items():
+      if int(s.nonfinite):
+        reasons.append(
+            f"{layer}: {int(s.nonfinite)} of its {_PLURAL[role]} are inf/NaN "
+            "(measured as zeros): fix those first; in a float8 matmul they "
+            "make the result non-finite whatever the granularity.")
+  return Fp8Advice(
+      granularity=choice,
+      keep_out=tuple(layer for layer, g in choice.items() if g is None),
+      delayed=delayed,
+      max_clipped=max_clipped,
+      max_flushed=max_flushed,
+      max_error=errors,
+      stats=layers,
+      reasons=tuple(reasons),
+  )

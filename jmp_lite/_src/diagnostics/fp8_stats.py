@@ -1,0 +1,582 @@
+"""Jit-side float8 statistics: what each float8 scaling recipe would clip,
+flush to zero and round away, per leaf of any pytree.
+
+:class:`Fp8Stats` and :func:`fp8_stats`. Every recipe runs the quantizers of
+:mod:`jmp_lite._src.fp8` themselves (the ones the float8 matmul runs), so the
+counts are what the float8 matmul would do to the values. The host side (the
+advice per layer) is :mod:`jmp_lite._src.diagnostics.fp8_advice`. Guide:
+``docs/diagnostics.md`` (Float8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import checks
+from jmp_lite._src import tree as tree_lib
+from jmp_lite._src.fp8 import config as fp8_config
+from jmp_lite._src.fp8 import formats as fp8_formats
+from jmp_lite._src.fp8 import scaling as fp8_scaling
+
+#: The roles a tensor plays in a float8 matmul, as :func:`fp8_stats` names them.
+ROLES: tuple[str, ...] = ("activation", "weight", "gradient")
+_ROLE_ALIASES = {"activations": "activation", "weights": "weight",
+                 "gradients": "gradient", "input": "activation",
+                 "inputs": "activation", "kernel": "weight",
+                 "grad": "gradient", "grads": "gradient"}
+# The float8 matmul's defaults: e4m3 forward operands, e5m2 incoming gradients.
+_ROLE_FORMAT = {"activation": "e4m3", "weight": "e4m3", "gradient": "e5m2"}
+
+#: The float8 matmul's granularities, cheapest first: the order in which
+#: :func:`advise_fp8` tries them.
+GRANULARITIES: tuple[str, ...] = fp8_config.MATMUL_GRANULARITIES
+#: Every recipe :func:`fp8_stats` measures: ``"cast"`` (no scaling), the
+#: matmul granularities with current scaling, and ``"delayed"`` (a given
+#: per-tensor scale) when a scale is given.
+RECIPES: tuple[str, ...] = ("cast",) + GRANULARITIES + ("delayed",)
+
+#: What ``role`` means, for :func:`fp8_stats`' error messages.
+ROLE_HELP = (
+    "role says which operand of a float8 matmul the values are, which sets "
+    "the format and the contracting axis: 'activation' (the matmul's input: "
+    "e4m3, contracting the last axis), 'weight' (a kernel: e4m3, "
+    "contracting every axis but the last, as for Flax's Dense (in, out) and "
+    "Conv (..., in, out) kernels) or 'gradient' (the gradient flowing into "
+    "the matmul's output: e5m2, contracting the last axis)."
+)
+
+#: What ``axis`` means.
+AXIS_HELP = (
+    "axis names the contracting axes of the matmul the values feed: an int "
+    "or a tuple of distinct ints (e.g. 0 for a Dense kernel (in, out), -1 "
+    "for activations (batch, features)); None takes the role's default."
+)
+
+#: What ``scale`` means.
+SCALE_HELP = (
+    "scale is the per-tensor dequantization scale of delayed scaling "
+    "(x ~ float8 value * scale), e.g. computed from an amax history as "
+    "delayed scaling does: a positive scalar for every leaf, or a tree of "
+    "scalars with the structure of the values (a prefix of it). It is "
+    "measured as the recipe 'delayed'."
+)
+
+_F32 = np.dtype(np.float32)
+_ROW_MIN = 2.0**-126   # rows whose largest magnitude is below: no error
+_COUNTS = ("clipped", "flushed")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Stats:
+  """What float8 would do to one array, per recipe (a pytree of arrays).
+
+  The array is viewed as a matrix of *rows* (every axis that is not
+  contracted) by the contracting axes, as the float8 matmul views an operand.
+  For each measured format and recipe (``formats[i]``, ``recipes[j]``):
+
+  Attributes:
+    size: int32, the number of entries.
+    zeros: int32, entries exactly zero (either sign; float32 subnormals are
+      not zero).
+    nonfinite: int32, inf or NaN entries: counted here only, and measured as
+      zeros everywhere else (so one NaN does not hide the other entries).
+    max_abs: float32, the largest finite ``|x|``.
+    rows: int32, the rows with a nonzero finite entry of at least 2**-126:
+      the rows the error is averaged over.
+    clipped: int32 ``(formats, recipes)``, finite entries with ``|x / scale|``
+      above the format's max (448 for e4m3, 57344 for e5m2): saturated to it.
+    flushed: int32 ``(formats, recipes)``, nonzero finite entries that
+      quantize to zero.
+    error_sum: float32 ``(formats, recipes)``, the sum over rows of each
+      row's relative quantization error ``||x - dequantize(quantize(x))|| /
+      ||x||``.
+    error_max: float32 ``(formats, recipes)``, the largest such row error.
+    role: static, ``"activation"``, ``"weight"`` or ``"gradient"``.
+    formats: static, the format names measured, e.g. ``("e4m3",)``.
+    recipes: static, the recipes measured: ``"cast"`` (a saturating cast,
+      no scaling), ``"tensor"``, ``"row"``, ``"blockwise"``, ``"mxfp8"``
+      (current scaling) and ``"delayed"`` (a given per-tensor scale).
+    block_size: static, the tile/block edge of ``"blockwise"``.
+
+  See ``docs/diagnostics.md`` (Float8) for each recipe and count.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import diagnostics
+    >>> s = diagnostics.fp8_stats(jnp.array([[1e4, 1.0, 1e-4, 0.0]]), "activation")
+    >>> s.formats, int(s.clipped[0, s.recipes.index("cast")])
+    (('e4m3',), 1)
+  """
+
+  size: Any
+  zeros: Any
+  nonfinite: Any
+  max_abs: Any
+  rows: Any
+  clipped: Any
+  flushed: Any
+  error_sum: Any
+  error_max: Any
+  role: str = dataclasses.field(metadata={"static": True})
+  formats: tuple[str, ...] = dataclasses.field(metadata={"static": True})
+  recipes: tuple[str, ...] = dataclasses.field(metadata={"static": True})
+  block_size: int = dataclasses.field(metadata={"static": True})
+
+  def _index(self, recipe: str, fmt: Any) -> tuple[int, int]:
+    if recipe not in self.recipes:
+      raise ValueError(
+          f"Fp8Stats: recipe {recipe!r} was not measured; these statistics "
+          f"hold {', '.join(map(repr, self.recipes))} ('delayed' only when "
+          "fp8_stats was given a scale).")
+    if fmt is None:
+      if len(self.formats) != 1:
+        raise ValueError(
+            f"Fp8Stats: these statistics hold the formats {self.formats}; "
+            "say which with fmt=, e.g. fmt='e4m3'.")
+      return 0, self.recipes.index(recipe)
+    name = fp8_formats.get_format(fmt, "fmt").name
+    if name not in self.formats:
+      raise ValueError(
+          f"Fp8Stats: format {name!r} was not measured (measured: "
+          f"{self.formats}). Pass fmt=({', '.join(map(repr, self.formats))}, "
+          f"{name!r}) to fp8_stats to measure it.")
+    return self.formats.index(name), self.recipes.index(recipe)
+
+  def fraction(self, count: str, recipe: str, fmt: Any = None) -> Any:
+    """The share of entries clipped or flushed by one recipe.
+
+    Args:
+      count: ``"clipped"`` or ``"flushed"``.
+      recipe: one of :attr:`recipes`.
+      fmt: the format; may be left out when one format was measured.
+
+    Returns:
+      A Python float for concrete statistics, a float32 array under ``jit``;
+      0 for an empty array.
+
+    Raises:
+      ValueError: for another count, or a recipe or format not measured.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jmp_lite import diagnostics
+      >>> x = jnp.concatenate([jnp.full(32, 1e6), jnp.ones(32)])
+      >>> s = diagnostics.fp8_stats(x, "activation")
+      >>> s.fraction("flushed", "tensor"), s.fraction("flushed", "mxfp8")
+      (0.5, 0.0)
+    """
+    if count not in _COUNTS:
+      raise ValueError(
+          f"Fp8Stats.fraction: count must be one of {_COUNTS}, got "
+          f"{count!r}. Use Fp8Stats.error for the quantization error.")
+    i, j = self._index(recipe, fmt)
+    return _ratio(getattr(self, count)[i, j], self.size)
+
+  def error(self, recipe: str, fmt: Any = None, *, worst: bool = False) -> Any:
+    """The relative quantization error of a recipe, averaged over rows.
+
+    Each row's error is ``||x - dequantize(quantize(x))|| / ||x||`` over its
+    finite entries; a row that lies in the format's normal range has an error
+    of at most the format's unit roundoff (2**-4 for e4m3, 2**-3 for e5m2).
+
+    Args:
+      recipe: one of :attr:`recipes`.
+      fmt: the format; may be left out when one format was measured.
+      worst: the largest row error instead of the mean.
+
+    Returns:
+      A Python float for concrete statistics, a float32 array under ``jit``;
+      0 when no row has a nonzero entry.
+
+    Raises:
+      ValueError: for a recipe or format not measured.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jmp_lite import diagnostics
+      >>> s = diagnostics.fp8_stats(jnp.array([[3.0, 5.0], [17.0, 0.0]]), "activation")
+      >>> s.error("row"), s.error("row", worst=True)  # 17 is stored as 16
+      (0.029411764815449715, 0.05882352963089943)
+    """
+    i, j = self._index(recipe, fmt)
+    if worst:
+      value = self.error_max[i, j]
+      return float(value) if checks.is_concrete(value) else value
+    return _ratio(self.error_sum[i, j], self.rows)
+
+  def summary(self) -> dict[str, dict[str, dict[str, float]]]:
+    """Every figure as Python floats (host only).
+
+    Returns:
+      ``{format: {recipe: {"clipped": share, "flushed": share, "error":
+      mean row error, "worst_error": largest row error}}}``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jmp_lite import diagnostics
+      >>> s = diagnostics.fp8_stats(jnp.array([600.0, 1.0]), "weight")
+      >>> s.summary()["e4m3"]["cast"]["clipped"]
+      0.5
+    """
+    return {
+        fmt: {recipe: {"clipped": float(self.fraction("clipped", recipe, fmt)),
+                       "flushed": float(self.fraction("flushed", recipe, fmt)),
+                       "error": float(self.error(recipe, fmt)),
+                       "worst_error": float(self.error(recipe, fmt,
+                                                       worst=True))}
+              for recipe in self.recipes}
+        for fmt in self.formats
+    }
+
+
+def _ratio(count: Any, size: Any) -> Any:
+  if checks.is_concrete((count, size)):
+    size = float(size)
+    return float(count) / size if size else 0.0
+  size = jnp.asarray(size, _F32)
+  return jnp.where(size > 0,
+                   jnp.asarray(count, _F32) / jnp.maximum(size, 1.0), 0.0)
+
+
+def is_fp8_stats(x: Any) -> bool:
+  """Whether ``x`` is an :class:`Fp8Stats` (a leaf of a statistics tree)."""
+  return isinstance(x, Fp8Stats)
+
+
+def combine_fp8_stats(stats: Sequence[Fp8Stats], group: str) -> Fp8Stats:
+  """Sums counts and row errors, keeps the largest max_abs and row error.
+
+  Raises:
+    ValueError: if the statistics differ in role, formats, recipes or block
+      size (they measure different things).
+  """
+  first = stats[0]
+  key = (first.role, first.formats, first.recipes, first.block_size)
+  for s in stats[1:]:
+    other = (s.role, s.formats, s.recipes, s.block_size)
+    if other != key:
+      raise ValueError(
+          f"group {group!r} combines float8 statistics that measure different"
+          f" things: (role, formats, recipes, block_size) {key} and {other}."
+          " Group each role's statistics on their own (or by= a function that"
+          " keeps them apart); advise_fp8 keeps roles apart itself.")
+  if len(stats) == 1:
+    return first
+
+  def total(field):
+    return sum((jnp.asarray(getattr(s, field)) for s in stats[1:]),
+               jnp.asarray(getattr(first, field)))
+
+  def largest(field):
+    return functools.reduce(jnp.maximum,
+                            (jnp.asarray(getattr(s, field)) for s in stats))
+
+  return Fp8Stats(
+      size=total("size"), zeros=total("zeros"), nonfinite=total("nonfinite"),
+      max_abs=largest("max_abs"), rows=total("rows"),
+      clipped=total("clipped"), flushed=total("flushed"),
+      error_sum=total("error_sum"), error_max=largest("error_max"),
+      role=first.role, formats=first.formats, recipes=first.recipes,
+      block_size=first.block_size)
+
+
+# -- arguments ----------------------------------------------------------------------
+
+
+def _role(role: Any) -> str:
+  if not isinstance(role, str):
+    raise TypeError(
+        f"fp8_stats: role must be a string, got {type(role).__name__}: "
+        f"{role!r}. {ROLE_HELP}")
+  key = role.strip().lower()
+  key = _ROLE_ALIASES.get(key, key)
+  if key not in ROLES:
+    raise ValueError(f"fp8_stats: unknown role {role!r}. {ROLE_HELP}")
+  return key
+
+
+def _formats(fmt: Any, role: str) -> tuple[str, ...]:
+  if fmt is None:
+    return (_ROLE_FORMAT[role],)
+  many = fmt if isinstance(fmt, (tuple, list)) else (fmt,)
+  if not many:
+    raise ValueError(
+        "fp8_stats: fmt must name at least one format, got an empty "
+        f"{type(fmt).__name__}. {fp8_formats.FORMAT_HELP}")
+  names = []
+  for f in many:
+    name = fp8_formats.get_format(f, "fmt").name
+    if name not in names:
+      names.append(name)
+  return tuple(names)
+
+
+def _axis(axis: Any) -> tuple[int, ...] | None:
+  if axis is None:
+    return None
+  many = axis if isinstance(axis, (tuple, list)) else (axis,)
+  if not many or any(isinstance(a, (bool, np.bool_))
+                     or not isinstance(a, (int, np.integer)) for a in many):
+    raise TypeError(f"fp8_stats: bad axis {axis!r}. {AXIS_HELP}")
+  return tuple(int(a) for a in many)
+
+
+def _block_size(block_size: Any) -> int:
+  # The float8 matmul's own validation: the same sizes are allowed.
+  return fp8_config.Fp8Config(granularity="blockwise",
+                              block_size=block_size).block_size
+
+
+def _leaf_axes(axis, role, shape, path) -> tuple[int, ...]:
+  """The contracting axes of one leaf, non-negative and sorted as given."""
+  ndim = len(shape)
+  if ndim == 0:
+    return ()
+  if axis is None:
+    if role == "weight" and ndim >= 2:
+      return tuple(range(ndim - 1))
+    return (ndim - 1,)
+  out = []
+  for a in axis:
+    if not -ndim <= a < ndim:
+      raise ValueError(
+          f"fp8_stats: axis {a} is out of range for the leaf "
+          f"{_path_name(path)!r} of shape {tuple(shape)}. {AXIS_HELP}")
+    out.append(a % ndim)
+  if len(set(out)) != len(out):
+    raise ValueError(f"fp8_stats: axis {axis!r} repeats an axis. {AXIS_HELP}")
+  return tuple(out)
+
+
+def _path_name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+
+
+def _scales(scale: Any, tree: Any) -> Any:
+  """``scale`` broadcast to one float32 scalar per leaf of ``tree``."""
+
+  def check(s):
+    try:
+      checks.real_scalar(s, "scale", "fp8_stats")
+      checks.loss_scale_value(s, "scale", "fp8_stats")
+    except (TypeError, ValueError) as err:
+      raise type(err)(f"{err} {SCALE_HELP}") from None
+    return jnp.asarray(s).astype(_F32)
+
+  def spread(s, subtree):
+    s = check(s)
+    return jax.tree.map(lambda _: s, subtree)
+
+  try:
+    return jax.tree.map(spread, scale, tree)
+  except (ValueError, KeyError) as err:
+    if "fp8_stats" in str(err):
+      raise
+    raise ValueError(
+        f"fp8_stats: scale does not fit the values' tree "
+        f"({jax.tree.structure(scale)} is not a prefix of "
+        f"{jax.tree.structure(tree)}). {SCALE_HELP}") from None
+
+
+# -- the measurement ---------------------------------------------------------------
+
+
+# dtype -> (unsigned view, magnitude mask, the bits of +inf)
+_BITS = {
+    _F32: (np.uint32, 2**31 - 1, 0x7F800000),
+    np.dtype(jnp.bfloat16): (np.uint16, 0x7FFF, 0x7F80),
+    np.dtype(jnp.float16): (np.uint16, 0x7FFF, 0x7C00),
+}
+
+
+def _finite_and_nonzero(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Whether each entry is finite, and whether it is nonzero, from its bits
+  alone: XLA:CPU treats float32 subnormals as zero in float comparisons, and
+  folds a bit test next to one into a float comparison."""
+  view, mask, inf = _BITS[np.dtype(x.dtype)]
+  magnitude = lax.bitcast_convert_type(x, view) & view(mask)
+  return magnitude < view(inf), magnitude > view(0)
+
+
+def _quantized(x, fmt, recipe, role, block_size, scale):
+  """The float8 quantization of a ``(rows, K)`` matrix by ``recipe``, as the
+  float8 matmul quantizes that operand."""
+  q = fp8_scaling.quantize
+  if recipe == "cast":
+    return q(x, fmt, "tensor", scale=jnp.ones((), _F32))
+  if recipe == "delayed":
+    return q(x, fmt, "tensor", scale=scale)
+  if recipe == "tensor":
+    return q(x, fmt, "tensor")
+  if recipe == "row":
+    return q(x, fmt, "row", axis=1)
+  if recipe == "mxfp8":
+    return q(x, fmt, "mxfp8", axis=1)
+  # blockwise: DeepSeek-V3's 1 x T tiles for activations and gradients,
+  # T x T blocks for weights (rows x contracting), as the float8 matmul.
+  if role == "weight":
+    return q(x, fmt, "block", axis=(0, 1), block_size=block_size)
+  return q(x, fmt, "tile", axis=1, block_size=block_size)
+
+
+def _inverse_power_of_two(v: jax.Array) -> jax.Array:
+  """``2**-floor(log2(v))`` for normal float32 ``v > 0``, the exponent
+  clamped to [-126, 126] so that the result is a normal float32 too."""
+  exponent = (lax.bitcast_convert_type(v, jnp.int32) >> 23) - 127
+  exponent = jnp.clip(exponent, -126, 126)
+  return lax.bitcast_convert_type((127 - exponent) << 23, _F32)
+
+
+def _scale_per_entry(q) -> jax.Array:
+  scale = q.scale
+  if np.dtype(scale.dtype) == fp8_formats.E8M0_DTYPE:
+    scale = fp8_formats.decode_e8m0(scale)
+  return fp8_scaling.broadcast_blocks(scale.astype(_F32), q.block_shape,
+                                      q.values.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("contract", "role", "formats",
+                                              "recipes", "block_size"))
+def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
+                    block_size) -> Fp8Stats:
+  if np.dtype(x.dtype) not in _BITS:   # float8 (exact) and float64 leaves
+    x = x.astype(_F32)                 # go through float32, as a cast does
+  free = [d for d in range(x.ndim) if d not in contract]
+  rows = int(np.prod([x.shape[d] for d in free], dtype=np.int64))
+  k = int(np.prod([x.shape[d] for d in contract], dtype=np.int64))
+  x = jnp.transpose(x, free + list(contract)).reshape(rows, k)
+  finite, nonzero = _finite_and_nonzero(x)
+  nonzero = nonzero & finite
+  x = jnp.where(finite, x, jnp.zeros((), x.dtype))   # non-finite: measured as 0
+  x32 = x.astype(_F32)
+  magnitude = jnp.abs(x32)
+  row_max = jnp.max(magnitude, axis=1, initial=0.0)
+  valid = row_max >= _ROW_MIN
+  # Rows are normalised (their squares would overflow) by an exact power of
+  # two near their largest entry: multiplications, no rounding, no division.
+  inv = _inverse_power_of_two(jnp.where(valid, row_max, 1.0))[:, None]
+  row_norm2 = jnp.sum(jnp.square(x32 * inv), axis=1)
+
+  clipped, flushed, error_sum, error_max = [], [], [], []
+  for name in formats:
+    fmt = fp8_formats.get_format(name)
+    counts = {c: [] for c in ("clipped", "flushed", "error_sum", "error_max")}
+    for recipe in recipes:
+      q = _quantized(x, fmt, recipe, role, block_size, scale)
+      per_entry = _scale_per_entry(q)
+      top = jnp.asarray(fmt.max, _F32)
+      if recipe == "delayed":   # any scale: the quantizer's own division
+        over = (magnitude / per_entry) > top
+      else:                     # powers of two: the product is exact
+        over = magnitude > top * per_entry
+      counts["clipped"].append(jnp.sum(over, dtype=jnp.int32))
+      values = q.values.astype(_F32)
+      counts["flushed"].append(jnp.sum(nonzero & (values == 0),
+                                       dtype=jnp.int32))
+      err2 = jnp.sum(jnp.square((x32 - values * per_entry) * inv), axis=1)
+      rel = jnp.where(valid, jnp.sqrt(err2 / jnp.maximum(row_norm2, 1.0)), 0.0)
+      counts["error_sum"].append(jnp.sum(rel))
+      counts["error_max"].append(jnp.max(rel, initial=0.0))
+    clipped.append(jnp.stack(counts["clipped"]))
+    flushed.append(jnp.stack(counts["flushed"]))
+    error_sum.append(jnp.stack(counts["error_sum"]))
+    error_max.append(jnp.stack(counts["error_max"]))
+  return Fp8Stats(
+      size=jnp.asarray(rows * k, jnp.int32),
+      zeros=jnp.sum(finite & ~nonzero, dtype=jnp.int32),
+      nonfinite=jnp.sum(~finite, dtype=jnp.int32),
+      max_abs=jnp.max(magnitude, initial=0.0),
+      rows=jnp.sum(valid, dtype=jnp.int32),
+      clipped=jnp.stack(clipped), flushed=jnp.stack(flushed),
+      error_sum=jnp.stack(error_sum), error_max=jnp.stack(error_max),
+      role=role, formats=formats, recipes=recipes, block_size=block_size)
+
+
+def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
+              scale: Any = None, block_size: int | None = None) -> Any:
+  """What float8 would clip, flush and round in each leaf, per recipe; jit-safe.
+
+  Each floating leaf becomes an :class:`Fp8Stats`, every other leaf ``None``.
+  For each format, the leaf is quantized as the float8 matmul quantizes an
+  operand of that ``role`` — by a saturating cast without scaling
+  (``"cast"``), with current scaling per tensor, per row, blockwise and
+  MXFP8, and with ``scale`` when given (``"delayed"``) — and the entries
+  clipped at the format's max, the nonzero entries flushed to zero and each
+  row's relative error are counted. No host sync: call it inside a jitted
+  step and return the result.
+
+  Args:
+    tree: any pytree: params (``role="weight"``), a matmul's inputs
+      (``"activation"``), the gradients flowing into its outputs
+      (``"gradient"``).
+    role: ``"activation"``, ``"weight"`` or ``"gradient"``: sets the default
+      format (e4m3, e4m3, e5m2), the default contracting axes (the last axis;
+      every axis but the last for weights) and the blockwise shape (1 x 128
+      tiles; 128 x 128 blocks for weights).
+    fmt: a format (``"e4m3"``, ``"e5m2"``) or a tuple of formats to measure;
+      None: the role's.
+    axis: the contracting axes, an int or a tuple of ints, for every leaf of
+      rank >= 1 (a scalar is one entry); None: the role's. Rows, tiles and
+      MX blocks run along them.
+    scale: per-tensor dequantization scales to measure as ``"delayed"``
+      (e.g. from an amax history): a positive scalar, or a tree of scalars
+      that is a prefix of ``tree``; traced values are fine. One format only.
+    block_size: the tile/block edge of ``"blockwise"`` (default 128, a
+      multiple of 16, as :class:`Fp8Config` takes it).
+
+  Returns:
+    ``tree`` with each floating leaf replaced by its :class:`Fp8Stats`.
+
+  Raises:
+    TypeError: for a role, format, axis or scale of the wrong type.
+    ValueError: for an unknown role or format, an axis out of range for a
+      leaf, a block size that is not a positive multiple of 16, a scale that
+      is not positive and finite or does not fit ``tree``, or a scale with
+      several formats.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_lite import diagnostics
+    >>> x = jnp.array([[2e4, 3e4, 1e4], [1e-3, 2e-3, 3e-3]])
+    >>> s = jax.jit(diagnostics.fp8_stats, static_argnums=1)(x, "activation")
+    >>> s.fraction("clipped", "cast"), s.fraction("flushed", "tensor"), s.fraction("flushed", "row")
+    (0.5, 0.5, 0.0)
+
+  See ``docs/diagnostics.md`` (Float8) for the recipes, the counts, how to
+  capture a model's matmul inputs and gradients, and the advice.
+  """
+  role = _role(role)
+  formats = _formats(fmt, role)
+  axis = _axis(axis)
+  block_size = _block_size(block_size)
+  recipes = RECIPES if scale is not None else RECIPES[:-1]
+  if scale is not None and len(formats) > 1:
+    raise ValueError(
+        f"fp8_stats: a delayed scale belongs to one format, got scale= with "
+        f"fmt={formats}. Measure each format with its own scale (one call "
+        "each).")
+
+  def stats(path, x, s):
+    if not tree_lib.is_float(x):
+      return None
+    if isinstance(x, (np.ndarray, np.generic)) and x.dtype == np.float64:
+      with np.errstate(over="ignore", under="ignore"):   # inf, 0: measured
+        x = np.asarray(x, _F32)                           # as float32 is
+    x = jnp.asarray(x)
+    contract = _leaf_axes(axis, role, x.shape, path)
+    return _leaf_fp8_stats(x, s, contract=contract, role=role,
+                           formats=formats, recipes=recipes,
+                           block_size=block_size)
+
+  if scale is None:
+    one = jnp.ones((), _F32)
+    return jax.tree.map_with_path(lambda p, x: stats(p, x, one), tree)
+  return jax.tree.map_with_path(stats, tree, _scales(scale, tree))

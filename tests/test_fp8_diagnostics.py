@@ -1,0 +1,565 @@
+"""Tests of the float8 diagnostics: ``fp8_stats`` / ``Fp8Stats`` and
+``advise_fp8`` / ``Fp8Advice``.
+
+The counts are checked against a reference written here in NumPy float64 —
+its own scales (powers of two rounded up from ``amax / max``), its own
+round-to-nearest-even onto the e4m3/e5m2 grids, its own blocks — on crafted
+arrays: outliers far above 448, values below e4m3's smallest subnormal 2**-9,
+zeros, inf and NaN, shapes that do not divide into blocks; jit and no jit.
+"""
+
+import contextlib
+import io
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmp_lite import diagnostics
+from jmp_lite._src.diagnostics import fp8_stats as fp8_stats_lib
+
+from helpers import ROOT
+
+RECIPES = ("cast", "tensor", "row", "blockwise", "mxfp8")
+
+# -- the reference ------------------------------------------------------------------
+
+# format -> (largest finite value, mantissa bits, exponent of the smallest normal)
+FORMATS = {"e4m3": (448.0, 3, -6), "e5m2": (57344.0, 2, -14)}
+
+
+def ref_round(v, fmt):
+  """Round to nearest, ties to even, onto the format's grid; saturating."""
+  top, mant, emin = FORMATS[fmt]
+  a = np.abs(v)
+  _, exp = np.frexp(np.where(a > 0, a, 1.0))   # a = m * 2**exp, m in [0.5, 1)
+  step = np.exp2(np.maximum(exp - 1, emin) - mant)
+  q = np.minimum(np.round(a / step) * step, top)
+  return np.sign(v) * q
+
+
+def ref_scale(amax, fmt):
+  """2**ceil(log2(amax / max)), at least 2**-126; 1 for amax == 0."""
+  ratio = np.asarray(amax, np.float64) / FORMATS[fmt][0]
+  m, e = np.frexp(np.where(ratio > 0, ratio, 1.0))
+  pow2 = np.where(m == 0.5, ratio, np.exp2(e))
+  return np.where(ratio > 0, np.maximum(pow2, 2.0**-126), 1.0)
+
+
+def block_scales(x, fmt, rows_per_block, cols_per_block):
+  """One scale per (rows_per_block x cols_per_block) block, spread back to
+  every entry; partial edge blocks take the entries they have."""
+  r, k = x.shape
+  out = np.empty_like(x)
+  for i in range(0, r, rows_per_block):
+    for j in range(0, k, cols_per_block):
+      block = x[i:i + rows_per_block, j:j + cols_per_block]
+      out[i:i + rows_per_block, j:j + cols_per_block] = ref_scale(
+          np.abs(block).max(), fmt)
+  return out
+
+
+def ref_stats(x, fmt, recipe, role="activation", scale=None):
+  """``{"clipped", "flushed", "error", "worst"}`` of a (rows, K) matrix."""
+  x = np.asarray(x, np.float64)
+  x = np.where(np.isfinite(x), x, 0.0)
+  r, k = x.shape
+  if recipe == "cast":
+    s = np.ones_like(x)
+  elif recipe == "delayed":
+    s = np.full_like(x, scale)
+  elif recipe == "tensor":
+    s = block_scales(x, fmt, r, k)
+  elif recipe == "row":
+    s = block_scales(x, fmt, 1, k)
+  elif recipe == "mxfp8":
+    s = block_scales(x, fmt, 1, 32)
+  elif role == "weight":   # blockwise weights: 128 x 128 blocks
+    s = block_scales(x, fmt, 128, 128)
+  else:                    # blockwise activations and gradients: 1 x 128
+    s = block_scales(x, fmt, 1, 128)
+  v = x / s
+  top, mant, emin = FORMATS[fmt]
+  tiny = 2.0**(emin - mant)                       # the smallest subnormal
+  flushed = (x != 0) & ((np.abs(v) < tiny / 2) | (np.abs(v) == tiny / 2))
+  clipped = np.abs(v) > top
+  dq = ref_round(v, fmt) * s
+  assert np.array_equal(dq == 0, (x == 0) | flushed)   # the rounding agrees
+  row_max = np.abs(x).max(axis=1)
+  valid = row_max >= 2.0**-126
+  num = np.sqrt(np.sum((x - dq)**2, axis=1))
+  den = np.sqrt(np.sum(x**2, axis=1))
+  rel = np.where(valid, num / np.where(valid, den, 1.0), 0.0)
+  return {"clipped": int(clipped.sum()), "flushed": int(flushed.sum()),
+          "error": float(rel[valid].mean()) if valid.any() else 0.0,
+          "worst": float(rel.max(initial=0.0))}
+
+
+def check_against_reference(stats, x, role="activation", scale=None):
+  """Every format and recipe of ``stats`` against :func:`ref_stats`."""
+  size = x.size
+  for fmt in stats.formats:
+    for recipe in stats.recipes:
+      ref = ref_stats(x, fmt, recipe, role, scale)
+      i, j = stats.formats.index(fmt), stats.recipes.index(recipe)
+      where = (fmt, recipe)
+      assert int(stats.clipped[i, j]) == ref["clipped"], where
+      assert int(stats.flushed[i, j]) == ref["flushed"], where
+      assert stats.fraction("clipped", recipe, fmt) == ref["clipped"] / size
+      assert stats.fraction("flushed", recipe, fmt) == ref["flushed"] / size
+      np.testing.assert_allclose(stats.error(recipe, fmt), ref["error"],
+                                 rtol=1e-4, atol=1e-7, err_msg=str(where))
+      np.testing.assert_allclose(stats.error(recipe, fmt, worst=True),
+                                 ref["worst"], rtol=1e-4, atol=1e-7,
+                                 err_msg=str(where))
+
+
+def crafted(rows=6, k=300, seed=0):
+  """Gaussian rows with outliers far above 448, values below 2**-9, zeros."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((rows, k))
+  x[0, 5] = 3e6                         # far above e4m3's and e5m2's max
+  x[1 % rows, :40] *= 1e5               # a run of outliers in one row
+  x[2 % rows, k // 3:k // 2] = 2.0**-11  # below e4m3's smallest subnormal
+  x[3 % rows, 7 % k] = -7e-5
+  x[4 % rows, k - k // 6:] = 0.0
+  x[5 % rows] *= 1e-3                   # a small row
+  return x.astype(np.float32)
+
+
+def maybe_jit(fn, use_jit):
+  return jax.jit(fn, static_argnums=1) if use_jit else fn
+
+
+# -- the statistics against the reference ----------------------------------------
+
+
+@pytest.mark.parametrize("role,use_jit", [("activation", False),
+                                          ("gradient", True)])
+def test_fractions_match_the_reference(role, use_jit):
+  x = crafted()
+  stats = maybe_jit(lambda t, r: diagnostics.fp8_stats(
+      t, r, fmt=("e4m3", "e5m2")), use_jit)(jnp.asarray(x), role)
+  assert stats.formats == ("e4m3", "e5m2") and stats.recipes == RECIPES
+  check_against_reference(stats, x, role)
+  # The crafted outliers do clip without scaling, and per tensor they flush
+  # the rest of the array in e4m3.
+  assert stats.fraction("clipped", "cast", "e4m3") > 0
+  assert stats.fraction("flushed", "tensor", "e4m3") > 0.5
+
+
+def test_weights_contract_every_axis_but_the_last_with_128x128_blocks():
+  rng = np.random.default_rng(1)
+  kernel = rng.standard_normal((3, 3, 20, 150)).astype(np.float32)   # a conv
+  kernel[0, 0, 0, :] *= 1e6
+  stats = diagnostics.fp8_stats(jnp.asarray(kernel), "weight")
+  # Rows are output features, the contracting axes (3 * 3 * 20) the columns.
+  matrix = kernel.reshape(180, 150).T
+  check_against_reference(stats, matrix, "weight")
+  dense = rng.standard_normal((260, 200)).astype(np.float32)   # (in, out)
+  dense[:, 3] *= 1e5
+  stats = diagnostics.fp8_stats(jnp.asarray(dense), "weight")
+  check_against_reference(stats, dense.T, "weight")
+  assert stats.error("blockwise") != stats.error("row")
+
+
+def test_axis_chooses_the_contracting_axes():
+  x = crafted(rows=40, k=70)
+  down = diagnostics.fp8_stats(jnp.asarray(x), "activation", axis=0)
+  check_against_reference(down, x.T)
+  both = diagnostics.fp8_stats(jnp.asarray(x.reshape(2, 20, 70)),
+                               "activation", axis=(0, 1))
+  check_against_reference(both, x.T)
+  weight_default = diagnostics.fp8_stats(jnp.asarray(x), "weight")
+  check_against_reference(weight_default, x.T, "weight")
+
+
+def test_shapes_that_do_not_divide_into_blocks_use_partial_blocks():
+  # 1x128 tiles and 1x32 MX blocks over K = 45 and 200; 128x128 weight
+  # blocks over 130 x 200: the last block holds what is left (the float8
+  # matmul's zero padding is the same), never an error.
+  for shape in [(3, 45), (7, 200)]:
+    x = crafted(*shape, seed=shape[1])
+    check_against_reference(diagnostics.fp8_stats(jnp.asarray(x),
+                                                  "activation"), x)
+  w = crafted(200, 130, seed=3)
+  check_against_reference(diagnostics.fp8_stats(jnp.asarray(w), "weight"),
+                          w.T, "weight")
+
+
+def test_block_size_sets_the_blockwise_tiles():
+  x = crafted(4, 200)
+  stats = diagnostics.fp8_stats(jnp.asarray(x), "activation", block_size=32)
+  ref = ref_stats(x, "e4m3", "mxfp8")   # 1 x 32 tiles with float32 scales
+  i = stats.recipes.index("blockwise")
+  assert int(stats.flushed[0, i]) == ref["flushed"]
+  assert stats.block_size == 32
+
+
+def test_a_delayed_scale_measures_clipping():
+  x = crafted()
+  fn = jax.jit(lambda t, r, s: diagnostics.fp8_stats(t, r, scale=s),
+               static_argnums=1)   # a traced scale
+  stale = 2.0**-4          # an amax history that never saw the outliers
+  stats = fn(jnp.asarray(x), "activation", jnp.float32(stale))
+  assert stats.recipes == RECIPES + ("delayed",)
+  check_against_reference(stats, x, scale=stale)
+  assert stats.fraction("clipped", "delayed") == np.mean(np.abs(x) > 448 / 16)
+  # A scale per leaf: a tree of scalars (a prefix of the values' tree).
+  tree = {"a": jnp.asarray(x), "b": {"c": jnp.asarray(x), "n": 3}}
+  stats = diagnostics.fp8_stats(tree, "activation",
+                                scale={"a": 1.0, "b": 2.0**20})
+  assert stats["b"]["n"] is None
+  assert stats["a"].fraction("clipped", "delayed") > 0
+  assert stats["b"]["c"].fraction("clipped", "delayed") == 0
+  check_against_reference(stats["b"]["c"], x, scale=2.0**20)
+
+
+def test_non_finite_entries_are_counted_and_measured_as_zeros():
+  x = crafted()
+  bad = x.copy()
+  bad[0, 0], bad[1, 1], bad[2, 2] = np.nan, np.inf, -np.inf
+  stats = diagnostics.fp8_stats(jnp.asarray(bad), "activation")
+  zeroed = diagnostics.fp8_stats(jnp.asarray(np.where(np.isfinite(bad), bad,
+                                                      0.0)), "activation")
+  assert int(stats.nonfinite) == 3 and int(zeroed.nonfinite) == 0
+  assert int(stats.zeros) == int(zeroed.zeros) - 3
+  for field in ("clipped", "flushed", "error_sum", "error_max"):
+    np.testing.assert_array_equal(getattr(stats, field),
+                                  getattr(zeroed, field))
+  assert float(stats.max_abs) == np.abs(x[np.isfinite(bad)]).max()
+  assert all(math.isfinite(v) for fmt in stats.summary().values()
+             for rec in fmt.values() for v in rec.values())
+
+
+def test_zeros_subnormals_and_the_smallest_e4m3_values():
+  # 2**-10 (half the smallest e4m3 subnormal) is a tie: rounds to even, 0;
+  # just above it rounds up to 2**-9; float32 subnormals are not zeros.
+  x = np.array([[0.0, -0.0, 2.0**-10, 2.0**-10 * 1.01, 2.0**-12, 1e-40,
+                 1.0, 2.0**-9]], np.float32)
+  stats = diagnostics.fp8_stats(jnp.asarray(x), "activation")
+  assert int(stats.zeros) == 2 and int(stats.size) == 8
+  i = stats.recipes.index("cast")
+  assert int(stats.flushed[0, i]) == 3   # 2**-10, 2**-12, 1e-40
+  assert int(stats.clipped[0, i]) == 0
+  e5m2 = diagnostics.fp8_stats(jnp.asarray(x), "gradient")   # down to 2**-16
+  assert int(e5m2.flushed[0, i]) == 1    # only the float32 subnormal
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_precision_leaves(dtype):
+  x = crafted(4, 96)
+  x = np.clip(x, -6e4, 6e4)
+  half = jnp.asarray(x, dtype)
+  stats = diagnostics.fp8_stats(half, "activation",)
+  exact = np.asarray(half.astype(jnp.float32))
+  # MX computes its block ratio in the input's dtype (as JAX's quantizer
+  # does), so only the float32-scaled recipes are compared here.
+  for recipe in ("cast", "tensor", "row", "blockwise"):
+    ref = ref_stats(exact, "e4m3", recipe)
+    j = stats.recipes.index(recipe)
+    assert int(stats.flushed[0, j]) == ref["flushed"], recipe
+    assert int(stats.clipped[0, j]) == ref["clipped"], recipe
+
+
+def test_non_float_leaves_pass_through_and_scalars_are_one_entry():
+  tree = {"w": jnp.ones((4, 4)), "step": jnp.array(3), "flag": True,
+          "name": "dense", "none": None, "lr": 0.1,
+          "scalar": jnp.float32(500.0), "f8": jnp.ones(4, jnp.float8_e4m3fn)}
+  stats = diagnostics.fp8_stats(tree, "weight")
+  for key in ("step", "flag", "name", "lr"):
+    assert stats[key] is None, key
+  assert stats["none"] is None
+  assert isinstance(stats["w"], diagnostics.Fp8Stats)
+  assert int(stats["scalar"].size) == 1
+  assert stats["scalar"].fraction("clipped", "cast") == 1.0
+  assert stats["scalar"].fraction("clipped", "tensor") == 0.0
+  assert stats["f8"].error("tensor") == 0.0   # float8 values are exact
+  assert diagnostics.fp8_stats({}, "activation") == {}
+
+
+def test_empty_and_float64_leaves():
+  for shape in [(0,), (0, 8), (4, 0)]:
+    stats = diagnostics.fp8_stats(jnp.zeros(shape), "weight")
+    assert int(stats.size) == 0 and int(stats.rows) == 0, shape
+    assert stats.fraction("flushed", "blockwise") == 0.0
+    assert stats.error("mxfp8") == 0.0
+  # NumPy float64 goes through float32: beyond its range is inf.
+  stats = diagnostics.fp8_stats(np.array([[1e300, 1.0, 1e-300]]),
+                                "activation")
+  assert int(stats.nonfinite) == 1 and int(stats.zeros) == 1
+  assert stats.fraction("flushed", "tensor") == 0.0
+
+
+def test_statistics_are_a_pytree_that_jit_returns_and_groups():
+  @jax.jit
+  def step(params):
+    return diagnostics.fp8_stats(params, "weight")
+  params = {"a": {"kernel": jnp.ones((32, 16)), "bias": jnp.ones(16)},
+            "b": {"kernel": jnp.full((16, 8), 2.0)}}
+  stats = step(params)
+  leaves = jax.tree.leaves(stats)
+  assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+  grouped = jax.jit(lambda s: diagnostics.group_stats(s, by=1))(stats)
+  assert set(grouped) == {"a", "b"}
+  assert int(grouped["a"].size) == 32 * 16 + 16
+  assert int(grouped["a"].rows) == 16 + 1
+  np.testing.assert_array_equal(
+      grouped["a"].clipped,
+      stats["a"]["kernel"].clipped + stats["a"]["bias"].clipped)
+
+
+def test_summary_and_methods():
+  stats = diagnostics.fp8_stats(jnp.asarray(crafted()), "gradient",
+                                fmt=("e5m2", "e4m3"))
+  summary = stats.summary()
+  assert list(summary) == ["e5m2", "e4m3"]
+  assert list(summary["e4m3"]) == list(RECIPES)
+  assert summary["e4m3"]["row"]["flushed"] == stats.fraction(
+      "flushed", "row", "e4m3")
+  assert summary["e5m2"]["mxfp8"]["worst_error"] == stats.error(
+      "mxfp8", "e5m2", worst=True)
+  traced = jax.jit(lambda s: s.fraction("flushed", "tensor", "e4m3"))(stats)
+  assert float(traced) == pytest.approx(
+      stats.fraction("flushed", "tensor", "e4m3"))
+
+
+# -- bad inputs -------------------------------------------------------------------
+
+
+def test_bad_arguments_name_the_problem():
+  x = jnp.ones((4, 8))
+  with pytest.raises(ValueError, match="unknown role 'input_grad'.*activation"):
+    diagnostics.fp8_stats(x, "input_grad")
+  with pytest.raises(TypeError, match="role must be a string"):
+    diagnostics.fp8_stats(x, 1)
+  with pytest.raises(ValueError, match="Unknown float8 fmt 'e3m4'.*e4m3"):
+    diagnostics.fp8_stats(x, "activation", fmt="e3m4")
+  with pytest.raises(TypeError, match="float8 fmt must be a name"):
+    diagnostics.fp8_stats(x, "activation", fmt=8)
+  with pytest.raises(ValueError, match="at least one format"):
+    diagnostics.fp8_stats(x, "activation", fmt=())
+  with pytest.raises(ValueError, match="axis 2 is out of range.*'w'.*"
+                     r"\(4, 8\)"):
+    diagnostics.fp8_stats({"w": x}, "activation", axis=2)
+  with pytest.raises(TypeError, match="bad axis"):
+    diagnostics.fp8_stats(x, "activation", axis="last")
+  with pytest.raises(ValueError, match="repeats an axis"):
+    diagnostics.fp8_stats(x, "activation", axis=(0, -2))
+  with pytest.raises(ValueError, match="block_size=100 is not a positive "
+                     "multiple of 16"):
+    diagnostics.fp8_stats(x, "activation", block_size=100)
+  with pytest.raises(TypeError, match="block_size must be an int"):
+    diagnostics.fp8_stats(x, "activation", block_size=64.0)
+  with pytest.raises(ValueError, match="scale must be positive.*delayed"):
+    diagnostics.fp8_stats(x, "activation", scale=-1.0)
+  with pytest.raises(TypeError, match="scale must be a number, got a bool"):
+    diagnostics.fp8_stats(x, "activation", scale=True)
+  with pytest.raises(ValueError, match="scale must be a scalar"):
+    diagnostics.fp8_stats(x, "activation", scale=jnp.ones(2))
+  with pytest.raises(ValueError, match="one format"):
+    diagnostics.fp8_stats(x, "activation", scale=1.0, fmt=("e4m3", "e5m2"))
+  with pytest.raises(ValueError, match="scale does not fit"):
+    diagnostics.fp8_stats({"a": x, "b": x}, "activation",
+                          scale={"a": 1.0, "c": 1.0})
+
+
+def test_bad_recipe_format_and_count_in_the_methods():
+  stats = diagnostics.fp8_stats(jnp.ones((2, 8)), "activation")
+  with pytest.raises(ValueError, match="recipe 'colwise' was not measured"):
+    stats.fraction("flushed", "colwise")
+  with pytest.raises(ValueError, match="'delayed' only when"):
+    stats.error("delayed")
+  with pytest.raises(ValueError, match="count must be one of"):
+    stats.fraction("zeros", "tensor")
+  with pytest.raises(ValueError, match="format 'e5m2' was not measured"):
+    stats.error("row", "e5m2")
+  both = diagnostics.fp8_stats(jnp.ones((2, 8)), "activation",
+                               fmt=("e4m3", "e5m2"))
+  with pytest.raises(ValueError, match="say which with fmt="):
+    both.fraction("flushed", "row")
+
+
+def test_groups_of_different_kinds_or_roles_are_refused():
+  x = {"a": jnp.ones((2, 8))}
+  mixed = {"w": diagnostics.fp8_stats(x, "weight"),
+           "g": diagnostics.fp8_stats(x, "gradient")}
+  with pytest.raises(ValueError, match="measure different things"):
+    diagnostics.group_stats(mixed, by=lambda path: "all")
+  kinds = {"h": diagnostics.tensor_stats(x), "f": diagnostics.fp8_stats(
+      x, "weight")}
+  with pytest.raises(TypeError, match="mixes half-precision statistics"):
+    diagnostics.group_stats(kinds, by=lambda path: "all")
+  fp8 = diagnostics.fp8_stats(x, "weight")
+  with pytest.raises(TypeError, match="give them to diagnostics.advise_fp8"):
+    diagnostics.advise(fp8)
+  with pytest.raises(TypeError, match="give them to diagnostics.advise_fp8"):
+    diagnostics.report(fp8, file=io.StringIO())
+
+
+def test_advise_fp8_refuses_other_statistics_and_traced_values():
+  x = {"a": jnp.ones((2, 8))}
+  with pytest.raises(TypeError, match="got half-precision statistics"):
+    diagnostics.advise_fp8(diagnostics.tensor_stats(x))
+  with pytest.raises(TypeError, match="got a float32 array at 'a'"):
+    diagnostics.advise_fp8(x)
+  with pytest.raises(TypeError, match="outside jax.jit"):
+    jax.jit(lambda s: diagnostics.advise_fp8(s).keep_out)(
+        diagnostics.fp8_stats(x, "weight"))
+  stats = diagnostics.fp8_stats(x, "weight")
+  with pytest.raises(ValueError, match="max_flushed is a share"):
+    diagnostics.advise_fp8(stats, max_flushed=2)
+  with pytest.raises(TypeError, match="max_clipped must be a number"):
+    diagnostics.advise_fp8(stats, max_clipped="none")
+  with pytest.raises(ValueError, match="max_error must be a finite number"):
+    diagnostics.advise_fp8(stats, max_error=-1)
+  with pytest.raises(TypeError, match="must return a string"):
+    diagnostics.advise_fp8(stats, by=lambda path: 3)
+
+
+# -- the advice -------------------------------------------------------------------
+
+
+def gaussian(shape, seed):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape),
+                     jnp.float32)
+
+
+def layer(weight, activation, gradient):
+  return {"weight": diagnostics.fp8_stats({"dense": weight}, "weight"),
+          "activation": diagnostics.fp8_stats({"dense": activation},
+                                              "activation"),
+          "gradient": diagnostics.fp8_stats({"dense": gradient}, "gradient")}
+
+
+BY_LAYER = {"by": lambda path: path.split("/")[1]}
+
+
+def test_a_well_scaled_layer_is_advised_per_tensor():
+  stats = layer(gaussian((64, 32), 0) * 0.05, gaussian((16, 64), 1),
+                gaussian((16, 32), 2) * 1e-4)
+  advice = diagnostics.advise_fp8(stats, **BY_LAYER)
+  assert advice.granularity == {"dense": "tensor"}
+  assert advice.keep_out == () and advice.delayed == {}
+  assert advice.reasons == ()
+  assert list(advice.stats["dense"]) == ["activation", "weight", "gradient"]
+  assert advice.max_error == {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
+  text = str(advice)
+  assert "| dense | tensor | activation, weight, gradient |" in text
+  assert "| dense | gradient | e5m2 | 512 |" in text
+
+
+def test_outlier_rows_are_advised_per_row():
+  acts = gaussian((16, 64), 1).at[0].multiply(1e6)   # one massive token
+  stats = layer(gaussian((64, 32), 0) * 0.05, acts, gaussian((16, 32), 2))
+  advice = diagnostics.advise_fp8(stats, **BY_LAYER)
+  assert advice.granularity == {"dense": "row"}
+  (reason,) = advice.reasons
+  assert reason.startswith("dense: row, because per tensor, its activations "
+                           "(e4m3) flush")
+
+
+def test_outlier_features_need_mxfp8_or_stay_out():
+  # One outlier feature per row: 1 x 128 tiles flush the other 127 entries
+  # of its tile (3.1% of 4096), MX blocks only 31 (0.76%).
+  acts = gaussian((8, 4096), 1).at[:, 0].set(1e7)
+  advice = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+      acts, "activation")})
+  assert advice.granularity == {"x": "mxfp8"}
+  # One in every 32: MX flushes 97% too. Keep the layer out.
+  acts = gaussian((8, 256), 1).at[:, ::32].set(1e7)
+  advice = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+      acts, "activation")})
+  assert advice.granularity == {"x": None} and advice.keep_out == ("x",)
+  assert advice.reasons[0].startswith(
+      "Keep x out of float8 (in the compute dtype): even MXFP8, its "
+      "activations (e4m3) flush")
+  assert "| x | keep out of float8 | activation |" in str(advice)
+
+
+def test_limits_change_the_advice():
+  stats = {"x": diagnostics.fp8_stats(gaussian((16, 64), 0), "activation")}
+  assert diagnostics.advise_fp8(stats).granularity == {"x": "tensor"}
+  # Gaussian rows lose 2-3% to e4m3 rounding, whatever the scales.
+  strict = diagnostics.advise_fp8(stats, max_error=0.01)
+  assert strict.granularity == {"x": None}
+  assert re.search(r"lose 2\.\d% of each row on average \(limit 1%\)",
+                   strict.reasons[0]), strict.reasons
+  acts = gaussian((8, 4096), 1).at[:, 0].set(1e7)
+  stats = {"x": diagnostics.fp8_stats(acts, "activation")}
+  assert diagnostics.advise_fp8(stats, max_flushed=0.05).granularity == {
+      "x": "blockwise"}
+
+
+def test_delayed_scales_that_clip_do_not_fit():
+  acts = gaussian((16, 64), 1)
+  amax = float(jnp.max(jnp.abs(acts)))
+  fresh = float(fp8_stats_lib.fp8_scaling.scale_from_amax(jnp.float32(amax)))
+  fits = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+      acts, "activation", scale=fresh)})
+  assert fits.delayed == {"x": True} and fits.granularity == {"x": "tensor"}
+  stale = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+      acts * 8, "activation", scale=fresh)})
+  assert stale.delayed == {"x": False}
+  assert stale.granularity == {"x": "tensor"}   # current scaling still fits
+  (reason,) = stale.reasons
+  assert reason.startswith("x: the given delayed scales do not fit: its "
+                           "activations (e4m3) clip")
+  assert "delayed scales do not fit" in str(stale)
+  assert "delayed: clipped / flushed / error %" in str(stale)
+
+
+def test_layers_group_across_roles_and_report_non_finite_entries():
+  stats = {
+      "weight": diagnostics.fp8_stats(
+          {"a": {"kernel": gaussian((32, 16), 0)}, "b": {"kernel": gaussian(
+              (16, 8), 1)}}, "weight"),
+      "activation": diagnostics.fp8_stats(
+          {"a": {"input": gaussian((4, 32), 2).at[0, 0].set(jnp.nan)},
+           "b": {"input": gaussian((4, 16), 3)}}, "activation")}
+  advice = diagnostics.advise_fp8(stats, **BY_LAYER)
+  assert list(advice.granularity) == ["a", "b"]
+  assert list(advice.stats["a"]) == ["activation", "weight"]
+  assert advice.reasons == (
+      "a: 1 of its activations are inf/NaN (measured as zeros): fix those "
+      "first; in a float8 matmul they make the result non-finite whatever "
+      "the granularity.",)
+  per_leaf = diagnostics.advise_fp8(stats)
+  assert list(per_leaf.granularity) == [   # dicts flatten in key order
+      "activation/a/input", "activation/b/input", "weight/a/kernel",
+      "weight/b/kernel"]
+  empty = diagnostics.advise_fp8({"n": None})
+  assert empty.granularity == {} and "nothing to advise" in str(empty)
+
+
+def test_the_public_names_have_examples():
+  for name in ("fp8_stats", "Fp8Stats", "advise_fp8", "Fp8Advice"):
+    assert name in diagnostics.__all__
+    doc = getattr(diagnostics, name).__doc__
+    assert ">>>" in doc and "docs/diagnostics.md" in doc, name
+
+
+# -- the guide ----------------------------------------------------------------------
+
+
+def test_the_guide_shows_what_its_float8_example_prints():
+  """The Float8 section's example runs, prints the granularities its comments
+  give, and the table rows and the reason the text quotes."""
+  text = (ROOT / "docs" / "diagnostics.md").read_text()
+  section = text[text.index("## Float8"):text.index("## API")]
+  (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+  (table,) = re.findall(r"```text\n(.*?)```", section, re.DOTALL)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out), jax.numpy_dtype_promotion("standard"):
+    exec(compile(block, "diagnostics.md Float8", "exec"), {})  # pylint: disable=exec-used
+  printed = out.getvalue()
+  for comment in re.findall(r"print\(advice\.granularity\)\s+# (\{.*\})",
+                            block):
+    assert comment in printed.splitlines(), comment
+  for row in table.strip().splitlines():
+    assert row in printed, row
+  quoted = re.search(r"e\.g\. `(Dense_0: row,.*?)`", section, re.DOTALL)
+  assert " ".join(quoted.group(1).split()) in printed
