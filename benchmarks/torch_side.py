@@ -11,7 +11,16 @@ trains it eagerly with Adam under one of the suite's modes:
 * ``bf16``: ``torch.autocast(device, torch.bfloat16)``, no scaler;
 * ``f16``: ``torch.autocast(device, torch.float16)`` + ``torch.amp.GradScaler``
   (initial scale 2**15, growth every 2000 finite steps: the defaults of
-  ``jmp_lite.DynamicLossScale``).
+  ``jmp_lite.DynamicLossScale``);
+* ``fp8`` / ``fp8_rowwise``: torchao's float8 training
+  (``torchao.float8.convert_to_float8_training`` with the recipe
+  ``"tensorwise"`` / ``"rowwise"``) under ``torch.autocast(device,
+  torch.bfloat16)``. Converted: every ``nn.Linear`` whose dimensions are
+  multiples of 16 (torchao's requirement), except the MLP's output layer; the
+  LM's head is its tied embedding, no ``nn.Linear``. jmp_lite's float8
+  policies keep the same matmuls out. Eager, like the other modes (torchao
+  recommends ``torch.compile`` for its float8 speed: these rows are a lower
+  bound). Needs torchao; the GPU suite skips them, with the reason, without it.
 
 Without CUDA, cases run on the CPU: that tests the code, its figures mean
 nothing.
@@ -30,7 +39,10 @@ from torch.nn import functional as F
 
 from models import jax_models
 
-HALF_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16}
+HALF_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16,
+               "fp8": torch.bfloat16, "fp8_rowwise": torch.bfloat16}
+#: torchao's float8 training recipes, by mode.
+TORCHAO_RECIPES = {"fp8": "tensorwise", "fp8_rowwise": "rowwise"}
 INITIAL_SCALE = 2.0**15
 
 
@@ -153,6 +165,25 @@ def make_batch(kind: str, spec: dict[str, Any], seed: int) -> tuple[torch.Tensor
           torch.randint(0, sizes[-1], (batch,), generator=gen))
 
 
+def convert_to_float8(model: nn.Module, kind: str, mode: str) -> list[str]:
+  """Swaps ``model``'s eligible ``nn.Linear`` layers for torchao's float8
+  ones (recipe ``TORCHAO_RECIPES[mode]``), in place; returns their names."""
+  # pylint: disable=import-outside-toplevel
+  from torchao.float8 import Float8LinearConfig
+  from torchao.float8 import convert_to_float8_training
+  linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+  head = linears[-1] if kind == "mlp" else None  # the LM's head is no nn.Linear
+
+  def eligible(module: nn.Module, fqn: str) -> bool:
+    return (isinstance(module, nn.Linear) and fqn != head
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+  config = Float8LinearConfig.from_recipe_name(TORCHAO_RECIPES[mode])
+  converted = [name for name in linears if eligible(model.get_submodule(name), name)]
+  convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+  return converted
+
+
 def set_tf32(enabled: bool) -> None:
   """Lets float32 matmuls and cuDNN convolutions use TF32 (or forbids it).
 
@@ -178,11 +209,16 @@ def run_case(kind: str, spec: dict[str, Any], mode: str, steps: int, warmup: int
     final loss and loss scale, the steps ``GradScaler`` skipped, the torch
     version and the device.
   """
+  if mode not in ("f32", "tf32", *HALF_DTYPES):
+    raise ValueError(f"unknown mode {mode!r} for the PyTorch side; choose from f32, tf32, "
+                     f"{', '.join(HALF_DTYPES)}")
   device = "cuda" if torch.cuda.is_available() else "cpu"
   set_tf32(mode == "tf32")
   torch.backends.cudnn.benchmark = True
   torch.manual_seed(seed)
   model = make_model(kind, spec).to(device).train()
+  float8_layers = (convert_to_float8(model, kind, mode) if mode in TORCHAO_RECIPES
+                   else None)
   x, y = (t.to(device) for t in make_batch(kind, spec, seed))
   opt = torch.optim.Adam(model.parameters(), lr=1e-3)
   dtype = HALF_DTYPES.get(mode)
@@ -214,5 +250,12 @@ def run_case(kind: str, spec: dict[str, Any], mode: str, steps: int, warmup: int
       "loss_scale": float(scaler.get_scale()) if scaler.is_enabled() else None,
       "skipped_steps": skipped,
       "torch": torch.__version__,
+      "float8_layers": float8_layers,
+      "torchao": _torchao_version() if mode in TORCHAO_RECIPES else None,
       "device": torch.cuda.get_device_name() if device == "cuda" else device,
   }
+
+
+def _torchao_version() -> str:
+  import torchao  # pylint: disable=import-outside-toplevel
+  return torchao.__version__

@@ -8,7 +8,10 @@ A :class:`Workload` bundles a plain-JAX model of :mod:`models.jax_models`
 * ``"policy"``: cast by hand with a ``jmp_lite.Policy``
   (``policy.cast_to_compute((params, x))``; the model follows its inputs'
   dtype, computing norm statistics and the softmax in float32);
-* ``"autocast"``: the float32 loss under ``jmp_lite.autocast(loss, policy)``.
+* ``"autocast"``: the float32 loss under ``jmp_lite.autocast(loss, policy)``;
+* ``"with_policy"``: the model under ``jmp_lite.with_policy(apply, policy)``,
+  the route that runs a policy's float8 recipe (``m=fp8``...) in its matmuls
+  (a cast by hand cannot).
 
 :data:`SIZES` is the size table: ``"cpu"`` (the committed CPU figures:
 seconds per workload on two cores), ``"quick"`` (smoke tests), ``"gpu"``
@@ -166,7 +169,9 @@ SIZES: dict[str, dict[str, Callable[[], Workload]]] = {
         # The GPU shapes' code paths (bottleneck blocks, ImageNet stem, tied
         # embeddings) at the smallest size: one stage, one block, so that the
         # dry run's many compilations stay short on a CPU.
-        "mlp": lambda: mlp(8, _MLP_QUICK),
+        # Batch 16: float8 matmuls need M, N and K multiples of 16, so that
+        # the float8 modes run float8 matmuls at this size too.
+        "mlp": lambda: mlp(16, _MLP_QUICK),
         "resnet": lambda: resnet(2, 16, models.ResNetConfig(
             blocks=(1,), widths=(4,), bottleneck=True, imagenet_stem=True,
             stem_width=4, classes=10)),
@@ -186,9 +191,11 @@ def make_workloads(size: str, names: tuple[str, ...] | list[str] = NAMES) -> lis
   return [SIZES[size][name]() for name in names]
 
 
-def policy(compute: str) -> jmp_lite.Policy:
-  """Params and outputs float32, compute in ``compute`` (``"f16"``, ``"bf16"``...)."""
-  return jmp_lite.get_policy(f"p=f32,c={compute},o=f32")
+def policy(compute: str, matmul: str | None = None) -> jmp_lite.Policy:
+  """Params and outputs float32, compute in ``compute`` (``"f16"``, ``"bf16"``...),
+  matmuls in the float8 recipe ``matmul`` (``"fp8"``, ``"mxfp8"``...) if given."""
+  spec = f"p=f32,c={compute},o=f32" + (f",m={matmul}" if matmul else "")
+  return jmp_lite.get_policy(spec)
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -198,7 +205,8 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 def loss_fn(workload: Workload, mode: str, policy: jmp_lite.Policy | None = None):  # pylint: disable=redefined-outer-name
-  """``(params, batch) -> float32 loss`` for ``mode`` ``"f32"``, ``"policy"`` or ``"autocast"``."""
+  """``(params, batch) -> float32 loss`` for ``mode`` ``"f32"``, ``"policy"``,
+  ``"autocast"`` or ``"with_policy"``."""
 
   def f32_loss(params: Params, batch: Batch) -> jax.Array:
     return cross_entropy(workload.apply(params, batch["x"]), batch["y"])
@@ -214,7 +222,15 @@ def loss_fn(workload: Workload, mode: str, policy: jmp_lite.Policy | None = None
     return policy_loss
   if mode == "autocast":
     return jmp_lite.autocast(f32_loss, policy)
-  raise ValueError(f"unknown loss mode {mode!r}; choose from f32, policy, autocast")
+  if mode == "with_policy":
+    apply = jmp_lite.with_policy(workload.apply, policy)
+
+    def with_policy_loss(params: Params, batch: Batch) -> jax.Array:
+      return cross_entropy(apply(params, batch["x"]), batch["y"])
+
+    return with_policy_loss
+  raise ValueError(f"unknown loss mode {mode!r}; choose from f32, policy, autocast, "
+                   "with_policy")
 
 
 def setup(workload: Workload, seed: int) -> tuple[Params, Batch]:

@@ -26,11 +26,12 @@ import pytest
 from helpers import ROOT
 from helpers import example_env
 
-MODES = ("f32", "tf32", "bf16", "f16")
+MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8")
+FP8_MODES = ("fp8", "fp8_rowwise", "mxfp8")
 WORKLOADS = ("mlp", "resnet", "transformer")
 # The figures computed from the measured ones when a report is written.
 DERIVED = {"examples_per_s", "tokens_per_s", "tflops", "peak_tflops", "mfu",
-           "speedup_vs_f32", "speedup_vs_tf32"}
+           "speedup_vs_f32", "speedup_vs_tf32", "speedup_vs_bf16"}
 # The two runs of the split fixture, and the workloads each covers.
 SPLIT = (("mlp,resnet", ("mlp", "resnet")), ("transformer", ("transformer",)))
 
@@ -73,12 +74,31 @@ def split(tmp_path_factory):
   return procs, out, json.loads((out / "gpu.json").read_text())
 
 
-def _check_library_cases(entry, library, steps):
-  """Every mode ran, with figures consistent with each other and the entry's."""
+def _skipped(entry, library, mode, report):
+  """Why the case must be skipped (a phrase of its reason), or None."""
+  if mode not in FP8_MODES:
+    return None
+  if entry["workload"] == "resnet":
+    return "no float8 matmul"
+  if library == "torch" and mode == "mxfp8":
+    return "prototype"
+  if library == "torch" and report["config"]["torchao"] != "ok":
+    return "torchao"
+  return None
+
+
+def _check_library_cases(entry, library, steps, report):
+  """Every mode ran (or was skipped with its reason), with figures
+  consistent with each other and the entry's."""
   cases = entry[library]
   assert tuple(cases) == MODES, (entry["workload"], library)
-  for mode, case in cases.items():
+  for mode, case in list(cases.items()):
     where = (entry["workload"], library, mode)
+    reason = _skipped(entry, library, mode, report)
+    if reason:
+      assert case["status"] == "skipped" and reason in case["reason"], (where, case)
+      assert not DERIVED & set(case), where
+      continue
     assert case["status"] == "ok", (where, case.get("error"))
     assert case["mode"] == mode
     t = case["step_time_s"]
@@ -93,7 +113,7 @@ def _check_library_cases(entry, library, steps):
       assert case["tokens_per_s"] == pytest.approx(entry["tokens"] / t, rel=1e-5)
     assert case["tflops"] == pytest.approx(entry["flops_per_step"] / t / 1e12, rel=1e-5)
     # Speedups: the same library's f32 (TF32) step time over this mode's.
-    for base in ("f32", "tf32"):
+    for base in ("f32", "tf32", "bf16"):
       assert case[f"speedup_vs_{base}"] == pytest.approx(
           cases[base]["step_time_s"] / t, rel=1e-5)
     # A CPU is not in the peak table: no MFU, rather than a wrong one.
@@ -111,8 +131,8 @@ def test_every_jax_case_ran_with_consistent_figures(split):
   assert [e["workload"] for e in report["results"]] == list(WORKLOADS)
   for entry in report["results"]:
     assert entry["flops_per_step"] > 0
-    _check_library_cases(entry, "jax", steps=2)
-    cases = entry["jax"]
+    _check_library_cases(entry, "jax", steps=2, report=report)
+    cases = {m: c for m, c in entry["jax"].items() if c["status"] == "ok"}
     for mode, case in cases.items():
       # Every mode counts the same matmul/conv FLOPs as the static count.
       assert case["flops_per_step"] == entry["flops_per_step"], mode
@@ -121,6 +141,34 @@ def test_every_jax_case_ran_with_consistent_figures(split):
     assert cases["f32"]["half_flop_share"] == cases["tf32"]["half_flop_share"] == 0.0
     assert cases["bf16"]["half_flop_share"] == cases["f16"]["half_flop_share"] == 1.0
     assert cases["bf16"]["loss_scale"] == 1.0  # NoOpLossScale
+    if entry["workload"] == "resnet":
+      assert not set(FP8_MODES) & set(cases)  # skipped: no float8 matmul
+      continue
+    for mode in FP8_MODES:
+      info = cases[mode]["fp8"]
+      assert info["recipe"] == mode and cases[mode]["loss_scale"] == 1.0
+      assert "speedup_vs_bf16" in cases[mode]
+    # Every matmul but the head (and the attention's batched ones) in float8.
+    for mode in ("fp8", "fp8_rowwise"):
+      assert 0.5 < cases[mode]["fp8"]["fp8_flop_share"] < 1.0, (entry["workload"], mode)
+      assert cases[mode]["half_flop_share"] < 0.5
+    mx = cases["mxfp8"]["fp8"]
+    assert mx["fp8_flop_share"] is None and mx["native_gemm"] is False
+    assert mx["mx_path"].startswith("emulation (cpu"), mx
+
+
+def test_markdown_lists_the_float8_cases(split):
+  _, out, report = split
+  text = (out / "gpu.md").read_text()
+  assert "## Float8 cases" in text
+  for entry in report["results"]:
+    for mode in FP8_MODES:
+      case = entry["jax"][mode]
+      if case["status"] == "skipped":
+        assert f"| jmp_lite (JAX) | {mode} | skipped: no float8 matmul" in text
+      else:
+        assert f"| {entry['workload']} | {mode} | " in text
+  assert "| mlp | mxfp8 | – | " in text and "emulation (cpu" in text
 
 
 def test_every_torch_case_ran_with_consistent_figures(split):
@@ -128,7 +176,7 @@ def test_every_torch_case_ran_with_consistent_figures(split):
   _, _, report = split
   assert report["config"]["torch"].startswith("torch ")
   for entry in report["results"]:
-    _check_library_cases(entry, "torch", steps=2)
+    _check_library_cases(entry, "torch", steps=2, report=report)
     assert entry["torch"]["f16"]["loss_scale"] == 2.0**15  # no overflow, no growth yet
 
 
@@ -205,6 +253,8 @@ def test_markdown_puts_jax_next_to_torch(split):
   for entry in report["results"]:
     section = text[text.index(f"## {entry['workload']}:"):]
     for mode in MODES:
+      if "ok" != entry["jax"][mode]["status"] or "ok" != entry["torch"][mode]["status"]:
+        continue  # skipped float8 cases: checked by the case tests
       row = next(l for l in section.splitlines() if l.startswith(f"| jmp_lite (JAX) | {mode} |"))
       ratio = entry["jax"][mode]["step_time_s"] / entry["torch"][mode]["step_time_s"]
       assert row.endswith(f"| {ratio:.3g} |"), row
@@ -269,7 +319,10 @@ def test_spent_budget_reports_cases_as_not_run_and_replaces_other_reports(tmp_pa
   assert len(report["runs"]) == 1
   entry = report["results"][0]
   for library in ("jax", "torch") if _has_torch() else ("jax",):
-    for case in entry[library].values():
+    for mode, case in entry[library].items():
+      if library == "torch" and mode == "mxfp8":
+        assert case["status"] == "skipped"  # never run, whatever the budget
+        continue
       assert case["status"] == "not run"
       assert "--gpu-budget-s 0" in case["error"]
   assert "| jmp_lite (JAX) | f32 | not run:" in (tmp_path / "gpu.md").read_text()

@@ -1,0 +1,123 @@
+"""End-to-end tests of the float8 examples, in their ``--quick`` modes.
+
+``examples/fp8_parity.py`` and ``examples/fp8_flax_ops.py`` run as a user
+would run them (subprocesses, ``python -m examples.<name>``) for a few steps,
+into a temporary folder. The parity run checks that every route (linen with
+BatchNorm, NNX, delayed state) trains and that the verdicts are computed from
+the figures; the Flax run checks, even after 20 steps, what the full run
+reports: Adam corrupts Flax's ``_overwrite_with_gradient`` state in a plain
+optax loop, and jmp_lite's ``fp8_state`` holds exactly the amaxes the layer
+saw in the same loop.
+"""
+
+import json
+import math
+
+import pytest
+
+from helpers import assert_exited_cleanly
+from helpers import assert_is_png
+from helpers import is_finite_number
+from helpers import ROOT
+from helpers import run_example
+
+EXAMPLES = ROOT / "examples"
+
+
+def _outputs(out, name):
+  for ext in ("md", "json", "png"):
+    assert (out / f"{name}.{ext}").is_file(), ext
+  assert_is_png(out / f"{name}.png")
+  return (json.loads((out / f"{name}.json").read_text()),
+          (out / f"{name}.md").read_text())
+
+
+@pytest.mark.slow
+def test_fp8_parity_quick(tmp_path):
+  proc = run_example(EXAMPLES / "fp8_parity.py", "--quick", "--out", tmp_path)
+  assert_exited_cleanly(proc)
+  result, text = _outputs(tmp_path, "fp8_parity")
+  runs = ("bf16", "mxfp8", "fp8_delayed")  # the --quick selection
+  assert result["config"]["seeds"] == [0]
+  for model, numbers in (("cnn", ("test_accuracy", "test_loss")),
+                         ("lm", ("validation_loss",))):
+    figures = result["runs"][model]["0"]
+    assert tuple(figures) == runs
+    for name, run in figures.items():
+      for key in numbers + ("final_train_loss", "median_step_ms"):
+        assert is_finite_number(run[key]), (model, name, key)
+      steps = result["config"][model]["steps"]
+      assert len(run["loss_history"]) == steps
+    # Which matmuls ran in float8, counted on the forward pass: bf16 runs
+    # none; per-tensor delayed scaling runs e4m3; MXFP8 on a CPU is the exact
+    # emulation (float32 dots of the dequantized blocks). Heads stay bf16.
+    assert set(figures["bf16"]["forward_dots"]) == {"bfloat16"}
+    assert figures["fp8_delayed"]["forward_dots"]["float8_e4m3fn"] >= 1
+    assert "float8_e4m3fn" not in figures["mxfp8"]["forward_dots"]
+    assert figures["mxfp8"]["forward_dots"]["float32"] == (
+        figures["fp8_delayed"]["forward_dots"]["float8_e4m3fn"])
+  # The verdicts follow from the figures and the stated tolerances.
+  rows = result["verdicts"]
+  assert [(r["model"], r["run"]) for r in rows] == [
+      ("cnn", "mxfp8"), ("cnn", "fp8_delayed"),
+      ("lm", "mxfp8"), ("lm", "fp8_delayed")]
+  for row in rows:
+    runs_of = result["runs"][row["model"]]["0"]
+    metric = row["metric"]
+    value, ref = runs_of[row["run"]][metric], runs_of["bf16"][metric]
+    if row["unit"] == "pt":
+      assert row["error"] == pytest.approx(value - ref, abs=1e-3)
+      assert row["tolerance"] == 1.0
+    else:
+      # The JSON keeps 6 significant digits of each loss.
+      assert row["error"] == pytest.approx(100 * (value - ref) / ref, abs=2e-3)
+      assert row["tolerance"] == 0.25
+    assert row["passed"] == (abs(row["error"]) <= row["tolerance"])
+    assert ("PASS" if row["passed"] else "FAIL") in text
+  assert "arXiv:2412.19437" in text and "## Parity against bf16" in text
+
+
+def test_fp8_parity_quick_never_replaces_committed_results():
+  proc = run_example(EXAMPLES / "fp8_parity.py", "--quick", "--update-results")
+  assert proc.returncode == 2
+  assert "never replace the committed results" in proc.stderr
+
+
+@pytest.mark.slow
+def test_fp8_flax_ops_quick(tmp_path):
+  proc = run_example(EXAMPLES / "fp8_flax_ops.py", "--quick", "--out", tmp_path)
+  assert_exited_cleanly(proc)
+  result, text = _outputs(tmp_path, "fp8_flax_ops")
+  runs, findings = result["runs"], result["findings"]
+  assert result["config"]["steps"] == 20
+  for run in runs.values():
+    assert len(run["loss_history"]) == 20
+    assert all(math.isfinite(x) for x in run["loss_history"])
+  trainstate = runs["flax_trainstate"]["fp8_state"]
+  plain = runs["flax_plain_all"]["fp8_state"]
+  # TrainState overwrites the collection: the input history holds the
+  # batches' amaxes (digits pixels: at most 1), the scale follows from it.
+  assert trainstate["input_amax_history"]["max"] == 1.0
+  assert trainstate["input_amax_history"]["min"] == 0.0  # 1024 slots, 20 used
+  assert trainstate["input_scale"] == pytest.approx(1.0 / 448, rel=1e-5)
+  # Adam steps the same collection: negative amaxes, scales hundreds of times
+  # too large, no error.
+  assert findings["flax_plain_loop_state_corrupted"] is True
+  assert plain["input_amax_history"]["min"] < 0
+  assert plain["input_scale"] > 100 * trainstate["input_scale"]
+  # jmp_lite in the plain loop: every history slot is an amax the layer saw
+  # (every batch's brightest pixel is 1.0), and its scale is that amax over
+  # 448 rounded up to a power of two.
+  for name in ("jmp_plain", "jmp_plain_all"):
+    state = runs[name]["fp8_state"]
+    assert state["input_amax_history"] == {"min": 1.0, "max": 1.0, "latest": 1.0}
+    assert state["input_scale"] == 2.0**-8
+    assert runs[name]["all_fp8_state_finite"] is True
+  assert findings["jmp_state_intact"] is True
+  # Adam on jmp_lite's state changes nothing: its gradient is exactly zero.
+  assert findings["jmp_all_variables_loop_identical"] is True
+  assert runs["jmp_plain"]["loss_history"] == runs["jmp_plain_all"]["loss_history"]
+  # The params-only Flax loop never updates its state.
+  frozen = runs["flax_plain_params"]["fp8_state"]
+  assert frozen["input_scale"] == 1.0 and frozen["input_amax_history"]["max"] == 0
+  assert "corrupted it" in text
