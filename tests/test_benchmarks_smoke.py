@@ -177,6 +177,9 @@ STUDIES = {  # study: (flags that keep its smoke run short, variants it times)
     "grad_reduction": (("--computes", "bf16", "--no-control"), ("grouped", "plain")),
     "residual_recompute": (("--models", "DigitsCNN", "--computes", "f16"),
                            ("policy", "remat norms", "remat loss")),
+    "update_rounding": (("--models", "mlp"),
+                        ("copy", "stochastic_rounding", "kahan", "bf16",
+                         "f32")),
 }
 
 

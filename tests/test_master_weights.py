@@ -40,6 +40,9 @@ F32 = np.dtype(jnp.float32)
 I32 = np.dtype(jnp.int32)
 HALF = [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")]
 JIT = [pytest.param(False, id="eager"), pytest.param(True, id="jit")]
+#: master_weights' methods; the low-memory ones have their own tests in
+#: test_low_memory_updates.py, and share these where they apply.
+METHODS = ["copy", "stochastic_rounding", "kahan"]
 
 standard_promotion = pytest.mark.standard_promotion
 
@@ -307,11 +310,13 @@ def test_stall_of_bf16_params_and_its_cure(jit):
 
 @pytest.mark.parametrize("make_inner", INNERS)
 @pytest.mark.parametrize("jit", JIT)
-def test_state_dtypes_unchanged_by_update(make_inner, jit):
+@pytest.mark.parametrize("method", METHODS)
+def test_state_dtypes_unchanged_by_update(make_inner, jit, method):
   params, targets = _params(BF16), _targets()
-  for opt in (master_weights(make_inner()),
+  for opt in (master_weights(make_inner(), method=method),
               with_state_dtype(make_inner(), BF16),
-              master_weights(with_state_dtype(make_inner(), BF16))):
+              master_weights(with_state_dtype(make_inner(), BF16),
+                             method=method)):
     state = opt.init(params)
     before = _dtypes(state)
     update = _maybe_jit(opt.update, jit)
@@ -321,10 +326,12 @@ def test_state_dtypes_unchanged_by_update(make_inner, jit):
 
 
 @standard_promotion
-def test_no_recompilation_on_the_second_step():
+@pytest.mark.parametrize("method", METHODS)
+def test_no_recompilation_on_the_second_step(method):
   traces = []
   opt = jmp_lite.loss_scaling(
-      master_weights(with_state_dtype(optax.adamw(1e-2), BF16)),
+      master_weights(with_state_dtype(optax.adamw(1e-2), BF16),
+                     method=method),
       jmp_lite.DynamicLossScale(2.0**10, period=2))
   targets = _targets()
 
@@ -345,7 +352,9 @@ def test_no_recompilation_on_the_second_step():
   for _ in range(5):  # The scale grows on steps 2 and 4.
     params, state = step(params, state)
   assert len(traces) == 1
-  _assert_params_are_rounded_master(params, state)
+  assert float(jmp_lite.get_loss_scale(state).loss_scale) == 2.0**12
+  if method == "copy":
+    _assert_params_are_rounded_master(params, state)
 
 
 def test_update_is_strict_promotion_clean():
@@ -394,18 +403,22 @@ def test_update_passes_extra_args_to_inner():
   inner = optax.GradientTransformationExtraArgs(
       lambda p: optax.EmptyState(), update)
   params = {"w": jnp.ones(2, BF16)}
-  for opt in (master_weights(inner), with_state_dtype(inner, BF16)):
+  for opt in (*(master_weights(inner, method=m) for m in METHODS),
+              with_state_dtype(inner, BF16)):
     seen.clear()
     opt.update({"w": jnp.ones(2, BF16)}, opt.init(params), params, value=3)
     assert seen == {"value": 3}
 
 
-def test_non_floating_leaves_pass_through():
+@pytest.mark.parametrize("method", METHODS)
+def test_non_floating_leaves_pass_through(method):
   params = {"w": jnp.ones(3, BF16), "steps": jnp.arange(3, dtype=jnp.int32)}
   mask = {"w": True, "steps": False}
-  opt = master_weights(optax.masked(optax.sgd(0.5), mask))
+  opt = master_weights(optax.masked(optax.sgd(0.5), mask), method=method)
   state = opt.init(params)
-  assert state.master_params["steps"] is None
+  if method != "stochastic_rounding":
+    kept = state.master_params if method == "copy" else state.compensation
+    assert kept["steps"] is None
   grads = {"w": jnp.ones(3, BF16), "steps": jnp.zeros(3, jnp.int32)}
   updates, state = opt.update(grads, state, params)
   assert updates["steps"].dtype == I32 and not np.any(updates["steps"])
@@ -792,3 +805,72 @@ def test_example_runs_and_writes_results(tmp_path):
   total = lambda r: r["state_bytes"] + r["params_bytes"]
   assert total(runs["f32_bf16_moments"]) < total(runs["f32"])
   assert "| configuration |" in (tmp_path / "master_weights.md").read_text()
+
+
+# -- the low-memory example: bytes table and quoted figures ----------------------
+
+
+def _low_memory_results():
+  return json.loads(
+      (ROOT / "examples" / "results" / "low_memory_bf16.json").read_text())
+
+
+@standard_promotion
+def test_bytes_per_parameter_table_in_the_docs_is_recomputed():
+  """The table in docs/precision.md is what the committed script computes now
+  from the real optimizer states (jax.eval_shape of each opt.init)."""
+  from examples import low_memory_bf16  # pylint: disable=import-outside-toplevel
+  table = low_memory_bf16.bytes_table()
+  assert table in (ROOT / "docs" / "precision.md").read_text()
+  assert table == _low_memory_results()["bytes_table"]
+  rows = {line.split(" | ")[0][2:]: line.split(" | ")[-2:]
+          for line in table.splitlines()[2:]}
+  # The issue's figures: copy 14 / 10, Kahan 12 / 8, stochastic rounding
+  # 10 / 6 bytes per parameter (f32 / bf16 moments), f32 Adam 12 / 8.
+  assert rows["bf16 + `master_weights` (copy)"] == ["14.00", "10.00 |"]
+  assert rows["bf16 + Kahan"] == ["12.00", "8.00 |"]
+  assert rows["bf16 + stochastic rounding"] == ["10.00", "6.00 |"]
+  assert rows["f32 Adam"] == ["12.00", "8.00 |"]
+
+
+def _quoted(value, decimals, docs, suffix=""):
+  """Whether ``docs`` quotes ``value`` to ``decimals`` places. The JSON keeps
+  6 significant digits, so a value printed from the full float may have
+  rounded the other way: either neighbour of the last place counts."""
+  step = 10.0**-decimals / 2
+  return any(f"{value + d:.{decimals}f}{suffix}" in docs
+             for d in (-step, 0.0, step))
+
+
+def test_training_figures_quoted_in_the_docs_match_the_results():
+  data = _low_memory_results()
+  docs = (ROOT / "docs" / "precision.md").read_text()
+  digits, lm = data["digits"], data["lm"]
+  for name in ("f32", "bf16", "bf16_copy", "bf16_sr", "bf16_kahan"):
+    assert _quoted(digits[name]["final_train_loss"][0], 4, docs), name
+    assert _quoted(digits[name]["late_train_loss_drop"][0] * 1e5, 2, docs,
+                   "e-5"), name
+    assert _quoted(lm[name]["eval_loss"][0], 4, docs), name
+  frozen = 100 * digits["bf16"]["unchanged_late_fraction"][0]
+  assert _quoted(frozen, 1, docs, "%")
+  # What the docs conclude: every recipe but bf16 alone trains like f32.
+  f32 = digits["f32"]["final_train_loss"][0]
+  for name in ("bf16_copy", "bf16_sr", "bf16_kahan"):
+    assert abs(digits[name]["final_train_loss"][0] - f32) <= 0.1 * f32
+    assert lm[name]["eval_loss"][0] <= 1.01 * lm["f32"]["eval_loss"][0]
+  assert digits["bf16"]["final_train_loss"][0] > 3 * f32
+
+
+@pytest.mark.slow
+def test_low_memory_example_runs_and_writes_results(tmp_path):
+  proc = run_example(ROOT / "examples" / "low_memory_bf16.py", "--quick",
+                     "--out", tmp_path)
+  assert_exited_cleanly(proc)
+  data = json.loads((tmp_path / "low_memory_bf16.json").read_text())
+  assert data["quick"] is True
+  assert set(data["digits"]) == set(data["lm"]) == {
+      "f32", "bf16", "bf16_copy", "bf16_sr", "bf16_kahan"}
+  for runs in (data["digits_runs"], data["lm_runs"]):
+    for name, rs in runs.items():
+      assert all(np.isfinite(r["final_train_loss"]) for r in rs), name
+  assert "| recipe |" in (tmp_path / "low_memory_bf16.md").read_text()

@@ -1,17 +1,22 @@
-"""Optimizer-side precision: float32 master weights and optimizer-state dtypes.
+"""Optimizer-side precision: master weights, low-memory updates, state dtypes.
 
 Two optax wrappers, usable with any optax optimizer and with each other:
 
-* :func:`master_weights` keeps half-precision params (for compute and memory)
-  and a float32 master copy in the optimizer state (Apex's O2 recipe): the
-  inner optimizer runs against the master copy, updates accumulate in float32,
-  and the params are the master copy rounded to their dtype, bit for bit.
+* :func:`master_weights` lets half-precision params (bfloat16, float16) train
+  like float32 ones, in one of three ways (``method=``): a float32 master copy
+  in the optimizer state (``"copy"``, Apex's O2 recipe: the params are the
+  master copy rounded, bit for bit); the float32 update rounded to the params'
+  dtype stochastically (``"stochastic_rounding"``: unbiased, no per-parameter
+  state); or a 16-bit compensation of each param's rounding error carried
+  into the next step (``"kahan"``: params + compensation are the float32
+  value a master copy would hold, in 2 bytes instead of 4).
 * :func:`with_state_dtype` stores an optimizer's moments in a chosen dtype
   (e.g. bfloat16, to halve the optimizer state) and does the update math in
   float32.
 
-:func:`get_master_params` reads the master copy out of an optimizer state,
-wherever it sits (``optax.chain``, ``MultiSteps``, ``inject_hyperparams``...).
+:func:`get_master_params` reads the full-precision params out of an optimizer
+state, wherever it sits (``optax.chain``, ``MultiSteps``,
+``inject_hyperparams``...).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -54,20 +60,60 @@ def _represents(wide: np.dtype, narrow: np.dtype) -> bool:
 
 # -- master weights ----------------------------------------------------------
 
+#: The ways :func:`master_weights` keeps what half-precision params would lose
+#: to rounding: a float32 master copy, stochastic rounding, Kahan compensation.
+METHODS = ("copy", "stochastic_rounding", "kahan")
+
+# The param dtypes stochastic rounding and Kahan compensation round to, as
+# (significand bits after the leading one, smallest normal exponent): the
+# rounding is done in float32 arithmetic from these, never by a float32 ->
+# half -> float32 round trip, which XLA:GPU may remove as a no-op
+# (xla_allow_excess_precision), silently turning the rounding off.
+_FORMATS = {
+    np.dtype(jnp.bfloat16): (7, -126),
+    np.dtype(jnp.float16): (10, -14),
+}
+_F32 = np.dtype(jnp.float32)
+#: Kahan compensation: an int16 count of 2**-16 of the param's spacing.
+_COMPENSATION_DTYPE = np.dtype(jnp.int16)
+_COMPENSATION_UNITS = 2.0**16
+#: The largest seed: jax.random.key takes any uint32 on every configuration.
+_SEED_MAX = 2**32 - 1
+
+#: Why stochastic rounding and Kahan compensation need half-precision params.
+NOTHING_TO_ROUND = (
+    "{owner}(method={method!r}) rounds each float32 update to half-precision "
+    "params (bfloat16 or float16), but no param is narrower than float32 "
+    "(got {found}), so it would do nothing. Cast the params to the policy's "
+    "param dtype first, e.g. jmp_lite.get_policy('p=bf16,c=bf16,o=f32')"
+    ".cast_to_param(params); for float32 params use the inner optimizer alone "
+    "(or method='copy', which passes float32 params through)."
+)
+
 
 class MasterWeightsState(NamedTuple):
   """State of :func:`master_weights`.
 
+  Each ``method`` fills the fields it needs; the others are ``None``.
+
   Attributes:
     inner_state: the wrapped optimizer's state, made by ``inner.init`` from the
-      master copy, so its moments are in the master dtype (float32).
-    master_params: the master copy, a tree with the params' structure: every
-      floating param narrower than the master dtype (bfloat16, float16) has
-      its copy there, in the master dtype and with the param's sharding; the
-      other params (already in the master dtype, or not floating) need none
-      and hold ``None``. It is authoritative: after each step
-      ``params == master_params.astype(params.dtype)``, bit for bit. Read it,
-      completed with those params, with :func:`get_master_params`.
+      params in the master dtype (float32), so its moments are float32.
+    master_params: ``method="copy"``: the master copy, a tree with the params'
+      structure: every floating param narrower than the master dtype
+      (bfloat16, float16) has its copy there, in the master dtype and with the
+      param's sharding; the other params (already in the master dtype, or not
+      floating) need none and hold ``None``. It is authoritative: after each
+      step ``params == master_params.astype(params.dtype)``, bit for bit. Read
+      it, completed with those params, with :func:`get_master_params`.
+    compensation: ``method="kahan"``: a tree with the params' structure
+      holding, for each bfloat16 or float16 param, what rounding took from it
+      (the float32 value minus the param) as an ``int16`` count of 2**-16 of
+      the param's spacing, with the param's sharding; ``None`` for the other
+      params. :func:`get_master_params` adds it back.
+    rng_key: ``method="stochastic_rounding"``: the raw ``uint32`` PRNG key
+      (``jax.random.key_data``) made from ``seed``; each update splits it,
+      draws its random bits from one half and keeps the other.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -75,10 +121,14 @@ class MasterWeightsState(NamedTuple):
     >>> state = opt.init({"w": jnp.ones(2, jnp.bfloat16), "scale": jnp.ones(2)})
     >>> state.master_params["w"].dtype, state.master_params["scale"]
     (dtype('float32'), None)
+    >>> state.compensation, state.rng_key
+    (None, None)
   """
 
   inner_state: Any
   master_params: Any
+  compensation: Any = None
+  rng_key: Any = None
 
 
 def _refuse_loss_scaling_inside(inner_state: Any, owner: str) -> None:
@@ -92,59 +142,125 @@ def _refuse_loss_scaling_inside(inner_state: Any, owner: str) -> None:
     )
 
 
+def _check_method(method: Any, owner: str) -> str:
+  if not isinstance(method, str):
+    raise TypeError(
+        f"{owner}: method must be one of {', '.join(map(repr, METHODS))}, got "
+        f"{type(method).__name__}: {method!r}."
+    )
+  if method not in METHODS:
+    raise ValueError(
+        f"{owner}: unknown method {method!r}. Choose 'copy' (a float32 master "
+        "copy, the default), 'stochastic_rounding' (no per-parameter state) "
+        "or 'kahan' (a 2-byte compensation per parameter)."
+    )
+  return method
+
+
+def _check_seed(seed: Any, method: str, owner: str) -> int | None:
+  """The seed of stochastic rounding (0 by default); None for the others."""
+  if method != "stochastic_rounding":
+    if seed is not None:
+      raise ValueError(
+          f"{owner}: seed={seed!r} was given, but method={method!r} draws no "
+          "random bits. Only method='stochastic_rounding' takes a seed: "
+          "remove seed=, or choose that method."
+      )
+    return None
+  if seed is None:
+    return 0
+  if checks.is_array(seed) and np.ndim(seed) != 0:
+    raise TypeError(
+        f"{owner}: seed must be an int, got an array of shape "
+        f"{np.shape(seed)} and dtype {seed.dtype} (a PRNG key?). The "
+        "optimizer derives its random keys from the seed and keeps them in "
+        "its state: pass an int such as 0, and no key per step."
+    )
+  if checks.is_bool(seed) or not isinstance(seed, (int, np.integer)):
+    raise TypeError(
+        f"{owner}: seed must be an int, got {type(seed).__name__}: {seed!r}. "
+        "Pass an int such as 0."
+    )
+  if not 0 <= seed <= _SEED_MAX:
+    raise ValueError(
+        f"{owner}: seed must be an int between 0 and 2**32 - 1, got {seed!r}."
+    )
+  return int(seed)
+
+
 def master_weights(
-    inner: optax.GradientTransformation, dtype: Any = jnp.float32
+    inner: optax.GradientTransformation,
+    dtype: Any = jnp.float32,
+    *,
+    method: str = "copy",
+    seed: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-  """Keeps a float32 master copy of half-precision params inside the optimizer.
+  """Lets half-precision params train like float32 ones.
 
-  Apex's O2 recipe as an optax wrapper: the params stay in half precision
-  (bfloat16/float16) for compute and memory, and the optimizer state holds a
-  master copy of them in ``dtype``. ``update(grads, state, params,
-  **extra_args)``
+  Params stored in bfloat16 or float16 lose every update smaller than half
+  their spacing (a bfloat16 ``1.0`` ignores any update below ``2**-9``).
+  This wrapper runs ``inner`` in float32 and writes its updates back to the
+  params in one of three ways (``method``):
 
-  1. casts the floating gradients to the master dtype;
-  2. runs ``inner`` against the master copy (so its moments are float32 and
-     params-dependent transforms such as ``adamw``'s weight decay see the
-     master values);
-  3. adds the inner updates to the master copy in the master dtype, so updates
-     below the params' spacing (a bfloat16 ``1.0`` ignores any update smaller
-     than ``2**-9``) still accumulate;
-  4. returns the updates that take the params to the new master copy rounded
-     to their dtype (``optax.apply_updates`` lands on it exactly; the guide
-     says why).
+  * ``"copy"`` (the default; Apex's O2 recipe): a master copy of the params
+    in ``dtype`` lives in the optimizer state; the inner updates accumulate
+    there and the params are the master copy rounded to their dtype, bit for
+    bit. Memory: the copy (4 bytes per parameter).
+  * ``"stochastic_rounding"``: the float32 result of each step is rounded to
+    one of its two neighbours in the params' dtype, with probabilities
+    proportional to closeness, so every update counts in expectation.
+    Memory: one PRNG key; the random bits come from ``seed``, no key is
+    passed per step, and the same seed gives the same run.
+  * ``"kahan"``: what rounding took from each param is kept in a 16-bit
+    compensation and added back before the next step, so params plus
+    compensation are the float32 value a master copy would hold (for
+    bfloat16 params, to float32's own precision). Memory: 2 bytes per
+    parameter; deterministic.
 
-  Params already in the master dtype (a float32 norm scale among bfloat16
-  weights) and non-floating params get no copy: ``inner`` runs on them as
-  they are and its updates are returned unchanged, so they train exactly as
-  under ``inner`` alone. Because the master copy is authoritative, a change
-  made to the half-precision params outside the optimizer (loading weights)
-  is undone by the next step; re-run ``init`` after changing them.
+  ``update(grads, state, params, **extra_args)`` casts the floating gradients
+  to float32, runs ``inner`` on the float32 params (the master copy, the params
+  themselves, or params plus compensation: so its moments are float32 and
+  ``adamw``'s weight decay sees those values) and returns the updates that
+  take the params exactly to their new values (``optax.apply_updates`` lands
+  on them; the guide says why). Params already in float32 (a norm scale among
+  bfloat16 weights) and non-floating params train exactly as under ``inner``
+  alone.
 
   Compose with :func:`loss_scaling` outside
   (``loss_scaling(master_weights(optax.adam(1e-3)), loss_scale)``), so that a
-  skipped step leaves the master copy untouched; put
-  :func:`with_state_dtype` inside to store the moments in bfloat16. Guide:
+  skipped step leaves the master copy, the compensation and the key
+  untouched; put :func:`with_state_dtype` inside to store the moments in
+  bfloat16. Guide, and the bytes per parameter of each recipe:
   ``docs/precision.md``.
 
   Args:
-    inner: the optax optimizer to run on the master copy
+    inner: the optax optimizer to run in float32
       (``GradientTransformation`` or ``GradientTransformationExtraArgs``).
-    dtype: the master dtype, a floating dtype at least as precise as every
-      floating param: ``jnp.float32`` (the default), or ``jnp.float64`` with
-      ``jax_enable_x64``. A name such as ``"f32"`` is accepted too.
+    dtype: the master dtype of ``method="copy"``, a floating dtype at least as
+      precise as every floating param: ``jnp.float32`` (the default), or
+      ``jnp.float64`` with ``jax_enable_x64``. A name such as ``"f32"`` is
+      accepted too. The other methods compute in float32.
+    method: ``"copy"``, ``"stochastic_rounding"`` or ``"kahan"``.
+    seed: the seed of ``method="stochastic_rounding"``'s random bits, an int
+      (default 0). The other methods draw none and take no seed.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`MasterWeightsState`. Its ``update`` needs ``params``.
 
   Raises:
-    TypeError: if ``inner`` is not an optax transformation or ``dtype`` is not
-      a floating dtype; from ``init``, if ``inner`` contains
+    TypeError: if ``inner`` is not an optax transformation, ``dtype`` is not
+      a floating dtype, ``method`` is not a string or ``seed`` not an int (a
+      PRNG key included); from ``init``, if ``inner`` contains
       :func:`loss_scaling`; from ``update``, if the state is not this
       wrapper's.
-    ValueError: from ``init``, if ``dtype`` cannot represent some floating
-      param (e.g. a bfloat16 master for float32 params); from ``update``, if
-      ``params`` is not given.
+    ValueError: if ``method`` is unknown, a ``seed`` is given to a method
+      that draws no random bits, or ``dtype`` is not float32 for
+      ``"stochastic_rounding"``/``"kahan"``; from ``init``, if ``dtype``
+      cannot represent some floating param (e.g. a bfloat16 master for float32
+      params), or, for ``"stochastic_rounding"``/``"kahan"``, if no param is
+      bfloat16 or float16 or some param is another narrow float (float8);
+      from ``update``, if ``params`` is not given.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -160,42 +276,65 @@ def master_weights(
     (dtype('float32'), 0.99)
     >>> params["w"]  # the master copy, rounded (plain sgd would stay at 1)
     Array([0.988281, 0.988281, 0.988281], dtype=bfloat16)
+    >>> opt = jmp_lite.master_weights(optax.sgd(1e-3), method="kahan")
+    >>> opt.init(params).compensation["w"].dtype  # 2 bytes, not a 4-byte copy
+    dtype('int16')
   """
   owner = "master_weights"
   inner = checks.optax_transformation(inner, owner)
   master_dtype = dtypes.floating_dtype(
       dtype, f"{owner}'s dtype", policy=False,
       example="jnp.float32 (the default)")
+  method = _check_method(method, owner)
+  seed = _check_seed(seed, method, owner)
+  if method != "copy" and master_dtype != _F32:
+    raise ValueError(
+        f"{owner}(method={method!r}) computes in float32, got dtype="
+        f"{master_dtype.name}. Leave dtype at jnp.float32; a {master_dtype.name}"
+        " master copy is method='copy'."
+    )
 
-  def needs_copy(p):
+  def narrower(p):
+    """A floating param this wrapper keeps precision for."""
     return tree_lib.is_float(p) and np.dtype(p.dtype) != master_dtype
 
   def init_fn(params):
+    checks.no_fp8_state(params, "jmp_lite.master_weights")
     _check_enabled(master_dtype, f"{owner}'s dtype")
-    narrower = [
+    unrepresented = [
         (jax.tree_util.keystr(path), np.dtype(p.dtype))
         for path, p in jax.tree.leaves_with_path(params)
         if tree_lib.is_float(p)
         and not _represents(master_dtype, np.dtype(p.dtype))
     ]
-    if narrower:
-      shown = ", ".join(
-          f"{path or '<root>'} ({d.name})" for path, d in narrower[:5]
-      )
-      more = f" and {len(narrower) - 5} more" if len(narrower) > 5 else ""
+    if unrepresented:
       raise ValueError(
           f"{owner}: the master dtype {master_dtype.name} cannot represent "
-          f"every value of the params {shown}{more}; the master copy must be "
-          "at least as precise as the params it keeps. Use "
-          f"{owner}(inner, dtype=jnp.float32) (the default) for float16 or "
-          "bfloat16 params; float32 params need no master copy."
+          f"every value of the params {_shown_paths(unrepresented)}; the "
+          "master copy must be at least as precise as the params it keeps. "
+          f"Use {owner}(inner, dtype=jnp.float32) (the default) for float16 "
+          "or bfloat16 params; float32 params need no master copy."
       )
-    master = jax.tree.map(
-        lambda p: jnp.asarray(p, master_dtype) if needs_copy(p) else None,
-        params)
-    inner_state = inner.init(_inner_params(params, master))
+    if method != "copy":
+      _check_rounded_params(params, method, owner)
+    if method == "copy":
+      master = jax.tree.map(
+          lambda p: jnp.asarray(p, master_dtype) if narrower(p) else None,
+          params)
+      state = MasterWeightsState(inner_state=None, master_params=master)
+    elif method == "kahan":
+      compensation = jax.tree.map(
+          lambda p: jnp.zeros_like(p, _COMPENSATION_DTYPE)
+          if narrower(p) else None, params)
+      state = MasterWeightsState(
+          inner_state=None, master_params=None, compensation=compensation)
+    else:
+      key = jax.random.key_data(jax.random.key(seed))
+      state = MasterWeightsState(
+          inner_state=None, master_params=None, rng_key=key)
+    inner_state = inner.init(_inner_params(params, state))
     _refuse_loss_scaling_inside(inner_state, owner)
-    return MasterWeightsState(inner_state=inner_state, master_params=master)
+    return state._replace(inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, MasterWeightsState):
@@ -206,47 +345,229 @@ def master_weights(
     if params is None:
       raise ValueError(
           f"{owner}'s update needs the current params, to return the updates "
-          "that take them to the master copy: call "
+          "that take them to their new values: call "
           "opt.update(grads, state, params)."
       )
-    master = state.master_params
-    # The inner optimizer sees the master copy (and the params that need
-    # none) and gradients in their dtypes.
-    inner_params = _inner_params(params, master)
+    # The inner optimizer sees the float32 params (the master copy, the
+    # params, or params + compensation) and gradients in their dtypes.
+    inner_params = _inner_params(params, state)
     grads = tree_lib.cast_like(updates, inner_params)
     inner_updates, inner_state = inner.update(
         grads, state.inner_state, inner_params, **extra_args
     )
     inner_updates = tree_lib.cast_like(inner_updates, inner_params)
-
-    def new_master(p, m, u):
-      del p
-      return None if m is None else m + u
-
-    def out_update(p, m, new_m, u):
-      if m is None:
-        return u  # No copy: the param trains as under inner alone.
-      # Exact in the master dtype (see docs/precision.md), so p + u lands on
-      # the rounded master value.
-      target = new_m.astype(p.dtype).astype(m.dtype)
-      return target - p.astype(m.dtype)
-
-    master_out = jax.tree.map(
-        new_master, params, master, inner_updates)
-    updates_out = jax.tree.map(
-        out_update, params, master, master_out, inner_updates)
-    return updates_out, MasterWeightsState(
-        inner_state=inner_state, master_params=master_out
-    )
+    if method == "copy":
+      updates_out, state = _copy_write(params, state, inner_updates)
+    elif method == "kahan":
+      updates_out, state = _kahan_write(params, state, inner_params,
+                                        inner_updates)
+    else:
+      updates_out, state = _stochastic_write(params, state, inner_params,
+                                             inner_updates)
+    return updates_out, state._replace(inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _inner_params(params: Any, master: Any) -> Any:
-  """The params the inner optimizer runs on: the master copy where one is
-  kept, the params themselves elsewhere."""
+def _shown_paths(entries: list[tuple[str, np.dtype]]) -> str:
+  shown = ", ".join(f"{path or '<root>'} ({d.name})" for path, d in entries[:5])
+  more = f" and {len(entries) - 5} more" if len(entries) > 5 else ""
+  return shown + more
+
+
+def _check_rounded_params(params: Any, method: str, owner: str) -> None:
+  """Stochastic rounding and Kahan compensation round to bfloat16/float16:
+  at least one such param, and no other float narrower than float32."""
+  narrow = [
+      (jax.tree_util.keystr(path), np.dtype(p.dtype))
+      for path, p in jax.tree.leaves_with_path(params)
+      if tree_lib.is_float(p) and np.dtype(p.dtype) != _F32
+  ]
+  others = [(path, d) for path, d in narrow if d not in _FORMATS]
+  if others:
+    raise ValueError(
+        f"{owner}(method={method!r}) rounds to bfloat16 or float16 params, "
+        f"got {_shown_paths(others)}. Use method='copy' for those params (it "
+        "keeps a float32 copy of any narrower float)."
+    )
+  if not narrow:
+    found = sorted({
+        np.dtype(x.dtype).name if checks.is_array(x) else type(x).__name__
+        for x in jax.tree.leaves(params)}) or ["no leaves"]
+    raise ValueError(NOTHING_TO_ROUND.format(
+        owner=owner, method=method, found=", ".join(found)))
+
+
+def _inner_params(params: Any, state: MasterWeightsState) -> Any:
+  """The params the inner optimizer runs on, in the master dtype where the
+  wrapper keeps precision for them, the params themselves elsewhere."""
+  if state.master_params is not None:  # A master copy.
+    return jax.tree.map(
+        lambda p, m: p if m is None else m, params, state.master_params)
+  if state.compensation is not None:  # Kahan: params + compensation.
+    return jax.tree.map(
+        lambda p, c: p if c is None else _compensated(p, c),
+        params, state.compensation)
+  # Stochastic rounding: the params, in float32.
   return jax.tree.map(
-      lambda p, m: p if m is None else m, params, master)
+      lambda p: p.astype(_F32) if _rounded(p) else p, params)
+
+
+def _rounded(p: Any) -> bool:
+  """A param stochastic rounding rounds to (bfloat16 or float16)."""
+  return tree_lib.is_float(p) and np.dtype(p.dtype) in _FORMATS
+
+
+def _copy_write(params, state, inner_updates):
+  """The master copy takes the updates; the params become it, rounded."""
+
+  def new_master(p, m, u):
+    del p
+    return None if m is None else m + u
+
+  def out_update(p, m, new_m, u):
+    if m is None:
+      return u  # No copy: the param trains as under inner alone.
+    # Exact in the master dtype (see docs/precision.md), so p + u lands on
+    # the rounded master value.
+    target = new_m.astype(p.dtype).astype(m.dtype)
+    return target - p.astype(m.dtype)
+
+  master = state.master_params
+  master_out = jax.tree.map(new_master, params, master, inner_updates)
+  updates_out = jax.tree.map(
+      out_update, params, master, master_out, inner_updates)
+  return updates_out, state._replace(master_params=master_out)
+
+
+def _kahan_write(params, state, inner_params, inner_updates):
+  """Each new value rounded to nearest; what rounding took is kept for the
+  next step."""
+
+  def write(p, c, x, u):
+    if c is None:
+      return u, None
+    fmt = _FORMATS[np.dtype(p.dtype)]
+    target = x + u
+    new_p = _round_half_up(target, fmt)
+    return new_p - p.astype(_F32), _compensation(target - new_p, new_p, fmt)
+
+  pairs = jax.tree.map(write, params, state.compensation, inner_params,
+                       inner_updates)
+  updates_out = jax.tree.map(lambda _, pair: pair[0], params, pairs)
+  compensation = jax.tree.map(lambda _, pair: pair[1], params, pairs)
+  return updates_out, state._replace(compensation=compensation)
+
+
+def _stochastic_write(params, state, inner_params, inner_updates):
+  """Each new value rounded up or down at random, unbiased."""
+  key, step_key = jax.random.split(jax.random.wrap_key_data(state.rng_key))
+  leaves, treedef = jax.tree.flatten(params)
+  xs = treedef.flatten_up_to(inner_params)
+  us = treedef.flatten_up_to(inner_updates)
+  out = []
+  for index, (p, x, u) in enumerate(zip(leaves, xs, us)):
+    if not _rounded(p):
+      out.append(u)
+      continue
+    # One stream per leaf; within a leaf, jax.random's bits depend on the
+    # element's index only (jax_threefry_partitionable), so each shard of a
+    # sharded param draws its own bits and no result depends on the sharding.
+    bits_key = jax.random.fold_in(step_key, index)
+    new_p = _round_stochastically(x + u, _FORMATS[np.dtype(p.dtype)],
+                                  bits_key)
+    out.append(new_p - p.astype(_F32))
+  return treedef.unflatten(out), state._replace(
+      rng_key=jax.random.key_data(key))
+
+
+# -- rounding to bfloat16/float16 in float32 arithmetic --------------------------
+#
+# Every value below is a float32 array. The params' dtype enters only as its
+# format (significand bits, smallest normal exponent): the representable
+# values between 2**e and 2**(e + 1) are the multiples of the spacing
+# 2**(max(e, emin) - bits) there, so rounding is a division by a power of two,
+# a floor or round, and a multiplication back, all exact in float32.
+
+
+def _pow2(k: jax.Array) -> jax.Array:
+  """``2.0**k`` in float32 for int32 ``k`` in [-126, 127], built from bits."""
+  return lax.bitcast_convert_type(lax.shift_left(k + 127, 23), jnp.float32)
+
+
+def _spacing(x: jax.Array, fmt: tuple[int, int],
+             toward_zero: jax.Array | None = None) -> jax.Array:
+  """The spacing of the format's values around float32 ``x``.
+
+  Between 2**e and 2**(e + 1) (in magnitude) it is 2**(max(e, emin) - bits).
+  With ``toward_zero`` (where True), for an ``x`` that is itself a normal
+  power of two: the spacing just below it (half as large).
+  """
+  bits, emin = fmt
+  magnitude = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+  exponent = jnp.maximum(lax.shift_right_logical(magnitude, 23) - 127, emin)
+  k = exponent - bits
+  if toward_zero is not None:
+    power_of_two = ((magnitude & 0x7FFFFF) == 0) & (exponent > emin)
+    k = k - (toward_zero & power_of_two).astype(jnp.int32)
+  # Not below float32's smallest normal: the spacing of bfloat16's subnormals
+  # (2**-133) is itself subnormal, and flushed to zero where the hardware
+  # flushes subnormals (XLA:CPU). Below 2**-119 bfloat16 params are rounded on
+  # the coarser grid of 2**-126.
+  return _pow2(jnp.maximum(k, -126))
+
+
+def _round_half_up(x: jax.Array, fmt: tuple[int, int]) -> jax.Array:
+  """``x`` rounded to the nearest value of the format, ties upwards.
+
+  Ties go up (not to even) so that what rounding takes, ``x`` minus the
+  result, lies in [-spacing/2, spacing/2): an int16 count of 2**-16 of the
+  spacing holds it.
+  """
+  s = _spacing(x, fmt)
+  return jnp.where(jnp.isfinite(x), jnp.floor(x / s + 0.5) * s, x)
+
+
+def _round_stochastically(x: jax.Array, fmt: tuple[int, int],
+                          key: jax.Array) -> jax.Array:
+  """``x`` rounded to its neighbour below or above in the format, the one
+  above with probability (x - below) / spacing: unbiased."""
+  s = _spacing(x, fmt)
+  q = x / s
+  below = jnp.floor(q)
+  # u has 23 random bits; q - below has at most 16 (bfloat16) or 13 (float16)
+  # fraction bits, so P(u < q - below) is exactly q - below.
+  u = jax.random.uniform(key, x.shape, jnp.float32)
+  rounded = (below + (u < q - below).astype(jnp.float32)) * s
+  return jnp.where(jnp.isfinite(x), rounded, x)
+
+
+def _side_spacing(p: jax.Array, error: jax.Array,
+                  fmt: tuple[int, int]) -> jax.Array:
+  """The spacing on the side of ``p`` (a value of the format) where
+  ``p + error`` lies."""
+  toward_zero = ((error < 0) & (p > 0)) | ((error > 0) & (p < 0))
+  return _spacing(p, fmt, toward_zero)
+
+
+def _compensation(error: jax.Array, p: jax.Array,
+                  fmt: tuple[int, int]) -> jax.Array:
+  """``error`` (|error| <= half the spacing at ``p``) as an int16 count of
+  2**-16 of the spacing on its side of ``p``: exact for bfloat16 params,
+  whose float32 neighbourhood has 16 more significand bits."""
+  units = jnp.round(error / _side_spacing(p, error, fmt) * _COMPENSATION_UNITS)
+  units = jnp.where(jnp.isfinite(units), units, 0.0)
+  # Within int16 by construction (ties round up); the clip only guards the
+  # float16 subnormals, where the error is not a whole number of units.
+  return jnp.clip(units, -(2.0**15), 2.0**15 - 1).astype(_COMPENSATION_DTYPE)
+
+
+def _compensated(p: jax.Array, c: jax.Array) -> jax.Array:
+  """A Kahan param in float32: the param plus its compensation."""
+  fmt = _FORMATS[np.dtype(p.dtype)]
+  wide = p.astype(_F32)
+  units = c.astype(_F32)
+  return wide + units / _COMPENSATION_UNITS * _side_spacing(wide, units, fmt)
 
 
 def get_master_params(opt_state: Any, params: Any) -> Any:
@@ -254,7 +575,11 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
 
   The :class:`MasterWeightsState` may sit anywhere inside ``opt_state``: at the
   top, inside ``loss_scaling``, ``optax.chain``, ``optax.MultiSteps``,
-  ``optax.inject_hyperparams``, dicts or named tuples.
+  ``optax.inject_hyperparams``, dicts or named tuples. What it returns for
+  each half-precision param depends on the method: the master copy
+  (``"copy"``), the param plus its compensation in float32 (``"kahan"``: the
+  value a master copy would hold), or the param itself
+  (``"stochastic_rounding"`` keeps nothing more precise).
 
   Args:
     opt_state: the state of an optimizer built with :func:`master_weights`.
@@ -262,14 +587,14 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
       the master dtype, or not floating -- are returned as they are).
 
   Returns:
-    The params' tree with the master copy where one is kept (in the master
-    dtype) and ``params``' own leaves elsewhere. Evaluate or export from these
-    rather than from the rounded half-precision params.
+    The params' tree with the full-precision values where the state keeps
+    them (in the master dtype) and ``params``' own leaves elsewhere. Evaluate
+    or export from these rather than from the rounded half-precision params.
 
   Raises:
-    ValueError: if the state holds no master copy, or more than one (then pass
-      the sub-state you mean), or ``params`` does not have the structure of
-      the params the state was made for.
+    ValueError: if the state holds no master weights, or more than one (then
+      pass the sub-state you mean), or ``params`` does not have the structure
+      of the params the state was made for.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -279,22 +604,26 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
     >>> jmp_lite.get_master_params(opt.init(params), params)["w"]
     Array([1., 1.], dtype=float32)
   """
-  found = tree_lib.find(opt_state, MasterWeightsState, "master_params")
-  if not found:
+  fields = ("master_params", "compensation", "rng_key")
+  found = [tree_lib.find(opt_state, MasterWeightsState, f) for f in fields]
+  if not found[0]:
     raise ValueError(
         "get_master_params found no master weights in the optimizer state "
         f"(a {type(opt_state).__name__}). Build the optimizer with "
         "jmp_lite.master_weights(inner) and pass the state its init returned."
     )
-  if len(found) > 1:
+  if len(found[0]) > 1:
     raise ValueError(
-        f"get_master_params found {len(found)} master-weights states in the "
-        "optimizer state, so which one to return is ambiguous. Pass the "
+        f"get_master_params found {len(found[0])} master-weights states in "
+        "the optimizer state, so which one to return is ambiguous. Pass the "
         "sub-state of the optimizer you mean."
     )
-  master = found[0]
+  state = MasterWeightsState(None, *(values[0] for values in found))
+  if state.rng_key is not None:
+    # Stochastic rounding keeps nothing more precise than the params.
+    return params
   try:
-    return _inner_params(params, master)
+    return _inner_params(params, state)
   except ValueError as err:
     raise ValueError(
         "get_master_params: params must have the structure of the params "
@@ -363,15 +692,17 @@ def with_state_dtype(
     )
 
   def init_fn(params):
+    checks.no_fp8_state(params, "jmp_lite.with_state_dtype")
     _check_enabled(store_dtype, f"{owner}'s dtype")
     state = inner.init(params)
     _refuse_loss_scaling_inside(state, owner)
     if tree_lib.find(state, MasterWeightsState, "master_params"):
       raise ValueError(
-          f"{owner} wraps an optimizer containing master_weights, so the "
-          f"float32 master copy would be stored in {store_dtype.name} too. "
-          "Put it inside instead: master_weights(with_state_dtype(inner, "
-          f"jnp.{store_dtype.name}))."
+          f"{owner} wraps an optimizer containing master_weights, which "
+          "must see the params in their own dtype (and, with method='copy', "
+          f"whose float32 master copy would be stored in {store_dtype.name} "
+          "too). Put it inside instead: "
+          f"master_weights(with_state_dtype(inner, jnp.{store_dtype.name}))."
       )
     return store(state)
 
