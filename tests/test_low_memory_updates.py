@@ -34,42 +34,23 @@ from jmp_lite._src.master_weights import MasterWeightsState
 
 from helpers import all_eqns
 from helpers import assert_bit_identical
+# The dtypes, the inner optimizers and the small model's params that the
+# master-copy tests use too.
+from test_master_weights import _params
+from test_master_weights import HALF
+from test_master_weights import INNERS
+from test_master_weights import JIT
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(jnp.float32)
-HALF = [pytest.param(BF16, id="bf16"), pytest.param(F16, id="f16")]
-JIT = [pytest.param(False, id="eager"), pytest.param(True, id="jit")]
 LOW_MEMORY = ["stochastic_rounding", "kahan"]
 SR = "stochastic_rounding"
 
 standard_promotion = pytest.mark.standard_promotion
 
-# optax's adam family computes `float ** int32` and needs standard promotion.
-INNERS = [
-    pytest.param(lambda: optax.sgd(0.05), id="sgd"),
-    pytest.param(lambda: optax.sgd(0.05, momentum=0.9), id="sgd_momentum"),
-    pytest.param(lambda: optax.adam(1e-2), id="adam", marks=standard_promotion),
-    pytest.param(lambda: optax.adamw(1e-2, weight_decay=0.1), id="adamw",
-                 marks=standard_promotion),
-    pytest.param(lambda: optax.lion(1e-3), id="lion"),
-    pytest.param(lambda: optax.adafactor(1e-2), id="adafactor"),
-    pytest.param(lambda: optax.chain(optax.clip_by_global_norm(1.0),
-                                     optax.adam(1e-2)),
-                 id="clip_adam", marks=standard_promotion),
-]
-
 
 # -- helpers -------------------------------------------------------------------
-
-
-def _params(dtype, seed=0):
-  rng = np.random.default_rng(seed)
-  return {
-      "w": jnp.asarray(rng.normal(scale=0.5, size=(8, 6)), dtype),
-      "b": jnp.asarray(rng.normal(scale=0.5, size=(6,)), dtype),
-      "s": jnp.asarray(0.3, dtype),
-  }
 
 
 def _grad_sequence(steps, seed=5):
