@@ -52,9 +52,10 @@ CPU machine takes the native path, and the CPU program contains none of it.
 Two consequences of the native path: ``jax.export`` refuses its custom call
 unless given ``disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
 "__op$block_scaled_dot")]`` (the target has no compatibility guarantee), and
-a program lowered for several platforms at once (``platforms=["cpu",
-"cuda"]``) cannot be lowered with it, since JAX has no CPU rule for
-``scaled_matmul``: use ``native_mx=False`` there.
+with jax < 0.12 a program lowered for several platforms at once
+(``platforms=["cpu", "cuda"]``) cannot be lowered with it, since those
+versions have no CPU rule for ``scaled_matmul``: use ``native_mx=False``
+there (jax 0.12 lowers it, the custom call in the CUDA branch only).
 
 **Delayed scaling** (``config.scaling="delayed"``, per tensor): the caller
 passes ``scales=DelayedScales(lhs, rhs, grad)``, float32 scalars computed from
