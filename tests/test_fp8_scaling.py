@@ -375,6 +375,16 @@ def _jax_mx(x, fmt):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_mx_bitwise_equal_to_jax_quantizer(dtype, fmt):
+  # JAX's quantizer ends in a bare float32 -> float8 cast, which jaxlib
+  # 0.10.0's XLA:CPU rounds twice (a value just above a midpoint comes out
+  # one code low); jmp_lite rounds on the format's grid itself (checked
+  # against the exact reference below), so there the two cannot agree.
+  dt, above_midpoint, upper = {"e4m3": (jnp.float8_e4m3fn, 1.0625, 1.125),
+                               "e5m2": (jnp.float8_e5m2, 1.125, 1.25)}[fmt]
+  probe = jnp.asarray(np.float32(above_midpoint * (1 + 2.0**-20)))
+  if float(jax.jit(lambda v: v.astype(dt))(probe).astype(jnp.float32)) != upper:
+    pytest.skip(f"this jaxlib ({jax.__version__}) rounds float32 -> {fmt} "
+                "twice, and JAX's quantizer with it")
   x = _mx_data(dtype, seed=21)
   jax_values, jax_scales = _jax_mx(x, fmt)
   q, back = _quantize(x, fmt, "mxfp8")

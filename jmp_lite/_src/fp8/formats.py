@@ -28,6 +28,7 @@ import dataclasses
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -175,7 +176,32 @@ quantize`) divide by a scale first, and map infinite inputs to NaN instead,
   # ``fmt.max`` is exact in bfloat16, float16 and float32, so the clip can run
   # in x's own dtype. jnp.clip keeps NaN.
   hi = jnp.asarray(fmt.max, x.dtype)
-  return jnp.clip(x, -hi, hi).astype(fmt.dtype)
+  return encode(jnp.clip(x, -hi, hi), fmt)
+
+
+def encode(x: jax.Array, fmt: Fp8Format) -> jax.Array:
+  """``x`` (within ``±fmt.max``, or NaN) in ``fmt``'s dtype, rounded to
+  nearest, ties to even.
+
+  The rounding is done here, in float32 arithmetic on the format's grid (a
+  multiplication by a power of two, a round, a multiplication back: all
+  exact), and the cast that follows only re-encodes a representable value.
+  A bare float32 -> float8 cast is not relied on to round: jaxlib 0.10.0's
+  XLA:CPU rounds it twice (through a narrower float), so values just above a
+  midpoint came out one code low.
+  """
+  x = x.astype(_F32)
+  bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+  exponent = jnp.maximum(lax.shift_right_logical(bits, 23) - 127,
+                         int(np.log2(fmt.min_normal)))
+  # The spacing of the format's values around x, 2**(exponent - mantissa
+  # bits), and its inverse, built from their exponent bits (both normal
+  # float32 values for every exponent the formats have).
+  def pow2(k):
+    return lax.bitcast_convert_type(lax.shift_left(k + 127, 23), _F32)
+  k = exponent - fmt.mantissa_bits
+  rounded = jnp.round(x * pow2(-k)) * pow2(k)
+  return jnp.where(jnp.isnan(x), x, rounded).astype(fmt.dtype)
 
 
 # ---------------------------------------------------------------------------

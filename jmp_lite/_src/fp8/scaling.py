@@ -318,7 +318,7 @@ def _cast_scaled(x32, scale_full, fmt):
   hi = jnp.asarray(fmt.max, _F32)
   y = jnp.clip(x32 / scale_full, -hi, hi)
   y = jnp.where(jnp.isinf(x32), jnp.asarray(np.nan, _F32), y)
-  return y.astype(fmt.dtype)
+  return formats_lib.encode(y, fmt)
 
 
 def quantize_blocks(x: jax.Array, fmt: formats_lib.Fp8Format,
@@ -388,7 +388,8 @@ def quantize_mx_last(x: jax.Array, fmt: formats_lib.Fp8Format) -> Quantized:
   reciprocal = formats_lib.e8m0_reciprocal(codes)
   hi = jnp.asarray(fmt.max, _F32)
   y = jnp.clip(blocks.astype(_F32) * reciprocal[..., None], -hi, hi)
-  values = y.astype(fmt.dtype).reshape(*lead, nb * MX_BLOCK_SIZE)[..., :k]
+  values = formats_lib.encode(y, fmt).reshape(
+      *lead, nb * MX_BLOCK_SIZE)[..., :k]
   scale = jax.lax.bitcast_convert_type(codes, formats_lib.E8M0_DTYPE)
   return Quantized(values, scale, amax.astype(_F32),
                    (1,) * len(lead) + (MX_BLOCK_SIZE,))
