@@ -22,6 +22,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jmp_lite._src import compat
 
@@ -174,3 +175,13 @@ def assert_finite_figures(runs, numbers, steps):
       assert is_finite_number(run[key]), (name, key, run[key])
     assert len(run["loss_history"]) == steps, name
     assert len(run["loss_scale_history"]) == steps, name
+
+
+def orbax_round_trip(tree, path):
+  """``tree`` saved with orbax's ``StandardCheckpointer`` at ``path`` and
+  restored into its own structure (abstract target); skips without orbax."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(path, tree)
+    checkpointer.wait_until_finished()
+    return checkpointer.restore(path, jax.eval_shape(lambda: tree))

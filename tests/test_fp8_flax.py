@@ -17,6 +17,7 @@ import jmp_lite
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
 
+from helpers import orbax_round_trip
 from test_fp8_policy import assert_no_host_calls
 from test_fp8_policy import cuda_ops
 from test_fp8_policy import cuda_program
@@ -284,17 +285,7 @@ def test_linen_state_checkpoint_round_trip(tmp_path):
   model, variables = linen_model(DELAYED)
   _, updates = model.apply(variables, X, mutable=["fp8_state"])
   variables = {**variables, **updates}
-  try:
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    restored = jax.tree.unflatten(jax.tree.structure(variables),
-                                  [np.asarray(a) for a in
-                                   jax.tree.leaves(variables)])
-  else:
-    with ocp.StandardCheckpointer() as checkpointer:
-      checkpointer.save(tmp_path / "ckpt", variables)
-      checkpointer.wait_until_finished()
-      restored = checkpointer.restore(tmp_path / "ckpt", variables)
+  restored = orbax_round_trip(variables, tmp_path / "ckpt")
   jax.tree.map(np.testing.assert_array_equal, restored, variables)
   np.testing.assert_array_equal(model.apply(restored, X),
                                 model.apply(variables, X))

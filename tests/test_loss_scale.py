@@ -18,6 +18,8 @@ import pytest
 
 import jmp_lite
 
+from helpers import orbax_round_trip
+
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(jnp.float32)
@@ -396,17 +398,10 @@ def test_pickle_round_trip(make):
 
 
 def test_orbax_checkpoint_round_trip(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
   tree = {"scale": _configured(), "step": jnp.int32(7)}
   tree["scale"] = tree["scale"].adjust(jnp.array(True))
-  path = tmp_path / "ckpt"
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(path, tree)
-  checkpointer.wait_until_finished()
   # The config lives in the treedef, so it comes back with the target tree.
-  target = jax.eval_shape(lambda: tree)
-  restored = checkpointer.restore(path, target)
-  checkpointer.close()
+  restored = orbax_round_trip(tree, tmp_path / "ckpt")
   scale = restored["scale"]
   assert type(scale) is jmp_lite.DynamicLossScale
   assert _config(scale) == (5, 4.0, 2.0, 2.0**20)

@@ -34,6 +34,7 @@ from jmp_lite._src.master_weights import MasterWeightsState
 
 from helpers import all_eqns
 from helpers import assert_bit_identical
+from helpers import orbax_round_trip
 # The dtypes, the inner optimizers and the small model's params that the
 # master-copy tests use too.
 from test_master_weights import _params
@@ -628,14 +629,9 @@ def test_pickle_round_trip(method):
 
 @pytest.mark.parametrize("method", LOW_MEMORY)
 def test_orbax_checkpoint_round_trip(method, tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
   opt, params, state = _trained(method)
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
-  checkpointer.wait_until_finished()
-  target = jax.eval_shape(lambda: {"params": params, "opt_state": state})
-  restored = checkpointer.restore(tmp_path / "ckpt", target)
-  checkpointer.close()
+  restored = orbax_round_trip({"params": params, "opt_state": state},
+                              tmp_path / "ckpt")
   assert_bit_identical(restored["opt_state"], state)
   grads = jax.tree.map(lambda g: g.astype(BF16), _grad_sequence(1)[0])
   assert_bit_identical(opt.update(grads, restored["opt_state"], params),

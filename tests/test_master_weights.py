@@ -33,6 +33,7 @@ from helpers import assert_bit_identical
 from helpers import assert_exited_cleanly
 from helpers import ROOT
 from helpers import run_example
+from helpers import orbax_round_trip
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -699,14 +700,9 @@ def test_pickle_round_trip():
 
 
 def test_orbax_checkpoint_round_trip(tmp_path):
-  ocp = pytest.importorskip("orbax.checkpoint")
   opt, params, state = _trained_state()
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
-  checkpointer.wait_until_finished()
-  target = jax.eval_shape(lambda: {"params": params, "opt_state": state})
-  restored = checkpointer.restore(tmp_path / "ckpt", target)
-  checkpointer.close()
+  restored = orbax_round_trip({"params": params, "opt_state": state},
+                              tmp_path / "ckpt")
   assert_bit_identical(restored["opt_state"], state)
   assert_bit_identical(restored["params"], params)
   assert isinstance(restored["opt_state"].inner_state, MasterWeightsState)
