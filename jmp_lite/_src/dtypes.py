@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
@@ -196,3 +197,29 @@ def at_least_f32(dtype: Any) -> np.dtype:
   """
   dtype = np.dtype(dtype)
   return dtype if dtype == np.float64 else FLOAT32
+
+
+# -- the value grid of a narrower float format, in float32 arithmetic -----------
+#
+# The values of a float format with ``mantissa_bits`` explicit bits and
+# smallest normal ``2**min_exponent`` between 2**e and 2**(e + 1) are the
+# multiples of 2**(max(e, min_exponent) - mantissa_bits). Rounding a float32
+# value to the format is then a multiplication by a power of two, a round
+# (or floor), and a multiplication back, all exact; master_weights' low-memory
+# updates (bfloat16, float16) and the float8 encodings round so.
+
+
+def pow2(k: jax.Array) -> jax.Array:
+  """``2.0**k`` in float32 for int32 ``k`` in [-126, 127], built from bits."""
+  return lax.bitcast_convert_type(lax.shift_left(k + 127, 23), jnp.float32)
+
+
+def spacing_exponent(x: jax.Array, mantissa_bits: int,
+                     min_exponent: int) -> jax.Array:
+  """``k`` (int32) such that ``2.0**k`` is the spacing of the format's values
+  around float32 ``x`` (for a power of two, the spacing above it)."""
+  magnitude = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+  exponent = jnp.maximum(lax.shift_right_logical(magnitude, 23) - 127,
+                         min_exponent)
+  return exponent - mantissa_bits
+

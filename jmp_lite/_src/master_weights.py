@@ -484,15 +484,8 @@ def _stochastic_write(params, state, inner_params, inner_updates):
 # -- rounding to bfloat16/float16 in float32 arithmetic --------------------------
 #
 # Every value below is a float32 array. The params' dtype enters only as its
-# format (significand bits, smallest normal exponent): the representable
-# values between 2**e and 2**(e + 1) are the multiples of the spacing
-# 2**(max(e, emin) - bits) there, so rounding is a division by a power of two,
-# a floor or round, and a multiplication back, all exact in float32.
-
-
-def _pow2(k: jax.Array) -> jax.Array:
-  """``2.0**k`` in float32 for int32 ``k`` in [-126, 127], built from bits."""
-  return lax.bitcast_convert_type(lax.shift_left(k + 127, 23), jnp.float32)
+# format (significand bits, smallest normal exponent), and rounding is on its
+# grid, exact in float32 (dtypes.spacing_exponent says how).
 
 
 def _spacing(x: jax.Array, fmt: tuple[int, int],
@@ -504,17 +497,16 @@ def _spacing(x: jax.Array, fmt: tuple[int, int],
   power of two: the spacing just below it (half as large).
   """
   bits, emin = fmt
-  magnitude = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
-  exponent = jnp.maximum(lax.shift_right_logical(magnitude, 23) - 127, emin)
-  k = exponent - bits
+  k = dtypes.spacing_exponent(x, bits, emin)
   if toward_zero is not None:
-    power_of_two = ((magnitude & 0x7FFFFF) == 0) & (exponent > emin)
+    magnitude = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
+    power_of_two = ((magnitude & 0x7FFFFF) == 0) & (k + bits > emin)
     k = k - (toward_zero & power_of_two).astype(jnp.int32)
   # Not below float32's smallest normal: the spacing of bfloat16's subnormals
   # (2**-133) is itself subnormal, and flushed to zero where the hardware
   # flushes subnormals (XLA:CPU). Below 2**-119 bfloat16 params are rounded on
   # the coarser grid of 2**-126.
-  return _pow2(jnp.maximum(k, -126))
+  return dtypes.pow2(jnp.maximum(k, -126))
 
 
 def _round_half_up(x: jax.Array, fmt: tuple[int, int]) -> jax.Array:

@@ -28,11 +28,11 @@ import dataclasses
 from typing import Any
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import checks
+from jmp_lite._src import dtypes
 
 _F32 = np.dtype(np.float32)
 _U32 = np.dtype(np.uint32)
@@ -191,16 +191,10 @@ def encode(x: jax.Array, fmt: Fp8Format) -> jax.Array:
   midpoint came out one code low.
   """
   x = x.astype(_F32)
-  bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)
-  exponent = jnp.maximum(lax.shift_right_logical(bits, 23) - 127,
-                         int(np.log2(fmt.min_normal)))
-  # The spacing of the format's values around x, 2**(exponent - mantissa
-  # bits), and its inverse, built from their exponent bits (both normal
-  # float32 values for every exponent the formats have).
-  def pow2(k):
-    return lax.bitcast_convert_type(lax.shift_left(k + 127, 23), _F32)
-  k = exponent - fmt.mantissa_bits
-  rounded = jnp.round(x * pow2(-k)) * pow2(k)
+  # The spacing of the format's values around x is 2**k (see dtypes).
+  k = dtypes.spacing_exponent(x, fmt.mantissa_bits,
+                              int(np.log2(fmt.min_normal)))
+  rounded = jnp.round(x * dtypes.pow2(-k)) * dtypes.pow2(k)
   return jnp.where(jnp.isnan(x), x, rounded).astype(fmt.dtype)
 
 
