@@ -142,6 +142,47 @@ def integer(x: Any, what: str, owner: str, low: int = 0,
   return int(value)
 
 
+#: The largest delayed-scaling margin (``Fp8Config.margin``, the scaling
+#: functions' ``margin``).
+FP8_MARGIN_MAX = 64
+
+#: What a float8 scale's margin is, and why it is a whole number in [0, 64].
+FP8_MARGIN_RANGE = (
+    "margin is headroom in powers of two: each scale is multiplied by "
+    "2**margin, so values that grow between the step whose amax made the "
+    "scale and the step that uses it still fit below the format's largest "
+    "number. It must be a whole number from 0 to 64: a negative margin "
+    "shrinks the scale below amax / format max and clips (saturates) the "
+    "largest values, e.g. the biggest products of a matmul; a fractional one "
+    "breaks the exact power-of-two scales; and no float8 format spans more "
+    "than about 32 powers of two (e4m3: 2**-9 to 448, e5m2: 2**-16 to 57344), "
+    "so a margin above that flushes every value to zero, and a larger one "
+    "pushes the scale out of float32's range (margin=200 gives infinite "
+    "scales and NaN outputs). Transformer Engine "
+    "uses 0 by default; 1 or 2 give headroom for growing activations."
+)
+
+
+def fp8_margin(x: Any, owner: str, what: str = "margin") -> int:
+  """A float8 scale's margin: a whole number in ``[0, FP8_MARGIN_MAX]``,
+  returned as an int (a whole float such as ``1.0`` is accepted)."""
+  if is_bool(x) or not (is_real_number(x) or (
+      is_array(x) and np.ndim(x) == 0 and is_concrete(x)
+      and np.issubdtype(np.asarray(x).dtype, np.number))):
+    raise TypeError(
+        f"{owner}: {what} must be a whole number from 0 to {FP8_MARGIN_MAX}, "
+        f"got {_shown(x)}. {FP8_MARGIN_RANGE}")
+  if _is_complex(x):
+    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
+  value = float(x)
+  if not (math.isfinite(value) and value.is_integer()
+          and 0 <= value <= FP8_MARGIN_MAX):
+    raise ValueError(
+        f"{owner}: {what}={x!r} is not a whole number from 0 to "
+        f"{FP8_MARGIN_MAX}. {FP8_MARGIN_RANGE}")
+  return int(value)
+
+
 def choice(x: Any, what: str, owner: str, valid: Sequence[str],
            help_text: str = "", aliases: Mapping[str, str] | None = None) -> str:
   """One of ``valid`` names (case and surrounding space ignored; ``aliases``
