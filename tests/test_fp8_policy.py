@@ -169,8 +169,26 @@ def test_delayed_defaults_and_matmul_context():
     ("m=fp9", ValueError, "Unknown matmul precision 'fp9'.*fp8, fp8_rowwise"),
     ("m=fp8(foo=1)", ValueError, "Unknown field 'foo'.*Fields: "),
     ("m=fp8_rowwise(margin)", ValueError, "Malformed entry 'margin'"),
-    ("m=fp8_rowwise(margin=1", ValueError, "Malformed float8 recipe"),
+    ("m=fp8_rowwise(margin=1", ValueError,
+     "'fp8_rowwise\\(margin=1' does not close its parenthesis"),
+    ("c=bf16,m=fp8_delayed(margin=1))", ValueError, "a '\\)' with no '\\('"),
     ("m=fp8(margin=1)", ValueError, "margin=1.*scaling='current'"),
+    # A field twice, or fields separated by ',': named, with the fix.
+    ("m=fp8_delayed(margin=1;margin=2)", ValueError,
+     "Field 'margin' is given twice.*margin=1, then margin=2.*once"),
+    ("m=fp8_delayed(margin=1,history_length=32)", ValueError,
+     "'fp8_delayed\\(margin=1,history_length=32\\)' separates its fields "
+     "with ','.*separated by ';'.*"
+     "'fp8_delayed\\(margin=1;history_length=32\\)'"),
+    ("c=bf16,m=fp8_delayed(margin=1, history_length=32),o=f32", ValueError,
+     "separated by ';'"),
+    # Margins: whole numbers from 0 to 64, with the reason.
+    ("m=fp8_delayed(margin=-1)", ValueError,
+     "margin=-1 is not a whole number from 0 to 64.*clips"),
+    ("m=fp8_delayed(margin=0.5)", ValueError, "margin=0.5 .*fractional"),
+    ("m=fp8_delayed(margin=1e9)", ValueError, "margin=1000000000.0 .*0 to 64"),
+    ("m=fp8_delayed(margin=200)", ValueError, "margin=200 .*NaN"),
+    ("m=fp8_delayed(margin=inf)", ValueError, "margin=inf .*0 to 64"),
     ("m=fp8_delayed(history_length=0)", ValueError, "history_length.*got 0"),
     ("m=fp8_delayed(amax_algorithm=mean)", ValueError, "'mean'.*'max'"),
     ("m=fp8_blockwise(block_size=100)", ValueError,

@@ -72,7 +72,7 @@ class MatmulRecipe:
   through this interface: ``jmp_lite.fp8.Fp8Config`` implements it. A recipe
   is immutable and hashable, and :meth:`spec` is its canonical text in the
   policy grammar (a name of :data:`FP8_RECIPES`, or such a name with the
-  fields that differ: ``"fp8_rowwise(margin=1)"``).
+  fields that differ: ``"fp8_delayed(margin=1)"``).
   """
 
   def spec(self) -> str:
@@ -155,13 +155,15 @@ def _matmul_precision(value: Any, compute_dtype: Any) -> "str | MatmulRecipe | N
         "jmp_lite.fp8.Fp8Config, got "
         f"{type(value).__name__}: {value!r}."
     )
-  name = "".join(value.split()).lower()
+  compact = "".join(value.split())
+  name = compact.lower()
   if name == "default":
     return None
   if name in FP8_RECIPES:
     return _fp8_recipe(name, compute)
   if "(" in name:
-    return _fp8_recipe(_parse_recipe(name), compute)
+    # The recipe's fields keep their case (axis names are case-sensitive).
+    return _fp8_recipe(_parse_recipe(compact), compute)
   name = _PRECISION_ALIASES.get(name, name)
   if name in _JAX_PRECISION:
     if compute != dtypes.FLOAT32:
@@ -178,7 +180,7 @@ def _matmul_precision(value: Any, compute_dtype: Any) -> "str | MatmulRecipe | N
         f"Unknown matmul precision {value!r}. Valid: {', '.join(MATMUL_PRECISIONS)}"
         " (tf32/f32/bf16 for float32 compute; the others are "
         "jax.lax.DotAlgorithmPreset names), 'default', or a float8 recipe: "
-        f"{', '.join(FP8_RECIPES)} (custom: 'fp8_rowwise(margin=1)' or a "
+        f"{', '.join(FP8_RECIPES)} (custom: 'fp8_delayed(margin=1)' or a "
         "jmp_lite.fp8.Fp8Config; see docs/fp8.md)."
     )
   supported = preset.supported_lhs_types or ()
@@ -349,18 +351,61 @@ def _spec_error(spec: str, problem: str) -> ValueError:
   )
 
 
+def _split_entries(spec: str, text: str) -> list[str]:
+  """Splits ``text`` at the commas outside a recipe's parentheses."""
+  parts, depth, start = [], 0, 0
+  for i, char in enumerate(text):
+    if char == "(":
+      depth += 1
+    elif char == ")":
+      depth -= 1
+      if depth < 0:
+        raise _spec_error(spec, f"it has a ')' with no '(' before it at "
+                          f"{text[start:i + 1]!r}")
+    elif char == "," and depth == 0:
+      parts.append(text[start:i])
+      start = i + 1
+  parts.append(text[start:])
+  return parts
+
+
+def _recipe_entry_error(spec: str, value: str) -> ValueError | None:
+  """The error of a recipe value with unbalanced parentheses or fields
+  separated by ``,``; None if it has neither."""
+  if value.count("(") != value.count(")"):
+    return _spec_error(
+        spec, f"the float8 recipe {value!r} does not close its parenthesis: "
+        "write name(field=value;...), e.g. "
+        "'m=fp8_delayed(margin=1;history_length=32)'")
+  if "," in value:
+    return _spec_error(
+        spec, f"the float8 recipe {value!r} separates its fields with ','. "
+        "Fields inside a recipe are separated by ';' (',' separates the "
+        f"policy's keys): write {value.replace(',', ';')!r}")
+  return None
+
+
 def _parse_pairs(spec: str, text: str) -> dict[str, tuple[str, str]]:
   """``"p=f32,c=f16"`` -> ``{"param_dtype": ("p", "f32"), ...}`` (key, value).
 
-  A custom float8 recipe's fields sit in parentheses, separated by ``;``:
-  ``"c=bf16,m=fp8_rowwise(margin=1;history_length=32)"``.
+  Keys are lowercased, and values but for a custom float8 recipe's fields,
+  which sit in parentheses, separated by ``;``:
+  ``"c=bf16,m=fp8_delayed(margin=1;history_length=32)"`` (their values keep
+  their case: axis names are case-sensitive).
   """
   chosen: dict[str, tuple[str, str]] = {}
-  for raw_part in text.split(","):
+  for raw_part in _split_entries(spec, text):
     part = raw_part.strip()
     if not part:
       raise _spec_error(spec, "it has an empty entry (a stray comma?)")
     key, _, value = (s.strip() for s in part.partition("="))
+    key = key.lower()
+    head, paren, fields = value.partition("(")
+    value = head.lower() + paren + fields
+    if paren:
+      error = _recipe_entry_error(spec, value)
+      if error is not None:
+        raise error
     if "=" not in part or ("=" in value and "(" not in value):
       raise _spec_error(spec, f"entry {part!r} is not a single key=value pair")
     if key not in _KEYS:
@@ -450,17 +495,19 @@ def get_policy(spec: str | Policy) -> Policy:
         "get_policy expects a spec string such as 'params=f32,compute=f16' or a"
         f" Policy, got {type(spec).__name__}: {spec!r}."
     )
-  text = spec.strip().lower()
+  text = spec.strip()
+  lowered = text.lower()
   if not text:
     raise _spec_error(spec, "it is empty")
-  if text in PRESETS:
-    return get_policy(PRESETS[text])
+  if lowered in PRESETS:
+    return get_policy(PRESETS[lowered])
   if "=" not in text:
-    dtype = _parse_dtype(spec, text, f"Unknown dtype or preset {text!r}")
+    dtype = _parse_dtype(spec, lowered,
+                         f"Unknown dtype or preset {lowered!r}")
     return Policy(dtype, dtype, dtype)
   if "(" in text:
-    # A custom float8 recipe: its parentheses hold no spaces or commas.
-    text = text.replace(" ", "")
+    # A custom float8 recipe: its parentheses hold no spaces.
+    text = "".join(text.split())
   chosen = _parse_pairs(spec, text)
   param = _dtype_of(spec, chosen, "param_dtype", dtypes.FLOAT32)
   compute = _dtype_of(spec, chosen, "compute_dtype", param)

@@ -11,13 +11,14 @@ and their fields are plain data in the policy layer
 (:data:`jmp_lite._src.policy.FP8_RECIPES`); :func:`recipe_config` turns a
 policy's matmul precision into its config, and :meth:`Fp8Config.spec` /
 :func:`from_spec` write and read a config in the grammar
-(``"fp8_rowwise(margin=1)"``).
+(``"fp8_delayed(margin=1)"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,8 @@ class Fp8Config(policy_lib.MatmulRecipe):
       positive multiple of 16); must be None for the other granularities.
     history_length: delayed scaling's amax history length (default 16).
     margin: delayed scaling's headroom in powers of two (default 0): scales
-      are multiplied by ``2**margin``.
+      are multiplied by ``2**margin``. A whole number from 0 to 64 (a
+      negative margin clips the largest values; why: ``docs/fp8.md``).
     amax_algorithm: delayed scaling's amax from its history, ``"max"``
       (default) or ``"most_recent"``.
     include_output_head: under a policy, also run the output head (the last
@@ -154,7 +156,7 @@ class Fp8Config(policy_lib.MatmulRecipe):
   power_of_two_scales: bool = True
   block_size: int | None = None
   history_length: int | None = None
-  margin: float = 0.0
+  margin: int = 0
   amax_algorithm: str | None = None
   include_output_head: bool = False
   include_batched: bool = False
@@ -219,16 +221,16 @@ class Fp8Config(policy_lib.MatmulRecipe):
           f"of 16. {BLOCK_SIZE_HELP}")
     return int(block_size)
 
-  def _delayed_fields(self, scaling: str) -> tuple[Any, float, Any]:
+  def _delayed_fields(self, scaling: str) -> tuple[Any, int, Any]:
     history, algorithm = self.history_length, self.amax_algorithm
-    margin = checks.static_number(self.margin, "margin", _OWNER)
+    margin = checks.fp8_margin(self.margin, _OWNER)
     if scaling != "delayed":
       if history is not None or algorithm is not None or margin != 0:
         raise ValueError(
             f"Fp8Config: history_length={history!r}, margin={self.margin!r}, "
             f"amax_algorithm={algorithm!r} with scaling='current'. "
             f"{DELAYED_ONLY_HELP}")
-      return None, 0.0, None
+      return None, 0, None
     history = DEFAULT_HISTORY_LENGTH if history is None else checks.integer(
         history, "history_length", _OWNER, low=1, high=2**20)
     algorithm = checks.choice(
@@ -248,7 +250,7 @@ class Fp8Config(policy_lib.MatmulRecipe):
     return formats_lib.get_format(self.gradient_format)
 
   def spec(self) -> str:
-    """The recipe in the policy grammar: ``"fp8_rowwise(margin=1)"``.
+    """The recipe in the policy grammar: ``"fp8_delayed(margin=1)"``.
 
     The named recipe with this granularity and scaling, followed by the
     fields that differ from it, in field order; ``from_spec`` (and
@@ -264,11 +266,21 @@ class Fp8Config(policy_lib.MatmulRecipe):
     return f"{name}({';'.join(changed)})" if changed else name
 
   def check_policy_use(self) -> None:
-    """Raises if the config cannot be a policy's recipe (a compute dtype)."""
+    """Raises if the config cannot be a policy's recipe: a compute dtype, or
+    an axis name the policy grammar cannot write."""
     if self.compute_dtype is not None:
       raise ValueError(
           f"{self.spec()}: compute_dtype="
           f"{np.dtype(self.compute_dtype).name}. {POLICY_COMPUTE_DTYPE}")
+    axis = getattr(self, "axis_name", None)
+    if axis is not None:
+      names = axis if isinstance(axis, tuple) else (axis,)
+      if not names or not all(
+          isinstance(n, str) and _AXIS_NAME.match(n) and n.lower() != "none"
+          for n in names):
+        raise ValueError(
+            f"Fp8Config(axis_name={axis!r}) cannot be written in the policy "
+            f"grammar. {AXIS_NAME_SPELLING}")
 
 
 def _base_name(granularity: str, scaling: str) -> str:
@@ -284,17 +296,51 @@ def _named(name: str) -> Fp8Config:
   return Fp8Config(**policy_lib.FP8_RECIPES[name])
 
 
+#: The recipe fields whose values keep their case in the grammar (names of
+#: mapped axes are case-sensitive); every other value is case-insensitive.
+_CASED_FIELDS = ("axis_name",)
+#: How the grammar writes a tuple of axis names: ``axis_name=(data|fsdp)``
+#: (``,`` separates a policy's keys and ``;`` a recipe's fields).
+_AXIS_SEPARATOR = "|"
+#: An axis name the grammar can write and read back.
+_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*\Z")
+
+AXIS_NAME_SPELLING = (
+    "In a policy, a recipe's axis_name is written in the policy grammar "
+    "(str(policy), read back by get_policy), so each axis name must be a "
+    "name such as 'batch' or 'data_parallel' (letters, digits, '_', '.', "
+    "'-'; not starting with a digit, and not 'none'); a tuple is written "
+    "axis_name=(data|fsdp). Rename the mesh axis, or pass the config to "
+    "jmp_lite.fp8.fp8_dot_general directly."
+)
+FIELD_SEPARATOR_HELP = (
+    "Fields inside a float8 recipe are separated by ';' (',' separates the "
+    "policy's keys)"
+)
+
+
 def _render(value: Any) -> str:
   if isinstance(value, bool):
     return "true" if value else "false"
+  if value is None:
+    return "none"
   if isinstance(value, float):
-    return f"{value:g}"
+    return repr(value)  # exact: float(repr(x)) == x
   if isinstance(value, np.dtype):
     return value.name
-  return str(value).lower()
+  if isinstance(value, tuple):
+    return f"({_AXIS_SEPARATOR.join(map(str, value))})"
+  return str(value)
 
 
-def _parse_value(text: str) -> Any:
+def _parse_value(key: str, text: str) -> Any:
+  if key in _CASED_FIELDS:
+    if text.lower() == "none":
+      return None
+    if text.startswith("(") and text.endswith(")"):
+      return tuple(text[1:-1].split(_AXIS_SEPARATOR))
+    return text
+  text = text.lower()
   if text in ("true", "false"):
     return text == "true"
   if text == "none":
@@ -322,30 +368,45 @@ def _spec_help() -> str:
                        if f.name != "compute_dtype"))
 
 
+def check_field_separators(text: str) -> None:
+  """Raises if a recipe's fields are separated by ``,`` instead of ``;``."""
+  _, paren, rest = text.partition("(")
+  if paren and "," in rest:
+    raise ValueError(
+        f"The float8 recipe {text!r} separates its fields with ','. "
+        f"{FIELD_SEPARATOR_HELP}: write "
+        f"{text.replace(',', ';')!r}.")
+
+
 @functools.lru_cache(maxsize=None)
 def from_spec(text: str) -> Fp8Config:
   """Reads a recipe written in the policy grammar (see :meth:`Fp8Config.spec`).
 
   Args:
-    text: ``"name"`` or ``"name(field=value;...)"``; case and whitespace are
-      ignored.
+    text: ``"name"`` or ``"name(field=value;...)"``; whitespace is ignored,
+      and case too but in axis names.
 
   Returns:
     The :class:`Fp8Config`.
 
   Raises:
-    ValueError: for an unknown name or field, or a malformed entry.
+    ValueError: for an unknown name or field, a field given twice, fields
+      separated by ``,``, or a malformed entry.
     TypeError: for a value of the wrong type (as :class:`Fp8Config` raises).
   """
-  compact = "".join(text.split()).lower()
+  compact = "".join(text.split())
   name, paren, rest = compact.partition("(")
+  name = name.lower()
   if name not in policy_lib.FP8_RECIPES or (paren and not rest.endswith(")")):
     raise ValueError(f"Malformed float8 recipe {text!r}. {_spec_help()}")
+  check_field_separators(compact)
   fields = dict(policy_lib.FP8_RECIPES[name])
   names = {f.name for f in dataclasses.fields(Fp8Config)} - {"compute_dtype"}
   body = rest[:-1]
+  given: dict[str, str] = {}
   for entry in body.split(";") if body else ():
     key, eq, value = entry.partition("=")
+    key = key.lower()
     if not eq or not key or not value:
       raise ValueError(
           f"Malformed entry {entry!r} in the float8 recipe {text!r}: write "
@@ -354,7 +415,12 @@ def from_spec(text: str) -> Fp8Config:
       raise ValueError(
           f"Unknown field {key!r} in the float8 recipe {text!r}. "
           f"{_spec_help()}")
-    fields[key] = _parse_value(value)
+    if key in given:
+      raise ValueError(
+          f"Field {key!r} is given twice in the float8 recipe {text!r} "
+          f"({given[key]}, then {entry}): give each field once.")
+    given[key] = entry
+    fields[key] = _parse_value(key, value)
   return Fp8Config(**fields)
 
 
