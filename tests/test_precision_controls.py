@@ -7,6 +7,7 @@ precision reaches every ``dot_general``/``convolution`` it covers, under
 """
 
 import re
+import warnings
 
 import flax.linen as nn
 from flax import nnx
@@ -16,8 +17,10 @@ import numpy as np
 import pytest
 
 import jmp_lite
+from jmp_lite import fp8
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
+from jmp_lite._src import policy as policy_lib
 
 F32 = np.dtype(jnp.float32)
 F16 = np.dtype(jnp.float16)
@@ -321,3 +324,85 @@ def test_in_float32_keeps_float64_and_non_floats():
     out = jmp_lite.in_float32(fn)(jnp.ones(2, jnp.float16), jnp.arange(2), "x")
   assert seen == {"a": F32, "n": np.dtype(jnp.int32)}
   assert out[0].dtype == F32 and out[2] == "x"
+
+
+# -- m= through a cast alone (jmp-API clients: Levanter, Haiku) ------------------
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+  """A fresh record of the policies already warned about."""
+  monkeypatch.setattr(policy_lib, "_WARNED_UNAPPLIED", set())
+
+
+def _caught(fn):
+  """The UserWarnings ``fn()`` emits (every one: no filter deduplicates)."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fn()
+  return [w for w in caught if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_casting_with_a_matmul_precision_warns_once_per_policy():
+  policy = jmp_lite.get_policy("p=f32,c=bf16,m=fp8")
+  x = {"w": jnp.ones((2, 2)), "n": jnp.arange(2)}
+  with pytest.warns(UserWarning) as record:
+    out = policy.cast_to_compute(x)
+  assert out["w"].dtype == BF16 and out["n"].dtype == np.int32
+  message = str(record[0].message)
+  for words in ("m=fp8 has no effect through Policy.cast_to_compute",
+                "'p=full,c=bf16,o=bf16,m=fp8'", "in float8",
+                "jmp_lite.with_policy(loss_fn, policy)",
+                "jmp_lite.autocast(loss_fn, policy)", "jmp_lite.linen",
+                "jmp_lite.nnx", "Levanter, Haiku, Equinox"):
+    assert words in message, (words, message)
+  assert len(record) == 1
+  # Once per policy value: not per call, method, trace, or spelling.
+  same = jmp_lite.Policy("f32", "bf16", "bf16",
+                         matmul_precision=fp8.Fp8Config())
+  assert not _caught(lambda: (
+      policy.cast_to_compute(x), policy.cast_to_param(x),
+      policy.cast_to_output(x), same.cast_to_compute(x),
+      jax.jit(policy.cast_to_compute)(x),
+      jax.jit(lambda t: policy.cast_to_output(t))(x)))
+  # Another policy with a matmul precision warns once on its own.
+  tf32 = jmp_lite.get_policy("tf32")
+  caught = _caught(lambda: (tf32.cast_to_param(x), tf32.cast_to_output(x)))
+  assert len(caught) == 1
+  assert "m=tf32 has no effect through Policy.cast_to_param" in str(
+      caught[0].message)
+  assert "at the tf32 precision" in str(caught[0].message)
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_plain_policies_and_the_library_routes_never_warn():
+  x = jnp.ones((16, 16))
+  params = {"w": jnp.ones((16, 16))}
+
+  def loss(params, x):
+    return jnp.sum(x @ params["w"])
+
+  class Net(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16)(x)
+
+  def routes(spec):
+    policy = jmp_lite.get_policy(spec)
+    jax.grad(jmp_lite.with_policy(loss, policy))(params, x)
+    jax.grad(jmp_lite.autocast(loss, policy))(params, x)
+    model = jlinen.apply_policy(Net(), policy)
+    variables = model.init(jax.random.key(0), x)
+    model.apply(variables, x)
+    jnnx.apply_policy(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), policy)(x)
+
+  for spec in ("mixed_float16", "bf16", "mixed_fp8", "tf32",
+               "c=f32,m=bf16_bf16_f32_x3"):
+    assert not _caught(lambda: routes(spec)), spec
+  for spec in ("mixed_bfloat16", "f16", "p=f32,c=f16,o=f32"):
+    policy = jmp_lite.get_policy(spec)
+    assert not _caught(lambda: (policy.cast_to_param(x),
+                                policy.cast_to_compute(x),
+                                policy.cast_to_output(x))), spec

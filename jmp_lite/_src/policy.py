@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, TypeVar
+import warnings
 
 import jax
 import numpy as np
@@ -262,15 +263,36 @@ class Policy:
         _matmul_precision(matmul_precision, self.compute_dtype))
 
   def cast_to_param(self, x: T) -> T:
-    """Casts the floating leaves of ``x`` to the param dtype."""
+    """Casts the floating leaves of ``x`` to the param dtype.
+
+    Casting changes dtypes only: a policy with a matmul precision (``m=``)
+    warns once that it takes no effect this way (see :meth:`cast_to_compute`).
+    """
+    _warn_unapplied_precision(self, "cast_to_param")
     return tree_lib.cast_floating(x, self.param_dtype)
 
   def cast_to_compute(self, x: T) -> T:
-    """Casts the floating leaves of ``x`` to the compute dtype."""
+    """Casts the floating leaves of ``x`` to the compute dtype.
+
+    Casting changes dtypes only: a policy's matmul precision (``m=tf32``, a
+    float8 recipe such as ``m=fp8``) takes effect through
+    :func:`~jmp_lite.with_policy`, :func:`~jmp_lite.autocast` and the Flax
+    policies (``jmp_lite.linen``, ``jmp_lite.nnx``), not here. So that a
+    jmp-API client (Levanter, Haiku), which only casts, never trains in
+    another precision silently, the first cast of each policy with one emits
+    a ``UserWarning`` saying how to apply it (``docs/precision.md``,
+    Levanter, Haiku, Equinox).
+    """
+    _warn_unapplied_precision(self, "cast_to_compute")
     return tree_lib.cast_floating(x, self.compute_dtype)
 
   def cast_to_output(self, x: T) -> T:
-    """Casts the floating leaves of ``x`` to the output dtype."""
+    """Casts the floating leaves of ``x`` to the output dtype.
+
+    Casting changes dtypes only: a policy with a matmul precision (``m=``)
+    warns once that it takes no effect this way (see :meth:`cast_to_compute`).
+    """
+    _warn_unapplied_precision(self, "cast_to_output")
     return tree_lib.cast_floating(x, self.output_dtype)
 
   def with_param_dtype(self, param_dtype: Any) -> "Policy":
@@ -315,6 +337,50 @@ class Policy:
 
   def __repr__(self) -> str:
     return f"Policy({str(self)!r})"
+
+
+#: The warning of a policy whose matmul precision a cast cannot apply.
+UNAPPLIED_MATMUL_PRECISION = (
+    "jmp_lite: m={m} has no effect through Policy.{method}. The policy {policy} "
+    "sets its matmuls' precision, but casting changes dtypes only: the "
+    "matmuls of code that merely casts with it run in {compute} at JAX's "
+    "default precision, not {meaning}. To apply m=, wrap the loss or model "
+    "function: jmp_lite.with_policy(loss_fn, policy) or "
+    "jmp_lite.autocast(loss_fn, policy); Flax: jmp_lite.linen.apply_policy or "
+    "jmp_lite.nnx.apply_policy. Levanter, Haiku and Equinox steps: "
+    "docs/precision.md, 'Levanter, Haiku, Equinox'. (Shown once per policy; "
+    "if the function these casts feed already runs under one of those, this "
+    "warning does not apply.)"
+)
+
+# The policies whose UNAPPLIED_MATMUL_PRECISION warning was shown (host-side,
+# at trace time: once per policy value, not per call or trace).
+_WARNED_UNAPPLIED: set[Policy] = set()
+
+
+def _warn_unapplied_precision(policy: Policy, method: str) -> None:
+  if policy.matmul_precision is None or policy in _WARNED_UNAPPLIED:
+    return
+  _WARNED_UNAPPLIED.add(policy)
+  m = _recipe_text(policy.matmul_precision)
+  meaning = (f"in float8 ({m})" if fp8_spec(policy) is not None
+             else f"at the {m} precision")
+  warnings.warn(
+      UNAPPLIED_MATMUL_PRECISION.format(
+          m=m, method=method, policy=f"'{policy}'",
+          compute=np.dtype(policy.compute_dtype).name, meaning=meaning),
+      UserWarning, stacklevel=3)
+
+
+def cast_inputs(policy: Policy, tree: T) -> T:
+  """``policy.cast_to_compute(tree)`` for the library's own routes, which
+  apply the matmul precision themselves (so no warning)."""
+  return tree_lib.cast_floating(tree, policy.compute_dtype)
+
+
+def cast_outputs(policy: Policy, tree: T) -> T:
+  """``policy.cast_to_output(tree)`` for the library's own routes."""
+  return tree_lib.cast_floating(tree, policy.output_dtype)
 
 
 def fp8_spec(policy: Policy) -> str | None:
@@ -588,12 +654,12 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
-    args, kwargs = policy.cast_to_compute((args, kwargs))
+    args, kwargs = cast_inputs(policy, (args, kwargs))
     if call is not None:
-      return policy.cast_to_output(call(fn, args, kwargs))
+      return cast_outputs(policy, call(fn, args, kwargs))
     with policy.matmul_context():
       out = fn(*args, **kwargs)
-    return policy.cast_to_output(out)
+    return cast_outputs(policy, out)
 
   wrapped.policy = policy  # type: ignore[attr-defined]
   return wrapped

@@ -119,9 +119,9 @@ def _boundary_interceptor(
       return next_fun(*args, **kwargs)
     active.append(path)
     try:
-      args, kwargs = policy.cast_to_compute((args, kwargs))
+      args, kwargs = policy_lib.cast_inputs(policy, (args, kwargs))
       with common.fp8_region(policy, fp8), policy.matmul_context():
-        return policy.cast_to_output(next_fun(*args, **kwargs))
+        return policy_lib.cast_outputs(policy, next_fun(*args, **kwargs))
     finally:
       active.pop()
 
@@ -311,12 +311,12 @@ class PolicyModel:
     # The model's outputs leave in the policy's output dtype even where a rule
     # matches the model itself (e.g. a bare BatchNorm under DEFAULT_MODULE_RULES).
     if mutable is False:
-      return self.policy.cast_to_output(out)
+      return policy_lib.cast_outputs(self.policy, out)
     y, updated = (out, {}) if flax_mutable is False else out
     updated = tree_lib.cast_like(updated, variables)
     if roll:
       updated = _replace_collection(updated, checks.FP8_STATE, store.final())
-    return self.policy.cast_to_output(y), updated
+    return policy_lib.cast_outputs(self.policy, y), updated
 
   def module_policies(
       self, variables: Any, *args: Any, **kwargs: Any
