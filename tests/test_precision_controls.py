@@ -313,6 +313,65 @@ def test_in_float32_inside_a_linen_module():
   assert dtypes == [("bfloat16", "bfloat16"), ("float32", "float32")]
 
 
+@pytest.mark.parametrize("precision,error,words", [
+    ("fp8", ValueError, ["'fp8' is a float8 recipe", "defeat the island",
+                         "'mixed_fp8'"]),
+    ("MXFP8", ValueError, ["float8 recipe"]),
+    ("fp8_delayed(margin=1)", ValueError, ["float8 recipe"]),
+    (fp8.Fp8Config(granularity="row"), ValueError,
+     ["'fp8_rowwise(gradient_format=e5m2)' is a float8 recipe"]),
+    (None, ValueError, ["None leaves", "JAX's default precision",
+                        "TF32 on NVIDIA"]),
+    ("default", ValueError, ["JAX's default precision"]),
+    (jax.lax.DotAlgorithmPreset.DEFAULT, ValueError, ["default precision"]),
+    ("f16_f16_f32", ValueError, ["not a precision for float32 matmuls",
+                                 "float16 inputs"]),
+    ("any_f8_any_f8_f32", ValueError, ["float8 inputs"]),
+    (3, TypeError, ["matmul_precision must be a precision name", "int: 3"]),
+])
+def test_in_float32_refuses_precisions_that_defeat_the_island(
+    precision, error, words):
+  with pytest.raises(error) as info:
+    jmp_lite.in_float32(lambda h, w: h @ w, matmul_precision=precision)
+  for word in words + ["jmp_lite.in_float32", "'tf32'"]:
+    assert word in str(info.value), (word, str(info.value))
+
+
+def _cuda_dot_kinds(fn, *args):
+  """``(precision, operand types)`` of each dot of fn's CUDA program."""
+  return [(_precision(d), tuple(re.findall(r"x(f8E4M3FN|f8E5M2|bf16|f32)>",
+                                           d.rsplit(" : ", 1)[1])[:2]))
+          for d in _cuda_dots(fn, *args) if "dot_general" in d]
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda f: f,
+    lambda f: jmp_lite.with_policy(f, "mixed_fp8"),
+    lambda f: jmp_lite.autocast(f, "mixed_fp8"),
+    lambda f: jmp_lite.with_policy(f, "tf32"),
+    lambda f: jmp_lite.autocast(f, "bf16"),
+], ids=["plain", "with_policy-fp8", "autocast-fp8", "with_policy-tf32",
+        "autocast-bf16"])
+def test_island_dots_run_highest_in_the_gpu_program(wrap):
+  """Under every route, the island's forward dot and both backward dots take
+  float32 operands at HIGHEST in the program exported for CUDA; the others
+  follow the policy."""
+  island = jmp_lite.in_float32(lambda h, w: h @ w)
+  params = {"w1": jnp.ones((32, 32)), "w2": jnp.ones((32, 32)),
+            "w3": jnp.ones((32, 16))}
+
+  def loss(params, x):
+    h = island(x @ params["w1"], params["w2"])
+    return jnp.sum((h.astype(x.dtype) @ params["w3"]).astype(jnp.float32))
+
+  x = jnp.ones((16, 32))
+  for fn, islands in ((wrap(loss), 1), (jax.grad(wrap(loss)), 3)):
+    kinds = _cuda_dot_kinds(fn, params, x)
+    highest = [ops for precision, ops in kinds if precision == "HIGHEST"]
+    assert highest == [("f32", "f32")] * islands, kinds
+    assert len(kinds) > islands, kinds
+
+
 def test_in_float32_keeps_float64_and_non_floats():
   seen = {}
 

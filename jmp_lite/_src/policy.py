@@ -671,6 +671,52 @@ def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., A
 #: operations traced inside it as they are.
 ISLAND_SCOPE = "jmp_lite.float32_island"
 
+#: What an island's matmul precision may be, and why.
+ISLAND_PRECISION = (
+    "in_float32 runs fn as a float32 island: its matmuls take float32 "
+    "operands at full float32 precision by default ('f32', HIGHEST). "
+    "matmul_precision may name another precision for float32 operands: "
+    "'tf32', 'bf16' (one bfloat16 pass) or a jax.lax.DotAlgorithmPreset for "
+    "float32 inputs such as 'bf16_bf16_f32_x3' or 'tf32_tf32_f32'. A float8 "
+    "recipe, a preset for half-precision or float8 inputs, or JAX's default "
+    "(TF32 on NVIDIA GPUs) would run the island's matmuls below float32 and "
+    "defeat the island; to run a region in float8, use a float8 policy "
+    "instead (e.g. jmp_lite.with_policy(fn, 'mixed_fp8')), and leave "
+    "matmul_precision unset here."
+)
+
+
+def _island_policy(matmul_precision: Any) -> Policy:
+  """The float32 policy of an island with ``matmul_precision``, checked."""
+  owner = "jmp_lite.in_float32"
+  value = matmul_precision
+  if isinstance(value, jax.lax.DotAlgorithmPreset):
+    value = value.name
+  if isinstance(value, MatmulRecipe) or value is None:
+    what = ("leaves the island's matmuls at JAX's default precision"
+            if value is None else "is a float8 recipe")
+    shown = repr(value) if value is None else repr(value.spec())
+    raise ValueError(
+        f"{owner}: matmul_precision={shown} {what}. {ISLAND_PRECISION}")
+  if not isinstance(value, str):
+    raise TypeError(
+        f"{owner}: matmul_precision must be a precision name such as 'f32' "
+        f"or 'tf32', got {type(value).__name__}: {value!r}. "
+        f"{ISLAND_PRECISION}")
+  name = "".join(value.split()).lower()
+  if name == "default" or name.partition("(")[0] in FP8_RECIPES:
+    what = ("leaves the island's matmuls at JAX's default precision"
+            if name == "default" else "is a float8 recipe")
+    raise ValueError(
+        f"{owner}: matmul_precision={value!r} {what}. {ISLAND_PRECISION}")
+  f32 = dtypes.FLOAT32
+  try:
+    return Policy(f32, f32, f32, matmul_precision=value)
+  except ValueError as err:
+    raise ValueError(
+        f"{owner}: matmul_precision={value!r} is not a precision for float32 "
+        f"matmuls ({err}). {ISLAND_PRECISION}") from None
+
 
 def in_float32(
     fn: Callable[..., Any], *, matmul_precision: str = "f32"
@@ -681,23 +727,27 @@ def in_float32(
   MaxText's ``logits_dot_in_fp32``: the wrapper casts the floating leaves of
   the arguments that are narrower than float32 to float32 (float64 stays),
   and calls ``fn`` in a region ``autocast`` leaves as traced (in float32),
-  with full float32 matmuls (not TF32, JAX's GPU
-  default for float32). Outputs stay float32; gradients with respect to the
+  with full float32 matmuls (``HIGHEST``, not TF32, JAX's GPU default for
+  float32), also inside a tf32 or float8 policy. Outputs stay float32; gradients with respect to the
   arguments come back in the arguments' dtypes. Works inside ``with_policy``,
   the Flax policies (call it in a module's code) and ``autocast`` alike.
 
   Args:
     fn: the function to run in float32 (e.g. the logits matmul).
     matmul_precision: the matmul precision inside: ``"f32"`` (default, full
-      float32), ``"tf32"``, ``"bf16"`` or a float32
-      ``jax.lax.DotAlgorithmPreset`` name such as ``"bf16_bf16_f32_x3"``.
+      float32), ``"tf32"``, ``"bf16"`` or a ``jax.lax.DotAlgorithmPreset``
+      for float32 inputs, such as ``"bf16_bf16_f32_x3"``. Float8 recipes,
+      presets for narrower inputs and ``None``/``"default"`` (TF32 on
+      NVIDIA GPUs) are refused: they would defeat the island.
 
   Returns:
     The wrapped function (``functools.wraps`` keeps ``fn``'s name and doc).
 
   Raises:
     TypeError: if ``fn`` is not callable.
-    ValueError: if ``matmul_precision`` is unknown or not for float32 inputs.
+    TypeError: if ``matmul_precision`` is not a name or a preset.
+    ValueError: if ``matmul_precision`` is unknown, a float8 recipe, JAX's
+      default, or not for float32 inputs.
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -712,8 +762,7 @@ def in_float32(
   """
   checks.function(fn, "in_float32",
                   "a callable, the function to run in float32")
-  f32 = dtypes.FLOAT32
-  inside = Policy(f32, f32, f32, matmul_precision=matmul_precision)
+  inside = _island_policy(matmul_precision)
 
   @functools.wraps(fn)
   def wrapped(*args, **kwargs):
