@@ -617,17 +617,31 @@ def test_callable_rule_sees_traced_avals_and_can_delegate():
   assert input_dtypes(jaxpr, "tanh") == [(F32,)]
 
 
-def test_passthrough_for_unknown_higher_order_primitive_is_safe():
-  # linear_solve has jaxpr parameters autocast does not enter.
-  def fn(w, x):
-    a = w @ w.T + 4 * jnp.eye(4)
-    solve = lambda mv, b: jnp.linalg.solve(a, b)
-    sol = lax.custom_linear_solve(lambda v: a @ v, x[0], solve)
-    return sol.sum()
+def _linear_solve_fn(w, x):
+  a = w @ w.T + 4 * jnp.eye(4)
+  solve = lambda mv, b: jnp.linalg.solve(a, b)
+  sol = lax.custom_linear_solve(lambda v: a @ v, x[0], solve)
+  return sol.sum()
 
+
+def test_unknown_higher_order_primitive_is_refused_naming_it():
+  # linear_solve has jaxpr parameters autocast does not enter: binding it as
+  # traced would leave its body silently in float32, so autocast refuses it.
   assert P.linear_solve_p not in DEFAULT_OP_RULES
-  got = jax.jit(autocast(fn, jnp.float16))(W, X)
-  np.testing.assert_allclose(got, jax.jit(fn)(W, X), rtol=2e-2)
+  with pytest.raises(ValueError, match="custom_linear_solve") as info:
+    autocast(_linear_solve_fn, jnp.float16)(W, X)
+  assert "in_float32" in str(info.value) and "op_rules" in str(info.value)
+
+
+def test_unknown_higher_order_primitive_opt_outs():
+  want = jax.jit(_linear_solve_fn)(W, X)
+  # A rule of the user's own runs it as traced...
+  by_rule = autocast(_linear_solve_fn, jnp.float16,
+                     op_rules={P.linear_solve_p: "passthrough"})
+  np.testing.assert_allclose(jax.jit(by_rule)(W, X), want, rtol=2e-2)
+  # ... and so does a float32 island around it.
+  island = autocast(jmp_lite.in_float32(_linear_solve_fn), jnp.float16)
+  np.testing.assert_allclose(jax.jit(island)(W, X), want, rtol=1e-5)
 
 
 # -- bad input -----------------------------------------------------------------

@@ -74,6 +74,15 @@ _INTERNAL_PRIMITIVES = {
     "pvary_p": ("jax._src.core",),
     "psum_invariant_p": ("jax._src.lax.parallel",),
     "reduce_scatter_p": ("jax._src.lax.parallel",),
+    # jax's main branch renames closed_call to eval_jaxpr (in jax 0.12 the
+    # attribute closed_call_p already holds the primitive named eval_jaxpr).
+    "eval_jaxpr_p": ("jax._src.core",),
+    # The one primitive of JAX's "hi" (hijax) higher-order operations: its
+    # parameter ``_prim`` is an object (RematTraced, CustomJVPTraced,
+    # CustomVJPTraced, Scan3...) holding the body. The upgrade flags
+    # jax_remat3, jax_custom_jvp3, jax_custom_vjp3 and jax_scan3 trace
+    # checkpoint, custom_jvp, custom_vjp and scan to it.
+    "call_hi_primitive_p": ("jax._src.hijax",),
 }
 
 _looked_up: dict[str, Any] = {}
@@ -203,8 +212,42 @@ def closed_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
 
 
 def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
-  """The jaxprs inside a primitive's parameters (bodies of scan, cond...)."""
-  return iter(_jaxprs_in_params(params))
+  """The jaxprs inside a primitive's parameters (bodies of scan, cond...).
+
+  A "hi" primitive (:func:`hi_operation`) keeps its bodies in the parameters
+  of its ``_prim`` object, as jaxprs or as ``jax.stages.Traced`` objects
+  (custom_jvp3/custom_vjp3's primal function): those are found too.
+  """
+  yield from _jaxprs_in_params(params)
+  op = hi_operation(params)
+  if op is not None:
+    inner = dict(getattr(op, "params", None) or {})
+    yield from _jaxprs_in_params(inner)
+    for value in inner.values():
+      if isinstance(value, (Jaxpr, ClosedJaxpr)):
+        continue  # found above
+      body = getattr(value, "jaxpr", None)
+      if Jaxpr is not None and isinstance(body, Jaxpr):
+        yield body
+
+
+def walk_eqns_in_scopes(jaxpr: Any, live_only: bool = False,
+                        outer: str = "") -> Iterator[tuple[Any, str]]:
+  """:func:`walk_eqns` with each equation's full name stack: a body's
+  equations are traced in scopes of their own, here prefixed by those of the
+  equation holding the body."""
+  jaxpr = open_jaxpr(jaxpr)
+  read: set[Any] = set()
+  if live_only:
+    read = {v for eqn in jaxpr.eqns for v in eqn.invars if not is_literal(v)}
+    read.update(v for v in jaxpr.outvars if not is_literal(v))
+  for eqn in jaxpr.eqns:
+    if live_only and not eqn.effects and not any(v in read for v in eqn.outvars):
+      continue
+    stack = "/".join(part for part in (outer, name_stack(eqn)) if part)
+    yield eqn, stack
+    for sub in sub_jaxprs(eqn.params):
+      yield from walk_eqns_in_scopes(sub, live_only, stack)
 
 
 def walk_eqns(jaxpr: Any, live_only: bool = False) -> Iterator[Any]:
@@ -387,6 +430,102 @@ def shard_map_parts(params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
       check_vma=params["check_vma"],
   )
   return params["jaxpr"], kwargs
+
+
+# -- "hi" primitives (jax >= 0.12 under its upgrade flags) -------------------------
+#
+# jax 0.12's upgrade flags (jax_remat3, jax_custom_jvp3, jax_custom_vjp3,
+# jax_scan3; about to become the defaults) trace jax.checkpoint, custom_jvp,
+# custom_vjp and scan to one primitive, ``call_hi_primitive``, whose parameter
+# ``_prim`` is an object of a class per operation. autocast dispatches on
+# those classes (objects, never names), read here.
+
+_hijax = _load_quietly("jax._src.hijax")
+_ad_checkpoint = _load_quietly("jax._src.ad_checkpoint")
+_loops = _load_quietly("jax._src.lax.control_flow.loops")
+
+#: ``{kind: class}`` of the hi operations autocast knows, for this jax.
+_HI_CLASSES: dict[str, Any] = {
+    kind: cls for kind, cls in (
+        ("remat", getattr(_ad_checkpoint, "RematTraced", None)),
+        ("custom_jvp", getattr(_hijax, "CustomJVPTraced", None)),
+        ("custom_vjp", getattr(_hijax, "CustomVJPTraced", None)),
+        ("scan", getattr(_loops, "Scan3", None)),
+    ) if isinstance(cls, type)
+}
+
+
+def hi_operation(params: dict[str, Any]) -> Any:
+  """The ``_prim`` object of a ``call_hi_primitive`` equation, else None."""
+  op = params.get("_prim") if isinstance(params, dict) else None
+  return None if op is None or isinstance(op, (str, int, float)) else op
+
+
+def hi_kind(params: dict[str, Any]) -> str | None:
+  """Which operation a ``call_hi_primitive`` equation is: ``"remat"``,
+  ``"custom_jvp"``, ``"custom_vjp"``, ``"scan"``, or None (unknown)."""
+  op = hi_operation(params)
+  for kind, cls in _HI_CLASSES.items():
+    if isinstance(op, cls):
+      return kind
+  return None
+
+
+def hi_name(params: dict[str, Any]) -> str:
+  """The class name of a hi operation (``"RematTraced"``), for messages."""
+  return type(hi_operation(params)).__name__
+
+
+def _traced_body(traced: Any) -> Any:
+  """The closed jaxpr of a ``jax.stages.Traced`` taking its flat inputs."""
+  body = traced.jaxpr
+  if body.constvars:
+    raise unsupported("autocast", "a traced custom_jvp/custom_vjp body has "
+                      f"{len(body.constvars)} constvars")
+  return ClosedJaxpr(body, [])
+
+
+def hi_remat_parts(params: dict[str, Any]) -> tuple[Any, bool, Any]:
+  """``(body, prevent_cse, policy)`` of a jax_remat3 ``jax.checkpoint``.
+
+  A per-input ``prevent_cse`` (a tuple, made by JAX's own transformations)
+  becomes True if any input asked for it.
+  """
+  op = hi_operation(params)
+  prevent_cse = op.params.get("prevent_cse", True)
+  if not isinstance(prevent_cse, bool):
+    prevent_cse = any(prevent_cse)
+  return op.params["jaxpr"], prevent_cse, op.params.get("policy")
+
+
+def hi_custom_jvp_parts(params: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+  """``(body, rule, in_tree, out_tree)`` of a jax_custom_jvp3 custom_jvp.
+
+  ``body`` is the primal function's closed jaxpr over the equation's flat
+  inputs; ``rule(primals, tangents)`` is the JVP rule on inputs structured
+  by ``in_tree`` (the closure's constants first), returning
+  ``(outputs, output tangents)`` structured by ``out_tree``.
+  """
+  op = hi_operation(params)
+  return _traced_body(op.traced), op.jvp_rule, op.in_tree, op.out_tree
+
+
+def hi_custom_vjp_parts(
+    params: dict[str, Any]) -> tuple[Any, Any, Any, Any, int]:
+  """``(body, fwd, bwd, in_tree, n_leading)`` of a jax_custom_vjp3 custom_vjp.
+
+  ``fwd(nonzeros, *args)`` and ``bwd(residuals, out_cotangent)`` are the
+  rules on inputs structured by ``in_tree``; ``bwd`` returns ``(cotangents
+  of the user's arguments, logs)``; the first ``n_leading`` flat inputs are
+  the closure's constants (zero cotangents).
+  """
+  op = hi_operation(params)
+  if op.params.get("with_logs") or op.params.get("bwd_accums") is not None:
+    raise unsupported("autocast", "a custom_vjp with backward-pass logs or "
+                      "accumulators (defvjp_with_logs/defvjp_with_accums)")
+  children = op.in_tree.children()
+  n_leading = children[0].num_leaves + children[1].num_leaves
+  return _traced_body(op.traced), op.fwd, op.bwd, op.in_tree, n_leading
 
 
 # -- outside autocast -----------------------------------------------------------

@@ -174,6 +174,29 @@ def autocast(
   return wrapped
 
 
+class OpDtypes(tuple):
+  """One entry of :func:`op_dtypes`: ``(primitive name, input dtypes)``.
+
+  A plain 2-tuple (it unpacks and compares as one) with an attribute
+  ``note``: for a ``dot_general`` a float8 recipe left out of float8, why
+  (``"output head (include_output_head=False)"``, ``"batched matmul
+  (include_batched=False)"``, ``"dims not multiple of 16: K=24"``...), else
+  None. The note shows in the repr.
+  """
+
+  note: str | None
+
+  def __new__(cls, name: str, dtypes_: tuple[str, ...],
+              note: str | None = None) -> "OpDtypes":
+    self = super().__new__(cls, (name, dtypes_))
+    self.note = note
+    return self
+
+  def __repr__(self) -> str:
+    text = tuple.__repr__(self)
+    return text if self.note is None else f"{text[:-1]}, note={self.note!r})"
+
+
 def op_dtypes(
     fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> list[tuple[str, tuple[str, ...]]]:
@@ -194,7 +217,11 @@ def op_dtypes(
 
   Returns:
     A list of ``(primitive name, (dtype name, ...))`` pairs, one per equation,
-    listing the dtypes of its floating inputs only.
+    listing the dtypes of its floating inputs only. A ``dot_general`` that a
+    float8 recipe left out of float8 carries the reason in the pair's
+    ``note`` attribute (shown in its repr; ``docs/fp8.md``, what stays out
+    of float8); a debug record of the logger ``"jmp_lite"`` says the same
+    when the matmul is traced.
 
   Raises:
     TypeError: if ``fn`` is not callable.
@@ -216,14 +243,16 @@ def op_dtypes(
       lambda x: _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct),
   )
   closed = jax.make_jaxpr(flat_fn)(*dynamic)
+  dot = compat.primitive("dot_general_p")
   return [
-      (
+      OpDtypes(
           eqn.primitive.name,
           tuple(
               np.dtype(v.aval.dtype).name
               for v in eqn.invars
               if tree_lib.is_float(v.aval)
           ),
+          float8_lib.fallback_reason(stack) if eqn.primitive is dot else None,
       )
-      for eqn in compat.walk_eqns(closed, live_only=True)
+      for eqn, stack in compat.walk_eqns_in_scopes(closed, live_only=True)
   ]

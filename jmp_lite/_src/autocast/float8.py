@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from typing import Any, Callable, Mapping
 
@@ -54,6 +55,42 @@ MISSING_HISTORY = (
 )
 
 
+#: A stored site whose entry is not ``{"lhs": history, "rhs": history}``.
+MALFORMED_HISTORY = (
+    "jmp_lite: the float8 state's entry for the matmul at {path} is not "
+    "{{'lhs': history, 'rhs': history}} (got {got}). The state comes from "
+    "PolicyModel.init / the first call of an NNX PolicyModule: re-create it "
+    "(init again), or restore a checkpoint saved from the same model and "
+    "recipe; do not edit or merge its entries by hand."
+)
+#: A stored history whose length is not the recipe's history_length.
+HISTORY_LENGTH_MISMATCH = (
+    "jmp_lite: the float8 state holds a {stored}-step amax history for the "
+    "matmul at {path}, but the recipe {spec!r} keeps history_length="
+    "{configured}. A restored state must match the recipe it is used with "
+    "(a longer history would silently keep scales from {stored} steps). "
+    "Re-create the state with init (fresh histories), keep the recipe's "
+    "history_length={stored}, or convert the checkpoint: newest amaxes come "
+    "first, so jax.tree.map(lambda h: h[..., :{configured}], state) keeps the "
+    "{configured} most recent (pad with zeros to lengthen)."
+)
+
+#: Where float8 fallbacks are logged (level DEBUG, once per traced matmul).
+logger = logging.getLogger("jmp_lite")
+
+#: The named scope prefix a fallback matmul is bound under (op_dtypes reads it).
+FALLBACK_SCOPE = "jmp_lite.fp8_fallback"
+
+
+def fallback_reason(stack: str) -> str | None:
+  """The fallback reason recorded in a name stack, or None."""
+  start = stack.rfind(FALLBACK_SCOPE + "[")
+  if start < 0:
+    return None
+  end = stack.find("]", start)
+  return stack[start + len(FALLBACK_SCOPE) + 1:end]
+
+
 def check_stateless(policy: policy_lib.Policy, owner: str) -> None:
   """Refuses a delayed recipe where no state can be kept (autocast, with_policy)."""
   config = config_lib.recipe_config(policy.matmul_precision)
@@ -82,22 +119,42 @@ def _quantizable(aval: Any) -> bool:
   return 2 <= np.dtype(aval.dtype).itemsize <= 4
 
 
-def in_float8(config: config_lib.Fp8Config, avals: tuple[Any, ...],
-              dimension_numbers: Any) -> bool:
-  """Whether a ``dot_general`` runs in float8 under ``config``'s exclusions.
+def exclusion(config: config_lib.Fp8Config, avals: tuple[Any, ...],
+              dimension_numbers: Any) -> str | None:
+  """Why a ``dot_general`` stays out of float8 under ``config``, or None.
 
   Excluded: integer, float64 and float8 operands; matmuls with batch
   dimensions (attention scores and their product with the values) unless
-  ``include_batched``; matmuls whose M, N or K is not a multiple of
-  ``dim_multiple`` (or is zero). The output head is excluded by the
-  interpreter, which sees the whole program.
+  ``include_batched``; matmuls whose K (contracting) or N (the right
+  operand's free dimensions: a weight's output features) is not a multiple
+  of ``dim_multiple``, or that are empty. M, the left operand's free
+  dimensions (tokens, batch: what data parallelism and ``shard_map`` split),
+  is not constrained: the float8 GEMM fixes the dimensions of the weight,
+  not the rows (``torch._scaled_mm`` checks the same two). The output head
+  is excluded by the interpreter, which sees the whole program.
   """
   if len(avals) != 2 or not all(map(_quantizable, avals)):
-    return False
+    names = ", ".join(np.dtype(a.dtype).name for a in avals
+                      if hasattr(a, "dtype"))
+    return f"operands not float32/bfloat16/float16 ({names})"
   m, n, k, batched = _dims(avals, dimension_numbers)
   if batched and not config.include_batched:
-    return False
-  return all(d > 0 and d % config.dim_multiple == 0 for d in (m, n, k))
+    return "batched matmul (include_batched=False)"
+  if m == 0 or n == 0 or k == 0:
+    return "empty matmul"
+  odd = [f"{name}={d}" for name, d in (("K", k), ("N", n))
+         if d % config.dim_multiple]
+  if odd:
+    return (f"dims not multiple of {config.dim_multiple}: "
+            + ", ".join(odd))
+  return None
+
+
+def in_float8(config: config_lib.Fp8Config, avals: tuple[Any, ...],
+              dimension_numbers: Any) -> bool:
+  """Whether a ``dot_general`` runs in float8 under ``config``'s exclusions
+  (:func:`exclusion` finds no reason to keep it out)."""
+  return exclusion(config, avals, dimension_numbers) is None
 
 
 def _batched_excluded(config, avals, dimension_numbers) -> bool:
@@ -118,12 +175,26 @@ def _rule(fallback: str) -> Callable[..., Any]:
     site = ctx._site  # pylint: disable=protected-access
     if config is not None and config.scaling == "delayed" and site is not None:
       if not _batched_excluded(config, ctx.in_avals, dimension_numbers):
-        site.ensure(config.history_length)
-    if config is None or not in_float8(config, ctx.in_avals,
-                                       dimension_numbers):
-      return ctx.apply(fallback, lhs, rhs, dimension_numbers=dimension_numbers,
-                       precision=precision,
-                       preferred_element_type=preferred_element_type, **params)
+        site.ensure(config.history_length, config)
+    reason = ctx._fp8_excluded  # pylint: disable=protected-access
+    already_float8 = any(tree_lib.is_float(a) and np.dtype(a.dtype).itemsize == 1
+                         for a in ctx.in_avals)
+    if already_float8:  # quantized already (a nested float8 route): as is
+      config, reason = None, None
+    elif config is not None:
+      reason = exclusion(config, ctx.in_avals, dimension_numbers)
+    if config is None or reason is not None:
+      call = functools.partial(
+          ctx.apply, fallback, lhs, rhs, dimension_numbers=dimension_numbers,
+          precision=precision, preferred_element_type=preferred_element_type,
+          **params)
+      if reason is None:
+        return call()  # no float8 recipe here: nothing fell back
+      shapes = " x ".join(str(tuple(a.shape)) for a in ctx.in_avals)
+      logger.debug("jmp_lite: a dot_general %s stays out of float8: %s",
+                   shapes, reason)
+      with jax.named_scope(f"{FALLBACK_SCOPE}[{reason}]"):
+        return call()
     traced_out = np.dtype(ctx.out_avals[0].dtype)
     traced_in = {np.dtype(a.dtype) for a in ctx.in_avals}
     if fallback == "passthrough":
@@ -279,8 +350,24 @@ class Site:
     return store.mode == "create" or (
         self.inputs() is None and store.create_missing)
 
-  def ensure(self, length: int) -> None:
-    """Creates zero histories for a site that has none (create modes)."""
+  def ensure(self, length: int, config: Any = None) -> None:
+    """Creates zero histories for a site that has none (create modes), and
+    checks a stored one: ``{"lhs", "rhs"}`` histories of ``length`` steps."""
+    stored = self.inputs()
+    if stored is not None and self.store.mode != "create":
+      path = "/".join(self.path)
+      if not (isinstance(stored, Mapping) and "lhs" in stored
+              and "rhs" in stored):
+        got = (sorted(stored) if isinstance(stored, Mapping)
+               else type(stored).__name__)
+        raise ValueError(MALFORMED_HISTORY.format(path=path, got=got))
+      for name in ("lhs", "rhs"):
+        stored_length = np.shape(stored[name])[-1] if np.ndim(
+            stored[name]) else 0
+        if stored_length != length:
+          spec = config.spec() if config is not None else "fp8_delayed"
+          raise ValueError(HISTORY_LENGTH_MISMATCH.format(
+              stored=stored_length, path=path, spec=spec, configured=length))
     if self._missing() and _get(self.store.outputs, self.path) is None:
       zeros = jnp.zeros((length,), _F32)
       _put(self.store.outputs, self.path, {"lhs": zeros, "rhs": zeros})

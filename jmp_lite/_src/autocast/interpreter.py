@@ -91,22 +91,40 @@ def _scope_path(stack: str) -> tuple[str, ...]:
                if part and not part.startswith(_MARKER))
 
 
-def _contains_dot(eqn: Any) -> bool:
-  if eqn.primitive is _DOT:
+def _is_quantized_dot(eqn: Any, region: Any) -> bool:
+  """A ``dot_general`` float8 would quantize under the recipe in force there
+  (whatever its shapes): batched matmuls float8 leaves alone (attention, a
+  cross-entropy written as an einsum) and non-float operands do not count."""
+  if eqn.primitive is not _DOT:
+    return False
+  avals = [v.aval for v in eqn.invars]
+  if len(avals) != 2 or not all(
+      tree_lib.is_float(a) and 2 <= np.dtype(a.dtype).itemsize <= 4
+      for a in avals):
+    return False
+  if not eqn.params["dimension_numbers"][1][0]:
     return True
-  return any(e.primitive is _DOT
+  recipe = _marked_recipe(compat.name_stack(eqn), region)
+  return recipe is not None and recipe.include_batched
+
+
+def _contains_dot(eqn: Any, region: Any) -> bool:
+  if _is_quantized_dot(eqn, region):
+    return True
+  return any(_is_quantized_dot(e, region)
              for sub in compat.sub_jaxprs(eqn.params)
              for e in compat.walk_eqns(sub))
 
 
-def _dot_sinks(jaxpr: Any) -> set[int]:
-  """Equations holding a ``dot_general`` from which no later one is reachable."""
+def _dot_sinks(jaxpr: Any, region: Any = None) -> set[int]:
+  """Equations holding a float8 candidate ``dot_general`` from which no later
+  one is reachable (see :func:`_is_quantized_dot`)."""
   feeds_dot: set[Any] = set()
   sinks: set[int] = set()
   for index in range(len(jaxpr.eqns) - 1, -1, -1):
     eqn = jaxpr.eqns[index]
     feeds = any(v in feeds_dot for v in eqn.outvars)
-    has_dot = _contains_dot(eqn)
+    has_dot = _contains_dot(eqn, region)
     if has_dot and not feeds:
       sinks.add(index)
     if has_dot or feeds:
@@ -194,7 +212,8 @@ class Interpreter:
       env[var] = val
       if getattr(var.aval, "weak_type", False):
         weak.add(var)
-    sinks = _dot_sinks(jaxpr) if self.fp8 and self.tail else set()
+    sinks = (_dot_sinks(jaxpr, self.region) if self.fp8 and self.tail
+             else set())
     for index, eqn in enumerate(jaxpr.eqns):
       invals = [_read(env, v) for v in eqn.invars]
       in_weak = tuple(compat.is_literal(v) or v in weak for v in eqn.invars)
@@ -246,7 +265,7 @@ class Interpreter:
       is_sink: bool = False,
   ) -> Any:
     rule = self._rule_for(eqn)
-    recipe, site, recurse = None, None, None
+    recipe, site, recurse, excluded = None, None, None, None
     stack = ""
     if self.fp8:
       stack = compat.name_stack(eqn)
@@ -254,12 +273,15 @@ class Interpreter:
       if eqn.primitive is _DOT:
         if is_sink and recipe is not None and not recipe.include_output_head:
           recipe = None  # the output head stays in the compute dtype
+          excluded = "output head (include_output_head=False)"
         if self.store is not None:
           site = self.store.site(_scope_path(stack), "dot_general")
       elif eqn.primitive is _SCAN and self.store is not None:
         site = self.store.site(_scope_path(stack), "scan")
     if eqn.primitive in HIGHER_ORDER:
       recurse = self._child_for(eqn, recipe, is_sink, stack)._recurse
+    elif eqn.primitive not in self.rules and not _is_disabled(eqn):
+      _refuse_unknown(eqn)
     ctx = rules_lib.OpRuleContext(
         primitive=eqn.primitive,
         compute_dtype=self.compute_dtype,
@@ -270,6 +292,7 @@ class Interpreter:
         fp8_config=recipe,
         _recurse=recurse,
         _site=site,
+        _fp8_excluded=excluded,
     )
     with compat.equation_context(eqn):
       if isinstance(rule, str):
@@ -281,13 +304,13 @@ class Interpreter:
     """The interpreter of a higher-order equation's bodies."""
     if not self.fp8:
       return self
-    name = HIGHER_ORDER_NAMES[eqn.primitive]
+    kind = kind_of(eqn)
     store = None
-    if self.store is not None and name in _STORE_THREADED:
+    if self.store is not None and kind in _STORE_THREADED:
       # A scan keys its body itself; inlined bodies extend the scopes.
-      store = (self.store if name == "scan_p"
+      store = (self.store if kind == "scan"
                else self.store.view(_scope_path(stack)))
-    tail = self.tail and is_sink and name not in _LOOPS
+    tail = self.tail and is_sink and kind not in _LOOPS
     return self.child(region=recipe, tail=tail, store=store)
 
   def _recurse(self, ctx: rules_lib.OpRuleContext, *args: Any, **params: Any) -> Any:
@@ -296,8 +319,48 @@ class Interpreter:
 
 # Bodies that see the caller's float8 store (the others scale currently), and
 # loops (whose last matmul is no output head: it feeds the next iteration).
-_STORE_THREADED = frozenset({"jit_p", "closed_call_p", "remat_p", "scan_p"})
-_LOOPS = frozenset({"scan_p", "while_p"})
+_STORE_THREADED = frozenset({"jit", "closed_call", "remat", "scan"})
+_LOOPS = frozenset({"scan", "while"})
+
+#: Why autocast stops at a higher-order primitive it does not know.
+UNKNOWN_HIGHER_ORDER = (
+    "jmp_lite.autocast: the program contains {what}, a higher-order "
+    "operation (its parameters hold a jaxpr) that autocast does not know how "
+    "to enter. Binding it as traced would silently leave its body in the "
+    "traced precision (float8 regions and autocast's op rules would not "
+    "reach it), so autocast refuses it. jax {version}; autocast enters {known}. "
+    "To run it as traced, wrap the call in jmp_lite.in_float32 (a float32 "
+    "island autocast leaves alone), or give it a rule of your own: "
+    "autocast(fn, policy, op_rules={{<its primitive object>: 'passthrough'}}) "
+    "(or a callable rule). docs/autocast.md, limitations."
+)
+
+#: The kinds of higher-order operation autocast enters.
+_KNOWN_KINDS = ("jit", "closed_call/eval_jaxpr", "checkpoint (remat)", "scan",
+                "while_loop", "cond", "custom_jvp", "custom_vjp", "shard_map")
+
+
+def _refuse_unknown(eqn: Any) -> None:
+  """Raises the teaching error for an unknown higher-order equation."""
+  if eqn.primitive in rules_lib.FIRST_ORDER_WITH_JAXPRS:
+    return  # scalar combiners (reduce, scatter...): no body to autocast
+  if not any(True for _ in compat.sub_jaxprs(eqn.params)):
+    return
+  raise ValueError(UNKNOWN_HIGHER_ORDER.format(
+      what=f"the primitive {eqn.primitive.name!r}", version=jax.__version__,
+      known=", ".join(_KNOWN_KINDS)))
+
+
+def kind_of(eqn: Any) -> str | None:
+  """Which higher-order operation an equation is (``"remat"``, ``"scan"``...).
+
+  A "hi" primitive (jax 0.12's upgrade flags) is the kind of its operation;
+  None for an equation autocast does not enter.
+  """
+  name = HIGHER_ORDER_NAMES.get(eqn.primitive)
+  if name == "call_hi_primitive_p":
+    return compat.hi_kind(eqn.params)
+  return _KIND_OF_NAME.get(name)
 
 
 def split_static(
@@ -520,6 +583,124 @@ def _custom_vjp(interp, ctx, args, params):
   return ctx.bind(*args, **compat.with_custom_vjp_parts(params, new_call, new_thunk))
 
 
+def _remat3(interp, ctx, args, params):
+  """``jax.checkpoint`` under jax_remat3: the same as :func:`_remat`."""
+  body, prevent_cse, policy = compat.hi_remat_parts(params)
+  return _remat(interp, ctx, args, {"jaxpr": body, "prevent_cse": prevent_cse,
+                                    "policy": policy})
+
+
+def _custom_jvp3(interp, ctx, args, params):
+  """``jax.custom_jvp`` under jax_custom_jvp3, as :func:`_custom_jvp`.
+
+  The primal body is autocast; the JVP rule (a Python function of
+  structured inputs here) is traced on the primals and tangents and
+  evaluated by the tangent interpreter; outputs take the traced dtypes.
+  """
+  body, rule, in_tree, _ = compat.hi_custom_jvp_parts(params)
+  out_dtypes = [np.dtype(a.dtype) for a in body.out_avals]
+
+  def primal(*xs):
+    # The traced dtypes: JAX checks the rule's primal outputs against them.
+    return tuple(cast_all(interp.eval_closed(body, xs), out_dtypes))
+
+  primal.__name__ = primal.__qualname__ = compat.func_name(body, "custom_jvp")
+  fn = jax.custom_jvp(primal)
+  tangent_interp = interp.for_tangents()
+
+  def flat_rule(primals, tangents):
+    outs, out_tangents = rule(jax.tree.unflatten(in_tree, primals),
+                              jax.tree.unflatten(in_tree, tangents))
+    return jax.tree.leaves(outs), jax.tree.leaves(out_tangents)
+
+  def jvp(primals, tangents):
+    closed = jax.make_jaxpr(flat_rule)(list(primals), list(tangents))
+    outs = tangent_interp.eval_closed(closed, [*primals, *tangents])
+    n_out = len(out_dtypes)
+    if len(outs) != 2 * n_out:
+      raise compat.unsupported("autocast", "a custom_jvp rule returned "
+                               f"{len(outs) - n_out} tangents for {n_out} "
+                               "outputs")
+    out_primals = cast_all(outs[:n_out], out_dtypes)
+    out_tangents = [
+        tree_lib.cast(t, d) if tree_lib.is_float(t) else t
+        for t, d in zip(outs[n_out:], out_dtypes)
+    ]
+    return tuple(out_primals), tuple(out_tangents)
+
+  fn.defjvp(jvp)
+  return list(fn(*args))
+
+
+def _custom_vjp3(interp, ctx, args, params):
+  """``jax.custom_vjp`` under jax_custom_vjp3, as :func:`_custom_vjp`.
+
+  Inputs and outputs keep their traced dtypes at the boundary; the primal
+  body and the ``fwd`` rule are autocast (residuals leave in their traced
+  dtypes); ``bwd`` runs as written.
+  """
+  body, fwd_rule, bwd_rule, in_tree, n_leading = (
+      compat.hi_custom_vjp_parts(params))
+  in_dtypes = _float_dtypes(ctx.in_avals)
+  args = cast_all(args, in_dtypes)
+  out_dtypes = _float_dtypes(body.out_avals)
+  n_out = len(out_dtypes)
+  res_tree: list[Any] = []
+
+  def primal(*xs):
+    return tuple(cast_all(interp.eval_closed(body, xs), out_dtypes))
+
+  primal.__name__ = primal.__qualname__ = compat.func_name(body, "custom_vjp")
+  fn = jax.custom_vjp(primal)
+
+  def flat_fwd(*xs):
+    structured = jax.tree.unflatten(in_tree, xs)
+    nonzeros = jax.tree.map(lambda _: True, structured)
+    out, res = fwd_rule(nonzeros, *structured)
+    res_leaves, tree = jax.tree.flatten(res)
+    res_tree[:] = [tree]
+    return [*jax.tree.leaves(out), *res_leaves]
+
+  def fwd(*xs):
+    closed = jax.make_jaxpr(flat_fwd)(*xs)
+    outs = cast_all(interp.eval_closed(closed, xs),
+                    _float_dtypes(closed.out_avals))
+    return tuple(outs[:n_out]), outs[n_out:]
+
+  def bwd(res_leaves, cts):
+    res = jax.tree.unflatten(res_tree[0], res_leaves)
+    in_cts, _ = bwd_rule(res, list(cts) if n_out != 1 else cts[0])
+    flat_cts = jax.tree.leaves(in_cts)
+    out = []
+    for i, (x, aval) in enumerate(zip(args, ctx.in_avals)):
+      ct = flat_cts[i - n_leading] if i >= n_leading else None
+      if not checks.is_array(ct):
+        ct = _zeros_tangent(jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+      out.append(ct)
+    return tuple(out)
+
+  fn.defvjp(fwd, bwd)
+  return list(fn(*args))
+
+
+_HI_HANDLERS = {"remat": _remat3, "custom_jvp": _custom_jvp3,
+                "custom_vjp": _custom_vjp3}
+
+
+def _hi(interp, ctx, args, params):
+  """A "hi" primitive (jax 0.12's upgrade flags): by its operation's class."""
+  handler = _HI_HANDLERS.get(compat.hi_kind(params))
+  if handler is None:
+    raise ValueError(UNKNOWN_HIGHER_ORDER.format(
+        what=f"the primitive {ctx.primitive.name!r} holding "
+        f"{compat.hi_name(params)}" + (
+            " (traced so under the flag jax_scan3, which JAX itself cannot "
+            "differentiate yet; turn the flag off)"
+            if compat.hi_kind(params) == "scan" else ""),
+        version=jax.__version__, known=", ".join(_KNOWN_KINDS)))
+  return handler(interp, ctx, args, params)
+
+
 def _shard_map(interp, ctx, args, params):
   del ctx
   body, kwargs = compat.shard_map_parts(params)
@@ -542,6 +723,16 @@ HIGHER_ORDER_HANDLERS: dict[str, Callable[..., Any]] = {
     "custom_jvp_call_p": _custom_jvp,
     "custom_vjp_call_p": _custom_vjp,
     "shard_map_p": _shard_map,
+    # jax's main branch names closed_call eval_jaxpr (the same object here).
+    "eval_jaxpr_p": _closed_call,
+    "call_hi_primitive_p": _hi,
+}
+
+_KIND_OF_NAME = {
+    "jit_p": "jit", "closed_call_p": "closed_call",
+    "eval_jaxpr_p": "closed_call", "remat_p": "remat", "scan_p": "scan",
+    "while_p": "while", "cond_p": "cond", "custom_jvp_call_p": "custom_jvp",
+    "custom_vjp_call_p": "custom_vjp", "shard_map_p": "shard_map",
 }
 
 #: The one registry of higher-order primitives: ``{primitive: handler}`` for

@@ -100,6 +100,15 @@ PROMOTE_NAMES = (
 
 PASSTHROUGH_NAMES = ("bitcast_convert_type_p", "reduce_precision_p")
 
+# First-order primitives whose parameters hold a jaxpr that is a scalar
+# combiner (reduce's monoid, scatter's update), not a body to autocast: they
+# are not "unknown higher-order primitives" (interpreter.UNKNOWN_HIGHER_ORDER).
+FIRST_ORDER_WITH_JAXPRS_NAMES = (
+    "reduce_p", "reduce_window_p", "select_and_scatter_p", "scatter_p",
+    "scatter_add_p", "scatter_mul_p", "scatter_min_p", "scatter_max_p",
+    "scatter_sub_p",
+)
+
 #: Matmuls and convolutions: run in the compute dtype, accumulate in float32.
 LOWER_PRIMITIVES = compat.primitives(*LOWER_NAMES)
 #: Numerically sensitive primitives that run in float32.
@@ -108,6 +117,9 @@ F32_PRIMITIVES = compat.primitives(*F32_NAMES)
 PROMOTE_PRIMITIVES = compat.primitives(*PROMOTE_NAMES)
 #: Primitives autocast keeps exactly as traced (the default for unknown ones).
 PASSTHROUGH_PRIMITIVES = compat.primitives(*PASSTHROUGH_NAMES)
+#: Primitives with a scalar-combiner jaxpr in their parameters (not bodies).
+FIRST_ORDER_WITH_JAXPRS = frozenset(
+    compat.primitives(*FIRST_ORDER_WITH_JAXPRS_NAMES))
 
 # Primitives bilinear in their two operands (used by the float32-accumulating
 # matmul rule, whose tangent is built from the two partial products).
@@ -166,6 +178,7 @@ class OpRuleContext:
   fp8_config: Any = None
   _recurse: Callable[..., Any] | None = None
   _site: Any = None
+  _fp8_excluded: str | None = None
 
   def bind(self, *args: Any, **params: Any) -> Any:
     """Binds the primitive to ``args`` (like ``eval_jaxpr`` does)."""
