@@ -150,6 +150,109 @@ def test_custom_recipes_round_trip(config):
   assert jmp_lite.get_policy(text.upper()) == policy
 
 
+_AXES = ("batch", "data", "fsdp", "Data", "model_1", "dp.x", "i")
+
+
+def _random_config(rng):
+  """A random valid Fp8Config: every field, many values (the generator
+  covers every field but compute_dtype: see the test below)."""
+  granularity, scaling = [("tensor", "current"), ("row", "current"),
+                          ("blockwise", "current"), ("mxfp8", "current"),
+                          ("tensor", "delayed")][rng.integers(5)]
+  pick = lambda *values: values[rng.integers(len(values))]
+  fields = dict(
+      granularity=granularity, scaling=scaling,
+      forward_format=pick("e4m3", "e5m2", "E4M3"),
+      gradient_format=pick("e4m3", "e5m2"),
+      power_of_two_scales=granularity == "mxfp8" or pick(True, False),
+      include_output_head=pick(True, False),
+      include_batched=pick(True, False),
+      dim_multiple=int(rng.integers(1, 65)),
+      native_mx=pick(True, False),
+      axis_name=pick(None, _AXES[rng.integers(len(_AXES))],
+                     tuple(rng.choice(_AXES, rng.integers(1, 4),
+                                      replace=False).tolist())))
+  if granularity == "blockwise":
+    fields["block_size"] = pick(None, 16 * int(rng.integers(1, 17)))
+  if scaling == "delayed":
+    fields.update(
+        history_length=pick(None, int(rng.integers(1, 1025))),
+        margin=pick(0, int(rng.integers(0, 65)), float(rng.integers(0, 65))),
+        amax_algorithm=pick(None, "max", "most_recent"))
+  return fp8.Fp8Config(**fields), fields
+
+
+def test_random_policies_round_trip_exactly():
+  """``get_policy(str(p)) == p`` (and equal hashes) over many random float8
+  recipes, every field varied, in every compute dtype a recipe takes."""
+  rng = np.random.default_rng(0)
+  covered = set()
+  for _ in range(300):
+    config, fields = _random_config(rng)
+    covered |= set(fields)
+    policy = jmp_lite.Policy(
+        *[("f32", "bf16", "f16")[i] for i in rng.integers(3, size=3)],
+        matmul_precision=config)
+    text = str(policy)
+    again = jmp_lite.get_policy(text)
+    assert again == policy and hash(again) == hash(policy), text
+    assert str(again) == text
+    recipe = again.matmul_precision
+    assert (recipe if isinstance(recipe, fp8.Fp8Config) else
+            fp8.Fp8Config(**policy_lib.FP8_RECIPES[recipe])) == config, text
+  assert covered == {f.name for f in dataclasses.fields(fp8.Fp8Config)} - {
+      "compute_dtype"}, "a new Fp8Config field: add it to _random_config"
+
+
+@pytest.mark.parametrize("value", [1 / 3, 0.1, 2.0**-149, 1e300, 12345.678])
+def test_float_fields_render_exactly(value):
+  """A float in a recipe is written with repr (str printed 6 digits:
+  1/3 came back as 0.333333), so it reads back to the same float."""
+  config_lib = __import__("jmp_lite._src.fp8.config", fromlist=["_"])
+  text = config_lib._render(value)  # pylint: disable=protected-access
+  assert config_lib._parse_value("margin", text) == value  # pylint: disable=protected-access
+
+
+def test_axis_names_keep_their_case_and_tuples_round_trip():
+  policy = jmp_lite.get_policy(
+      " C=BF16 , M = FP8_Delayed( Margin=2 ; AXIS_NAME=(Data|fsdp) ) ")
+  config = policy.matmul_precision
+  assert config.axis_name == ("Data", "fsdp") and config.margin == 2
+  assert str(policy) == ("p=full,c=bf16,o=bf16,"
+                         "m=fp8_delayed(margin=2;axis_name=(Data|fsdp))")
+  assert jmp_lite.get_policy(str(policy)) == policy
+  single = jmp_lite.get_policy("c=bf16,m=fp8(axis_name=batch)")
+  assert single.matmul_precision.axis_name == "batch"
+  assert single.matmul_precision == fp8.Fp8Config(axis_name="batch")
+  # A whole-float margin is the int margin.
+  assert fp8.Fp8Config(scaling="delayed", margin=3.0) == fp8.Fp8Config(
+      scaling="delayed", margin=3)
+  assert fp8.Fp8Config(scaling="delayed", margin=3.0).margin.__class__ is int
+
+
+@pytest.mark.parametrize("axis", ["a b", "a,b", "x;y", "none", "1x", ("ok", "")])
+def test_axis_names_the_grammar_cannot_write_are_refused_in_a_policy(axis):
+  config = fp8.Fp8Config(axis_name=axis)  # fine for fp8_dot_general
+  with pytest.raises(ValueError, match="cannot be written in the policy "
+                     "grammar.*axis_name=\\(data\\|fsdp\\)"):
+    jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(config)
+
+
+@pytest.mark.parametrize("margin,error,pattern", [
+    (-1, ValueError, "margin=-1 is not a whole number from 0 to 64.*clips"),
+    (0.5, ValueError, "margin=0.5 .*fractional"),
+    (1e9, ValueError, "margin=1000000000.0 .*0 to 64"),
+    (65, ValueError, "margin=65 .*0 to 64"),
+    (200, ValueError, "margin=200 .*NaN outputs"),
+    (float("nan"), ValueError, "margin=nan"),
+    (True, TypeError, "margin must be a whole number.*bool"),
+    ("1", TypeError, "margin must be a whole number.*str"),
+])
+def test_bad_margins_name_the_value_the_range_and_why(margin, error, pattern):
+  with pytest.raises(error, match=pattern):
+    fp8.Fp8Config(scaling="delayed", margin=margin)
+
+
 def test_delayed_defaults_and_matmul_context():
   config = fp8.Fp8Config(scaling="delayed")
   assert (config.history_length, config.margin, config.amax_algorithm) == (
@@ -270,8 +373,8 @@ def test_opting_back_in(route):
   assert jaxpr_dots(wrap(mlp, recipe(include_output_head=True,
                                      dim_multiple=1)),
                     params, X)[-1] == (E4, E4)
-  # A batch of 12 rows (M) is excluded too.
-  assert jaxpr_dots(wrap(mlp, recipe()), PARAMS, X[:12])[0] == ("bfloat16",) * 2
+  # The rows (M: a batch of 12) are not constrained, only K and N are.
+  assert jaxpr_dots(wrap(mlp, recipe()), PARAMS, X[:12])[0] == (E4, E4)
 
 
 def test_what_stays_out_of_float8():
