@@ -1,10 +1,15 @@
-"""Every ```python block of the README and of each guide in docs/ runs.
+"""The README and the pages of docs/: blocks run, links resolve, sizes hold.
 
-Blocks run in order, in one namespace per file, as a reader would paste them,
-in a scratch directory (some write figures), with JAX's standard dtype
-promotion (a user's default; optax's adam needs it). A block that needs names
-from an earlier block of the same file may use them; nothing else is
-defined. ```text, ```bash and ```diff blocks are not Python and are not run.
+Every ```python block of the README and of each page in docs/ runs. Blocks
+run in order, in one namespace per file, as a reader would paste them, in a
+scratch directory (some write figures), with JAX's standard dtype promotion
+(a user's default; optax's adam needs it). A block that needs names from an
+earlier block of the same file may use them; nothing else is defined.
+```text, ```bash and ```diff blocks are not Python and are not run.
+
+The API reference (docs/api/) is generated from the docstrings by mkdocs.yml;
+CI builds it with warnings as errors, and tests/test_public_api.py checks
+that it lists every public name.
 """
 
 import contextlib
@@ -16,14 +21,23 @@ import pytest
 
 from helpers import ROOT
 
-FILES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+DOCS = ROOT / "docs"
+README = ROOT / "README.md"
+FILES = [README] + sorted(DOCS.rglob("*.md"))
+API_PAGES = sorted((DOCS / "api").glob("*.md"))
+
+#: Pages of docs/ that hold prose, tables and figures but no code to run.
+PROSE_PAGES = {"index.md", "benchmarks.md", "design.md", "contributing.md"}
+
+#: The README is a front door (DESIGN.md): at most this many bytes.
+README_MAX_BYTES = 10_000
 
 #: What some files' blocks print or write, checked after they ran.
 PRINTS = {
-    "training_loops.md": ["True 3", "False", "True"],
-    "diagnostics.md": ["True"],
+    "docs/training_loops.md": ["True 3", "False", "True"],
+    "docs/diagnostics.md": ["True"],
 }
-WRITES = {"diagnostics.md": ["grads.png"]}
+WRITES = {"docs/diagnostics.md": ["grads.png"]}
 
 
 def python_blocks(path: pathlib.Path) -> list[str]:
@@ -31,13 +45,108 @@ def python_blocks(path: pathlib.Path) -> list[str]:
                     re.DOTALL | re.MULTILINE)
 
 
+def _name(path: pathlib.Path) -> str:
+  return str(path.relative_to(ROOT))
+
+
 def test_every_guide_has_python_blocks():
-  for path in FILES:
-    assert python_blocks(path), path.name
+  guides = [p for p in FILES
+            if p.parent == DOCS and p.name not in PROSE_PAGES]
+  assert len(guides) >= 7, guides
+  for path in [README] + guides:
+    assert python_blocks(path), _name(path)
+  for name in PROSE_PAGES:  # the exemptions name pages that exist
+    assert (DOCS / name).is_file(), name
+
+
+def test_every_api_page_is_generated_from_docstrings():
+  assert API_PAGES
+  for path in API_PAGES:
+    assert re.search(r"^::: jmp_lite", path.read_text(), re.MULTILINE), _name(path)
+
+
+def test_readme_is_a_front_door():
+  size = len(README.read_bytes())
+  assert size <= README_MAX_BYTES, (
+      f"README.md is {size} bytes, more than {README_MAX_BYTES}: move the "
+      "long explanation into the page of docs/ where it belongs and link it")
+
+
+def _readme_test_command() -> str:
+  commands = [line.split("#")[0].strip()
+              for line in README.read_text().splitlines()
+              if "python -m pytest" in line and "pip install" in line]
+  assert len(commands) == 1, commands
+  return commands[0]
+
+
+def test_ci_runs_the_readmes_test_command_first():
+  ci = (ROOT / ".ci" / "run").read_text().splitlines()
+  commands = [line for line in ci
+              if line.strip() and not line.startswith("#")
+              and not line.startswith(("set ", "cd "))]
+  assert commands[0] == _readme_test_command(), commands[0]
+
+
+def test_ci_builds_the_api_reference_with_warnings_as_errors():
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert re.search(r"^python -m mkdocs build --strict --site-dir ", ci,
+                   re.MULTILINE), ci
+  assert (ROOT / "mkdocs.yml").is_file()
+
+
+# ---------------------------------------------------------------------------
+# Links.
+# ---------------------------------------------------------------------------
+
+_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _links(path: pathlib.Path) -> list[str]:
+  text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+  text = re.sub(r"`[^`\n]*`", "", text)  # inline code is not a link
+  return [m for m in _LINK.findall(text)
+          if not re.match(r"[a-z][a-z0-9+.-]*:", m)]  # http:, mailto:, ...
+
+
+def _github_anchor(heading: str) -> str:
+  """The anchor GitHub gives a markdown heading."""
+  text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+  return text.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+  text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.DOTALL | re.MULTILINE)
+  headings = {_github_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
+  return headings | set(re.findall(r'<a id="([^"]+)"', text))
+
+
+def test_github_anchor():
+  assert _github_anchor("What may wrap `loss_scaling`") == "what-may-wrap-loss_scaling"
+  assert _github_anchor("Float8") == "float8"
+
+
+@pytest.mark.parametrize("path", FILES, ids=_name)
+def test_every_relative_link_resolves(path):
+  broken = []
+  for link in _links(path):
+    target, _, anchor = link.partition("#")
+    file = (path.parent / target).resolve() if target else path
+    if not file.exists():
+      broken.append(link)
+    elif (anchor and file.suffix == ".md" and file.parent.is_relative_to(DOCS)
+          and anchor not in _anchors(file)):
+      broken.append(link)  # mkdocs checks anchors too, but not the README's
+  assert not broken, f"{_name(path)}: links to nothing: {broken}"
+
+
+# ---------------------------------------------------------------------------
+# Blocks.
+# ---------------------------------------------------------------------------
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", FILES, ids=_name)
 def test_every_python_block_runs(path, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   namespace = {"__name__": "__docs__"}
@@ -49,7 +158,7 @@ def test_every_python_block_runs(path, tmp_path, monkeypatch):
     except Exception as e:  # pragma: no cover - the message names the block
       raise AssertionError(f"block {i} of {path.name} failed:\n{block}") from e
   printed = [line for line in out.getvalue().splitlines() if line.strip()]
-  for expected in PRINTS.get(path.name, []):
+  for expected in PRINTS.get(_name(path), []):
     assert expected in printed, (expected, printed)
-  for name in WRITES.get(path.name, []):
+  for name in WRITES.get(_name(path), []):
     assert (tmp_path / name).stat().st_size > 0, name

@@ -57,15 +57,64 @@ def _own_doc(obj):
   return doc
 
 
-@pytest.mark.parametrize("name", jmp_lite.__all__)
-def test_every_public_name_exists_and_is_documented(name):
-  assert hasattr(jmp_lite, name), f"jmp_lite.__all__ lists {name!r} but it is missing"
-  obj = getattr(jmp_lite, name)
-  if callable(obj):
-    assert _own_doc(obj), f"jmp_lite.{name} has no docstring"
+#: The public modules (DESIGN.md): each lists its public names in __all__.
+PUBLIC_MODULES = (
+    "jmp_lite",
+    "jmp_lite.linen",
+    "jmp_lite.nnx",
+    "jmp_lite.fp8",
+    "jmp_lite.diagnostics",
+    "jmp_lite.autocast_rules",
+)
+
+PUBLIC_NAMES = [
+    (module, name)
+    for module in PUBLIC_MODULES
+    for name in importlib.import_module(module).__all__
+]
+
+
+@pytest.mark.parametrize("module,name", PUBLIC_NAMES,
+                         ids=[f"{m}.{n}" for m, n in PUBLIC_NAMES])
+def test_every_public_name_exists_and_is_documented(module, name):
+  mod = importlib.import_module(module)
+  assert hasattr(mod, name), f"{module}.__all__ lists {name!r} but it is missing"
+  obj = getattr(mod, name)
+  if inspect.isclass(obj) or inspect.isroutine(obj):
+    assert _own_doc(obj), f"{module}.{name} has no docstring"
   else:
     # A constant cannot carry a docstring of its own; it needs a "#:" comment.
-    assert _has_doc_comment(name), f"jmp_lite.{name} has no '#:' doc-comment"
+    assert _has_doc_comment(name), f"{module}.{name} has no '#:' doc-comment"
+
+
+def _api_reference_entries():
+  """The ``::: name`` lines of the API reference's pages, in page order."""
+  pages = sorted((REPO_ROOT / "docs" / "api").glob("*.md"))
+  return [
+      entry
+      for page in pages
+      for entry in re.findall(r"^::: *(\S+) *$", page.read_text(), re.MULTILINE)
+  ]
+
+
+def test_every_public_name_is_in_the_api_reference():
+  entries = _api_reference_entries()
+  expected = {f"{module}.{name}" for module, name in PUBLIC_NAMES}
+  documented = [e for e in entries if e not in PUBLIC_MODULES]
+  missing = sorted(expected - set(documented))
+  assert not missing, (
+      f"public names missing from the API reference: {missing}; add a "
+      "'::: module.name' line to the module's page of docs/api/")
+  extra = sorted(set(documented) - expected)
+  assert not extra, f"the API reference documents names that are not public: {extra}"
+  twice = sorted({e for e in documented if documented.count(e) > 1})
+  assert not twice, f"documented twice in the API reference: {twice}"
+
+
+def test_every_api_page_is_in_the_site_navigation():
+  nav = (REPO_ROOT / "mkdocs.yml").read_text()
+  for page in sorted((REPO_ROOT / "docs" / "api").glob("*.md")):
+    assert f"api/{page.name}" in nav, page.name
 
 
 def test_all_has_no_duplicates_or_private_names():
