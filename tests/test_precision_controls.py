@@ -432,6 +432,15 @@ def test_casting_with_a_matmul_precision_warns_once_per_policy():
   assert "m=tf32 has no effect through Policy.cast_to_param" in str(
       caught[0].message)
   assert "at the tf32 precision" in str(caught[0].message)
+  # The filter docs/precision.md gives silences it.
+  bf16_tf32 = jmp_lite.get_policy("c=f32,m=bf16_bf16_f32_x3")
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="jmp_lite: m=")
+    assert not _caught(lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.filterwarnings("ignore", message="jmp_lite: m=")
+      bf16_tf32.cast_to_compute(x)
+    assert not caught
 
 
 @pytest.mark.usefixtures("fresh_warnings")
