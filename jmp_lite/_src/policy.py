@@ -506,7 +506,7 @@ def _dtype_of(spec: str, chosen: dict[str, tuple[str, str]], field: str,
 def get_policy(spec: str | Policy) -> Policy:
   """Parses a policy spec, with jmp's grammar plus presets and a matmul key.
 
-  Grammar (case and whitespace are ignored):
+  Grammar (case and whitespace are ignored, but in a recipe's axis names):
 
   * ``"p=f32,c=f16,o=f32"`` or ``"params=f32,compute=f16,output=f32"``: explicit
     dtypes. Missing keys default in a cascade: params to float32, compute to
@@ -527,8 +527,8 @@ def get_policy(spec: str | Policy) -> Policy:
     :class:`Policy`. ``str(policy)`` prints it only when set, so jmp's specs
     and strings are unchanged.
 
-  ``get_policy(str(policy)) == policy`` for every policy; a ``Policy`` is
-  returned unchanged.
+  ``get_policy(str(policy)) == policy`` (with equal hashes) for every
+  policy; a ``Policy`` is returned unchanged.
 
   Args:
     spec: the spec string, or a ``Policy``.
@@ -539,7 +539,8 @@ def get_policy(spec: str | Policy) -> Policy:
   Raises:
     TypeError: if ``spec`` is neither a string nor a ``Policy``.
     ValueError: for an empty spec, an unknown key, dtype or matmul precision,
-      a duplicated key or a malformed pair; the message names the bad token
+      a duplicated key or recipe field, recipe fields separated by ``,``
+      instead of ``;``, or a malformed pair; the message names the bad token
       and the valid choices.
 
   Example:
