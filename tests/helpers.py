@@ -10,6 +10,7 @@
   :func:`assert_is_png`, :func:`assert_finite_figures`.
 """
 
+import contextlib
 import inspect
 import math
 import os
@@ -185,3 +186,25 @@ def orbax_round_trip(tree, path):
     checkpointer.save(path, tree)
     checkpointer.wait_until_finished()
     return checkpointer.restore(path, jax.eval_shape(lambda: tree))
+
+
+# ---------------------------------------------------------------------------
+# jax_debug_nans / jax_debug_infs.
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def debug_nans_and_infs(enabled=True):
+  """``jax_debug_nans`` and ``jax_debug_infs`` set to ``enabled`` inside the
+  block (restored after). With them on, an eager op or a jitted program whose
+  output holds NaN/inf raises ``FloatingPointError``: a finite run must pass
+  with them on (no state jmp_lite creates holds NaN or inf); a step that gets
+  a NaN/inf on purpose runs inside ``debug_nans_and_infs(False)``."""
+  with jax.debug_nans(enabled), jax.debug_infs(enabled):
+    yield
+
+
+def faulty(value=True):
+  """``debug_nans_and_infs(False)`` where ``value`` (a step given a NaN/inf
+  on purpose), a no-op context elsewhere."""
+  return debug_nans_and_infs(False) if value else contextlib.nullcontext()

@@ -51,6 +51,8 @@ import pytest
 import jmp_lite
 from helpers import assert_bit_identical
 from helpers import assert_exited_cleanly
+from helpers import debug_nans_and_infs
+from helpers import faulty
 from helpers import assert_is_png
 from helpers import example_env
 from helpers import is_finite_number
@@ -70,6 +72,15 @@ RTOL_JIT = 4e-6
 
 standard_promotion = pytest.mark.standard_promotion
 slow = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _no_nan_or_inf_anywhere():
+  """Every test here runs with jax_debug_nans and jax_debug_infs on: no state
+  or intermediate of a finite step may hold NaN or inf (DESIGN.md, "Scale").
+  The steps that get NaN/inf gradients on purpose run inside ``faulty()``."""
+  with debug_nans_and_infs():
+    yield
 
 
 def _dtypes(tree):
@@ -277,8 +288,9 @@ def test_hysteresis_keeps_the_scale_but_every_non_finite_step_is_skipped():
       optax.sgd(1.0), jmp_lite.DynamicLossScale(8.0, hysteresis=2))
   state = opt.init(params)
   update = jax.jit(opt.update)
-  bad = {"w": jnp.asarray([np.inf, 1.0], F32)}
-  updates, state = update(bad, state, params)
+  with faulty():
+    bad = {"w": jnp.asarray([np.inf, 1.0], F32)}
+    updates, state = update(bad, state, params)
   np.testing.assert_array_equal(updates["w"], np.zeros(2, F32))
   assert (int(state.skipped_steps), _scale_value(state.loss_scale),
           int(state.loss_scale.counter)) == (1, 8.0, -1)
@@ -372,9 +384,10 @@ def run_fault_sequence(opt, params, grads, bad, dtype, k, jit):
     if i % k == 0:
       window_scale = scale
     assert scale == window_scale  # fixed within a window
-    updates, new_state = update(_scaled(g, scale, dtype, bad.get(i)), state,
-                                params)
-    new_params = optax.apply_updates(params, updates)
+    with faulty(i in bad):
+      updates, new_state = update(_scaled(g, scale, dtype, bad.get(i)), state,
+                                  params)
+      new_params = optax.apply_updates(params, updates)
     window_ok &= i not in bad
     step_taken = (i % k == k - 1) and window_ok
     chex.assert_tree_all_finite(new_params)
@@ -542,7 +555,7 @@ def test_fault_sequence_keeps_inject_hyperparams_count_and_learning_rate():
 
 # ---------------------------------------------------------------------------
 # Every optax wrapper around and inside loss_scaling: the result of the inner
-# optimizer on the finite steps only, or refused at init.
+# optimizer on the finite steps only, or refused from the state's layout.
 # ---------------------------------------------------------------------------
 
 #: Inside the wrapper: each runs the fault sequence and must match the same
@@ -563,8 +576,12 @@ INSIDE = [
 @standard_promotion
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("make_inner", INSIDE)
-def test_fault_sequence_with_optax_wrappers_inside(make_inner, k):
-  check_fault_run(make_inner, F32, k, jit=False)
+def test_fault_sequence_with_optax_wrappers_inside(make_inner, k, request):
+  # optax's schedule_free makes a NaN array of its own in every update
+  # (jnp.full(shape, nan), selected away): eagerly, jax_debug_nans flags it.
+  optax_nan = "schedule_free" in request.node.name
+  with faulty(optax_nan):
+    check_fault_run(make_inner, F32, k, jit=False)
 
 
 @standard_promotion
@@ -583,9 +600,10 @@ def test_fault_sequence_with_lookahead_inside():
   state = opt.init(params)
   for i, g in enumerate(grads):
     scale = _scale_value(jmp_lite.get_loss_scale(state))
-    updates, state = opt.update(_scaled(g, scale, F32, bad.get(i)), state,
-                                params)
-    params = optax.apply_updates(params, updates)
+    with faulty(i in bad):
+      updates, state = opt.update(_scaled(g, scale, F32, bad.get(i)), state,
+                                  params)
+      params = optax.apply_updates(params, updates)
   ref_params, ref_state = optax.LookaheadParams(fast=fast, slow=fast), None
   inner = make()
   ref_state = inner.init(ref_params)
@@ -611,7 +629,10 @@ def _ls(inner=None, scale=FAULT_SCALE):
                                None if scale is None else _DLS(**scale))
 
 
-#: Around the wrapper (name, the optimizer, what the error must say).
+#: Around the wrapper (name, the optimizer, what the error must say). The
+#: refusal is structural: the state's layout shows the wrapper, and
+#: get_loss_scale / scaled_value_and_grad (which read the whole state) refuse
+#: it before anything is computed.
 AROUND_REFUSED = [
     ("multi_steps", lambda s: optax.MultiSteps(_ls(scale=s), 2),
      r"MultiSteps.*accumulation_steps=k"),
@@ -634,29 +655,105 @@ AROUND_REFUSED = [
     ("chain_nested", lambda s: optax.chain(
         optax.clip(1.0), optax.chain(_ls(scale=s), optax.scale(1.0))),
      r"chain runs 1 transformation\(s\) before loss_scaling"),
-    ("named_chain_second", lambda s: optax.named_chain(
-        ("clip", optax.clip(1.0)), ("ls", _ls(scale=s))),
-     r"named_chain runs 1 transformation\(s\) before loss_scaling"),
+    ("chain_third", lambda s: optax.chain(
+        optax.clip(1.0), optax.scale(1.0), _ls(scale=s)),
+     r"chain runs 2 transformation\(s\) before loss_scaling"),
     ("multi_transform", lambda s: optax.multi_transform(
         {"ls": _ls(scale=s), "sgd": optax.sgd(0.1)}, {"w": "ls", "b": "sgd"}),
      r"partitions would receive scaled gradients"),
     ("masked", lambda s: optax.masked(_ls(scale=s), {"w": True, "b": False}),
      r"outside the mask would receive scaled gradients"),
+    ("multi_steps_in_a_dict", lambda s: _DictOfStates(
+        optax.MultiSteps(_ls(scale=s), 2)),
+     r"MultiSteps.*accumulation_steps=k"),
 ]
+
+
+def _DictOfStates(opt):  # pylint: disable=invalid-name
+  """``opt``'s state kept in a dict, as a user's train state may."""
+  return optax.GradientTransformation(
+      lambda p: {"opt": opt.init(p), "step": jnp.zeros([], jnp.int32)},
+      lambda u, s, p=None: opt.update(u, s["opt"], p))
+
+
+def _refusals(state, params):
+  """Every door that reads the whole state: get_loss_scale and
+  scaled_value_and_grad, eagerly, under jit and on abstract values."""
+  loss = lambda p: jnp.sum(p["w"])  # pylint: disable=unnecessary-lambda-assignment
+  abstract = jax.eval_shape(lambda: state)
+  return [
+      lambda: jmp_lite.get_loss_scale(state),
+      lambda: jax.jit(jmp_lite.get_loss_scale)(state),
+      lambda: jmp_lite.get_loss_scale(abstract),
+      lambda: jmp_lite.scaled_value_and_grad(loss, state)(params),
+      lambda: jax.jit(lambda s, p: jmp_lite.scaled_value_and_grad(
+          loss, s)(p))(state, params),
+  ]
 
 
 @standard_promotion
 @pytest.mark.parametrize("shared", [False, True], ids=["own_scale", "shared"])
-@pytest.mark.parametrize("make,pattern", [c[1:] for c in AROUND_REFUSED],
+@pytest.mark.parametrize("name,make,pattern", AROUND_REFUSED,
                          ids=[c[0] for c in AROUND_REFUSED])
-def test_optax_wrappers_around_loss_scaling_are_refused_at_init(make, pattern,
-                                                                shared):
+def test_optax_wrappers_around_loss_scaling_are_refused_from_the_layout(
+    name, make, pattern, shared):
+  """No call stack is read: init works (eagerly, jitted, abstractly) and the
+  first door that sees the whole state refuses it, at trace time."""
   opt = make(None if shared else FAULT_SCALE)
   params = _fault_params()
-  for init in (opt.init, jax.jit(opt.init),
-               lambda p: jax.eval_shape(opt.init, p)):
+  if name == "lookahead":
+    params = optax.LookaheadParams(fast=params, slow=params)
+  state = opt.init(params)
+  jax.jit(opt.init)(params)
+  jax.eval_shape(opt.init, params)
+  fast = params.fast if isinstance(params, optax.LookaheadParams) else params
+  for refused in _refusals(state, fast):
     with pytest.raises(TypeError, match=pattern):
-      init(params)
+      refused()
+
+
+@standard_promotion
+def test_what_no_layout_shows_is_not_refused():
+  """docs/training_loops.md says it: optax.named_chain keeps its states in a
+  dict, like any dict of states, so a transformation named before the
+  wrapper is not seen; nor is a wrapper around loss_scaling in a loop that
+  never hands the whole state to jmp_lite (a shared scale passed to update)."""
+  params = _fault_params()
+  named = optax.named_chain(("clip", optax.clip(1.0)), ("ls", _ls()))
+  state = named.init(params)
+  assert _scale_value(jmp_lite.get_loss_scale(state)) == FAULT_SCALE[
+      "loss_scale"]
+  shared = optax.MultiSteps(_ls(scale=None), 2)
+  state = shared.init(params)
+  _, state = shared.update(jax.tree.map(jnp.ones_like, params), state, params,
+                           loss_scale=_DLS(2.0))
+  assert int(state.mini_step) == 1
+
+
+def test_a_user_tuple_of_states_names_the_way_out():
+  """A plain tuple is optax.chain's layout; a user's own tuple with a
+  loss_scaling state second is refused with the way out (pass it alone)."""
+  params = _fault_params()
+  states = (optax.sgd(0.1).init(params), _ls().init(params))
+  with pytest.raises(TypeError, match=r"position 1 of a tuple.*state itself"):
+    jmp_lite.get_loss_scale(states)
+  assert _scale_value(jmp_lite.get_loss_scale(states[1])) == FAULT_SCALE[
+      "loss_scale"]
+
+
+def test_the_refusal_reads_no_call_stack():
+  """loss_scaling's init works under optax.tree_map_params (optax's way to
+  build state shardings), which the stack reading refused."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src import compat, loss_scaling  # pylint: disable=g-import-not-at-top
+  assert "_getframe" not in inspect.getsource(loss_scaling)
+  assert not hasattr(compat, "enclosing_optax_inits")
+  params = _fault_params()
+  opt = _ls(optax.adam(0.1))
+  names = optax.tree_map_params(opt, lambda _: "param", opt.init(params),
+                                transform_non_params=lambda _: "other")
+  assert names.accumulated is None
+  assert jax.tree.leaves(names.inner_state[0].mu) == ["param", "param"]
 
 
 def test_loss_scaling_first_in_a_chain_matches_the_reference():
@@ -678,9 +775,10 @@ def test_loss_scaling_first_in_a_chain_matches_the_reference():
     p, state = params, composed.init(params)
     for i, g in enumerate(grads):
       scale = _scale_value(jmp_lite.get_loss_scale(state))
-      updates, state = composed.update(_scaled(g, scale, F32, bad.get(i)),
-                                       state, p)
-      p = optax.apply_updates(p, updates)
+      with faulty(i in bad):
+        updates, state = composed.update(_scaled(g, scale, F32, bad.get(i)),
+                                         state, p)
+        p = optax.apply_updates(p, updates)
     assert_bit_identical(p, ref)
     assert int(ls_state(state).skipped_steps) == flags.count(False)
 
@@ -848,8 +946,10 @@ def test_non_finite_and_zero_steps_leave_the_check_unchanged(jit):
   update = jax.jit(opt.update) if jit else opt.update
   params = {"w": jnp.zeros(2, F32)}
   _, state = update({"w": jnp.ones(2, F32)}, opt.init(params), params)
-  for w in (jnp.array([jnp.inf, 1.0]), jnp.array([jnp.nan, 1.0]), jnp.zeros(2)):
-    _, same = update({"w": w}, state, params)
+  for bad in (np.inf, np.nan, None):
+    with faulty(bad is not None):
+      w = jnp.zeros(2) if bad is None else jnp.array([bad, 1.0])
+      _, same = update({"w": w}, state, params)
     assert_bit_identical(same.scaling_check, state.scaling_check)
 
 
@@ -867,8 +967,9 @@ def test_one_reduction_decides_finiteness_with_nan_and_half_leaves(jit):
   np.testing.assert_array_equal(updates["a"], [-1.0, 5.0])
   assert float(state.scaling_check.last_log2_max) == pytest.approx(
       math.log2(20.0))
-  grads["b"] = jnp.array([jnp.nan, 2.0])
-  _, state = update(grads, state, params)
+  with faulty():
+    grads["b"] = jnp.array([jnp.nan, 2.0])
+    _, state = update(grads, state, params)
   assert not bool(state.last_finite)
 
 
@@ -900,11 +1001,12 @@ def _shared_run(jit, steps, bad_a, bad_b, dtype=F16):
     used.append(_scale_value(scale))
     for name in ("a", "b"):
       old = (params[name], states[name])
-      g = _scaled(grads[name][i], scale.loss_scale, dtype,
-                  bad[name].get(i))
-      updates, states[name] = updates_fn[name](g, states[name], params[name],
-                                               loss_scale=scale)
-      params[name] = optax.apply_updates(params[name], updates)
+      with faulty(i in bad[name]):
+        g = _scaled(grads[name][i], scale.loss_scale, dtype,
+                    bad[name].get(i))
+        updates, states[name] = updates_fn[name](
+            g, states[name], params[name], loss_scale=scale)
+        params[name] = optax.apply_updates(params[name], updates)
       assert states[name].loss_scale is None
       if i in bad[name]:
         assert_bit_identical((params[name], states[name].inner_state),
@@ -959,14 +1061,19 @@ ISSUE_GRADS = [1.0, 1.0, np.inf, 1.0, 1.0, 1.0]
 @pytest.mark.parametrize("scale", [jmp_lite.DynamicLossScale(128.0, period=1),
                                    jmp_lite.StaticLossScale(128.0), None],
                          ids=["dynamic", "static", "shared"])
-def test_issue_a_multi_steps_around_loss_scaling_is_refused_at_init(scale):
+def test_issue_a_multi_steps_around_loss_scaling_is_refused_at_first_step(
+    scale):
   """MultiSteps(loss_scaling(...), 2): its accumulator resets by multiplying
   with 0, so one inf micro-batch becomes NaN for good and every later window
-  is skipped. A jmp-style loop never reads the scale from the state, so the
-  refusal is at init, before the first step, whatever the scale."""
+  is skipped. Refused from the state's layout by the first door that reads
+  the whole state (the documented step's get_loss_scale), at trace time,
+  before the first step computes anything. (A jmp-style loop that never
+  hands the whole state to jmp_lite is what no layout check can see:
+  docs/training_loops.md says so.)"""
   opt = optax.MultiSteps(jmp_lite.loss_scaling(optax.sgd(1.0), scale), 2)
+  state = opt.init({"w": jnp.zeros(2, F32)})
   with pytest.raises(TypeError, match=r"MultiSteps.*accumulation_steps=k"):
-    opt.init({"w": jnp.zeros(2, F32)})
+    jax.jit(jmp_lite.get_loss_scale)(state)
 
 
 @JIT_IDS
@@ -979,7 +1086,7 @@ def test_issue_a_accumulation_steps_trains_windows_1_and_3(jit):
   state = opt.init(params)
   seen = []
   for g in ISSUE_GRADS:
-    updates, state = update({"w": jnp.full(2, g, F32)}, state, params)
+    updates, state = _update(update, {"w": np.full(2, g, F32)}, state, params)
     params = optax.apply_updates(params, updates)
     seen.append((float(params["w"][0]), _scale_value(state.loss_scale),
                  int(state.skipped_steps)))
@@ -1010,11 +1117,12 @@ def test_issue_b_two_scales_drift_apart_one_shared_scale_cannot():
     for j in range(2):
       bad = bad_a.get(i) if j == 0 else None
       s = jmp_lite.get_loss_scale(own_states[j])
-      _, own_states[j] = own[j].update(_scaled(g, s.loss_scale, F16, bad),
-                                       own_states[j], params)
-      _, shared_states[j] = shared[j].update(
-          _scaled(g, scale.loss_scale, F16, bad), shared_states[j], params,
-          loss_scale=scale)
+      with faulty(bad is not None):
+        _, own_states[j] = own[j].update(_scaled(g, s.loss_scale, F16, bad),
+                                         own_states[j], params)
+        _, shared_states[j] = shared[j].update(
+            _scaled(g, scale.loss_scale, F16, bad), shared_states[j], params,
+            loss_scale=scale)
     scale = scale.adjust(shared_states[0].last_finite
                          & shared_states[1].last_finite)
     drift.append(_scale_value(own_states[1].loss_scale)
@@ -1071,7 +1179,7 @@ def clipping_losses(steps=100, scale=2.0**15):
 def test_issue_c_clipping_belongs_inside_the_wrapper():
   """Inside, the clip sees unscaled gradients: the run is the float32 run.
   Chained before the wrapper it would clip the scaled gradients to norm 1 (the
-  true ones to 2**-15): refused at init."""
+  true ones to 2**-15): refused from the state's layout."""
   losses = clipping_losses()
   assert losses["inside"] == pytest.approx(losses["f32"], rel=1e-5)
   assert losses["f32"] < 1e-3 * losses["initial"]
@@ -1079,7 +1187,7 @@ def test_issue_c_clipping_belongs_inside_the_wrapper():
                         jmp_lite.loss_scaling(optax.sgd(0.1), _DLS(2.0**15)))
   with pytest.raises(TypeError, match=r"chain runs 1 transformation\(s\) "
                      r"before loss_scaling.*clip"):
-    outside.init(jnp.zeros(8, F32))
+    jmp_lite.get_loss_scale(outside.init(jnp.zeros(8, F32)))
 
 
 @JIT_IDS
@@ -1101,8 +1209,8 @@ def test_issue_d_scales_at_the_float32_limits_still_unscale_exactly(jit):
     applied = 0
     for finite in flag_seq:
       ls = jmp_lite.get_loss_scale(state)
-      grads = {"w": ls.scale(true) if finite else jnp.full(2, jnp.inf, F32)}
-      updates, state = update(grads, state, params)
+      grads = {"w": ls.scale(true) if finite else np.full(2, np.inf, F32)}
+      updates, state = _update(update, grads, state, params)
       params = optax.apply_updates(params, updates)
       applied += finite
       np.testing.assert_array_equal(params["w"], -applied * np.asarray(true))
@@ -1121,7 +1229,20 @@ def test_issue_d_scales_at_the_float32_limits_still_unscale_exactly(jit):
 
 
 def _inf(n=2):
-  return {"w": jnp.full(n, jnp.inf, F32)}
+  """numpy: a JAX op making inf would trip jax_debug_infs (see _update)."""
+  return {"w": np.full(n, np.inf, F32)}
+
+
+def _is_faulty(tree):
+  return not all(np.all(np.isfinite(np.asarray(x)))
+                 for x in jax.tree_util.tree_leaves(tree))
+
+
+def _update(update, grads, *args, **kwargs):
+  """``update(grads, ...)``, with jax_debug_nans/infs off where ``grads``
+  hold NaN/inf on purpose."""
+  with faulty(_is_faulty(grads)):
+    return update(grads, *args, **kwargs)
 
 
 def _ones(n=2):
@@ -1139,7 +1260,7 @@ def test_gave_up_flag_after_n_skips_and_reset_by_a_finite_step(jit):
   seen = []
   for grads in (_inf(), _inf(), _ones(), _inf(), _inf(), _inf(), _inf(),
                 _ones()):
-    _, state = update(grads, state, params)
+    _, state = _update(update, grads, state, params)
     seen.append((int(state.consecutive_skips), bool(state.gave_up)))
   assert seen == [(1, False), (2, False), (0, False), (1, False), (2, False),
                   (3, True), (4, True), (0, False)]
@@ -1152,7 +1273,7 @@ def test_gave_up_is_false_without_a_limit():
   params = {"w": jnp.zeros(2, F32)}
   state = opt.init(params)
   for _ in range(3):
-    _, state = opt.update(_inf(), state, params)
+    _, state = _update(opt.update, _inf(), state, params)
   assert not bool(state.gave_up) and int(state.consecutive_skips) == 3
 
 
@@ -1166,14 +1287,14 @@ def test_on_max_skips_raise(jit):
   update = jax.jit(opt.update) if jit else opt.update
   state = opt.init(params)
   for grads in (_inf(), _ones(), _inf()):
-    _, state = update(grads, state, params)
+    _, state = _update(update, grads, state, params)
     jax.block_until_ready(state)
   assert int(state.consecutive_skips) == 1
   # Eagerly the callback's FloatingPointError surfaces as it is; under jit
   # JAX reports it as a runtime error carrying the message.
   with pytest.raises((FloatingPointError, RuntimeError),
                      match=r"gave up.*max_consecutive_skips=2"):
-    _, state = update(_inf(), state, params)
+    _, state = _update(update, _inf(), state, params)
     jax.block_until_ready(state)
 
 
@@ -1186,7 +1307,7 @@ def test_max_consecutive_skips_with_accumulation_counts_windows():
   # Window 1: two bad micro-batches; window 2: the last one bad.
   seen = []
   for grads in (_inf(), _inf(), _ones(), _ones(), _ones(), _inf(), _ones()):
-    _, state = update(grads, state, params)
+    _, state = _update(update, grads, state, params)
     seen.append((int(state.skipped_steps), int(state.consecutive_skips),
                  bool(state.gave_up)))
   assert seen == [(0, 0, False), (0, 0, False), (1, 1, False),
@@ -1199,9 +1320,9 @@ def test_gave_up_message_reports_the_scale_the_state_now_holds():
   opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(128.0),
                               max_consecutive_skips=2, on_max_skips="raise")
   state = opt.init(params)
-  _, state = opt.update(_inf(), state, params)  # 128 -> 64
+  _, state = _update(opt.update, _inf(), state, params)  # 128 -> 64
   with pytest.raises(FloatingPointError) as excinfo:
-    opt.update(_inf(), state, params)  # 64 -> 32, and gives up
+    _update(opt.update, _inf(), state, params)  # 64 -> 32, and gives up
   assert "loss scale is now 32" in str(excinfo.value), str(excinfo.value)
 
 
@@ -1213,7 +1334,7 @@ def test_on_max_skips_raise_with_accumulation_raises_at_the_window_end():
                               on_max_skips="raise")
   update = jax.jit(opt.update)
   state = opt.init(params)
-  _, state = update(_inf(), state, params)  # mid-window: not yet
+  _, state = _update(update, _inf(), state, params)  # mid-window: not yet
   jax.block_until_ready(state)
   with pytest.raises((FloatingPointError, RuntimeError), match="gave up"):
     _, state = update(_ones(), state, params)
@@ -1363,7 +1484,7 @@ def _inputs(steps, bad_steps=(), seed=3):
   xs = np.random.default_rng(seed).normal(size=(steps, 6, 4)).astype(F32)
   for i in bad_steps:
     xs[i, 0, 0] = np.inf
-  return jnp.asarray(xs)
+  return xs  # numpy: each step's x is made under faulty() where it has inf
 
 
 @standard_promotion  # adam
@@ -1386,7 +1507,8 @@ def test_accumulation_train_step_compiles_once_and_keeps_state_dtypes():
   xs = _inputs(9, bad_steps=[4])
   scales = []
   for x in xs:
-    params, state = train_step(params, state, x)
+    with faulty(_is_faulty(x)):
+      params, state = train_step(params, state, x)
     assert _dtypes(state) == dtypes
     scales.append(_scale_value(state.loss_scale))
   assert len(traces) == 1
@@ -1423,7 +1545,8 @@ def test_shared_scale_train_step_compiles_once_and_keeps_state_dtypes():
   scale = jmp_lite.DynamicLossScale(2.0**10, period=2)
   dtypes = (_dtypes(states), _dtypes(scale))
   for x in _inputs(6, bad_steps=[2]):
-    params, states, scale = train_step(params, states, scale, x)
+    with faulty(_is_faulty(x)):
+      params, states, scale = train_step(params, states, scale, x)
     assert (_dtypes(states), _dtypes(scale)) == dtypes
   assert len(traces) == 1
   if hasattr(train_step, "_cache_size"):
@@ -1611,10 +1734,11 @@ def test_accumulation_under_pmap_skips_the_window_on_every_replica():
   stack = lambda t: jax.tree_util.tree_map(lambda x: jnp.stack([x] * n), t)
   params_r, state_r = stack(params), stack(opt.init(params))
   update = jax.pmap(opt.update, axis_name="i", devices=jax.devices()[:n])
-  good = jnp.full((n, 2), 8.0, F32)
-  bad = good.at[2, 0].set(jnp.inf)  # replica 2 only, second window
+  good = np.full((n, 2), 8.0, F32)
+  bad = good.copy()
+  bad[2, 0] = np.inf  # replica 2 only, second window
   for grads in (good, good, good, bad):
-    updates, state_r = update({"w": grads}, state_r, params_r)
+    updates, state_r = _update(update, {"w": grads}, state_r, params_r)
     params_r = optax.apply_updates(params_r, updates)
     chex.assert_tree_all_finite(state_r.accumulated)
   np.testing.assert_array_equal(params_r["w"], np.full((n, 2), -1.0, F32))

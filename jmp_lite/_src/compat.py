@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -552,53 +551,3 @@ def to_varying(x: Any, axis_name: Any) -> Any:
     return jax.lax.pcast(x, axis_name, to="varying")
   except ValueError:
     return x
-
-
-# -- optax: the transformations running an init --------------------------------
-
-
-def enclosing_optax_inits(skip: int) -> list[tuple[str, int]]:
-  """The optax transformations whose ``init`` is running above the caller.
-
-  optax wrappers call their inner transformation's ``init`` from their own, so
-  they are on the call stack (host-side, while ``init`` runs). Frames of
-  optax's own modules are read by their function's qualified name.
-
-  Args:
-    skip: how many frames above this function's caller to start from (1: the
-      caller's caller).
-
-  Returns:
-    ``(name, position)`` for each optax transformation, innermost first:
-    ``name`` is the optax function or class (``"chain"``, ``"MultiSteps"``,
-    ``"apply_if_finite"``...); ``position`` is, for ``chain`` and
-    ``named_chain``, the index of the element whose ``init`` is running (0 for
-    every other transformation, and where this optax lays out its chain
-    otherwise).
-  """
-  frame, callee = sys._getframe(skip + 1), None  # pylint: disable=protected-access
-  found = []
-  while frame is not None:
-    module = frame.f_globals.get("__name__", "")
-    if ((module == "optax" or module.startswith("optax."))
-        and not frame.f_code.co_name.startswith("<")):
-      name = frame.f_code.co_qualname.split(".")[0]
-      found.append((name, _chain_position(name, frame, callee)))
-    callee, frame = frame, frame.f_back
-  return found
-
-
-def _chain_position(name: str, frame: Any, callee: Any) -> int:
-  """Which element of an ``optax.chain``/``named_chain`` is initialising."""
-  if name == "chain":  # tuple(fn(params) for fn in init_fns)
-    running = callee.f_locals.get("fn") if callee is not None else None
-    elements = frame.f_locals.get("init_fns", ())
-  elif name == "named_chain":  # for name, tx in transforms: tx.init(params)
-    running = frame.f_locals.get("tx")
-    elements = [tx for _, tx in frame.f_locals.get("transforms", ())]
-  else:
-    return 0
-  for i, element in enumerate(elements):
-    if element is running:
-      return i
-  return 0

@@ -416,7 +416,12 @@ class DynamicLossScale:
     # A finite step: grow on the period-th in a row.
     streak = jnp.maximum(counter, zero)
     grow = streak >= self.period - 1
-    grown = jnp.minimum(scale * np.float32(self.factor), cap)
+    # Multiplied from at most the scale whose growth reaches the cap: the
+    # same result as min(scale * factor, cap), with no overflow to inf on
+    # the way (jax_debug_infs flags that even in a finite run).
+    grown = jnp.minimum(
+        jnp.minimum(scale, _growth_limit(cap, self.factor))
+        * np.float32(self.factor), cap)
     finite_scale = jnp.where(grow, grown, scale)
     finite_counter = jnp.where(grow, zero, streak + 1)
     # A non-finite step: back off on the hysteresis-th in a row.
@@ -430,6 +435,15 @@ class DynamicLossScale:
         loss_scale=jnp.where(finite, finite_scale, bad_scale),
         counter=jnp.where(finite, finite_counter, bad_counter),
     )
+
+
+def _growth_limit(cap: np.float32, factor: float) -> np.float32:
+  """``cap / factor`` as a float32 ``x`` with ``x * factor >= cap`` (rounded
+  up where float32 division rounded it down)."""
+  limit = np.float32(float(cap) / float(factor))
+  while np.float32(limit * np.float32(factor)) < cap:
+    limit = np.nextafter(limit, np.float32(np.inf))
+  return limit
 
 
 def _dynamic_config(

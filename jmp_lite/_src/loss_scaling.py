@@ -17,7 +17,6 @@ import numpy as np
 import optax
 
 from jmp_lite._src import checks
-from jmp_lite._src import compat
 from jmp_lite._src import dtypes
 from jmp_lite._src import loss_scale as loss_scale_lib
 from jmp_lite._src import tree as tree_lib
@@ -98,23 +97,28 @@ _GRADS_NOT_LIKE_PARAMS = (
 # scale cannot back off (MultiSteps poisons its accumulator with 0 * inf =
 # NaN; apply_if_finite discards the state in which the scale backed off), or
 # moves the params on a skipped step (schedule_free, lookahead), or counts
-# skipped steps in its schedules (inject_hyperparams). Its init is the only
-# place the wrapper can see what encloses it: an optax wrapper's init calls
-# ours, so the enclosing transformations are on the call stack
-# (compat.enclosing_optax_inits; host-side, at init time).
-
-#: optax transformations that may run loss_scaling's init: those applying
-#: their elements in order (loss_scaling first is fine), and flatten, which
-#: only reshapes. Any other optax transformation around it is refused.
-_IN_ORDER = frozenset({"chain", "named_chain"})
-_TRANSPARENT = frozenset({"flatten"})
+# skipped steps in its schedules (inject_hyperparams).
+#
+# The refusal is structural: an enclosing optax wrapper keeps our state as a
+# field of its own named-tuple state (MultiStepsState.inner_opt_state, ...),
+# and optax.chain keeps it at a position of a tuple. Our init and update see
+# only our own part of the state, so the layout is read where the whole
+# optimizer state is handed to jmp_lite: get_loss_scale and
+# scaled_value_and_grad (the documented train step's first line, at trace
+# time, before anything is computed), and the init of jmp_lite's own wrappers.
+# What no layout shows (optax.named_chain's dict of states looks like any
+# dict of states; a loop that never hands the whole state to jmp_lite) is
+# said in docs/training_loops.md.
 
 _BEFORE_IN_CHAIN = (
     "optax.{name} runs {count} transformation(s) before loss_scaling: they see"
     " the scaled gradients (a clip clips them to 1/scale of their size, "
     "weight decay is divided by the scale). Put them inside: "
     "jmp_lite.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
-    "optax.adam(1e-3)), loss_scale)."
+    "optax.adam(1e-3)), loss_scale). (Read from the state's layout: a "
+    "loss_scaling state at position {count} of a tuple of optimizer states. "
+    "If that tuple is your own grouping of states, not an optax.chain, pass "
+    "the loss_scaling state itself.)"
 )
 _INSIDE_WRAPPER = (
     "loss_scaling is inside optax's {name}: {why}. Make loss_scaling the "
@@ -154,29 +158,59 @@ _ENCLOSING_FIXES = {
     "partition": (
         "the other partitions would receive scaled gradients",
         "jmp_lite.loss_scaling(optax.multi_transform(...), loss_scale)"),
-    "multi_transform": (
-        "the other partitions would receive scaled gradients",
-        "jmp_lite.loss_scaling(optax.multi_transform(...), loss_scale)"),
 }
 _UNKNOWN_WRAPPER = (
     "optax transformations around loss_scaling see the scaled gradients and "
     "do not know about skipped steps",
     "jmp_lite.loss_scaling(<that transformation>, loss_scale)")
 
+#: The optax wrapper that keeps an inner state in each named-tuple state
+#: (by the named tuple's class name: optax's public state classes). Named
+#: tuples of optax's own transformations not listed here (ScaleByAdamState,
+#: EmptyState...) hold no inner state; any other named tuple is a container
+#: (a user's, jmp_lite's own) and passes.
+_WRAPPER_STATES = {
+    "MultiStepsState": "MultiSteps",
+    "ApplyIfFiniteState": "apply_if_finite",
+    "ScheduleFreeState": "schedule_free",
+    "LookaheadState": "lookahead",
+    "InjectHyperparamsState": "inject_hyperparams",
+    "InjectStatefulHyperparamsState": "inject_hyperparams",
+    "MaskedState": "masked",
+    "PartitionState": "partition",
+    "MultiTransformState": "partition",
+    "MechanicState": "mechanize",
+}
 
-def _enclosing_problem() -> str | None:
-  """Why the optax transformations running this init break loss scaling, or
-  None if loss_scaling is outermost (or first in a chain). Of several, the
-  outermost (what the user wrote: multi_transform, not the masked inside)."""
-  problem = None
-  for name, position in compat.enclosing_optax_inits(skip=2):
-    if name in _IN_ORDER:
-      if position:
-        problem = _BEFORE_IN_CHAIN.format(name=name, count=position)
-    elif name not in _TRANSPARENT:
+
+def _layout_problem(path: Sequence[Any]) -> str | None:
+  """Why the optax states enclosing a ``LossScaleState`` at ``path`` (from
+  ``optax.tree.get_all_with_path``, root first) break loss scaling, or None.
+  Of several, the outermost: what the user wrote (multi_transform, not the
+  masked inside it)."""
+  for key in path[:-1]:
+    tuple_name = getattr(key, "tuple_name", None)
+    if tuple_name in _WRAPPER_STATES:
+      name = _WRAPPER_STATES[tuple_name]
       why, fix = _ENCLOSING_FIXES.get(name, _UNKNOWN_WRAPPER)
-      problem = _INSIDE_WRAPPER.format(name=name, why=why, fix=fix)
-  return problem
+      return _INSIDE_WRAPPER.format(name=name, why=why, fix=fix)
+    if (isinstance(key, jax.tree_util.SequenceKey) and key.idx > 0
+        and tuple_name is None):
+      # optax.chain's state is a plain tuple, one state per element in order.
+      return _BEFORE_IN_CHAIN.format(name="chain", count=key.idx)
+  return None
+
+
+def _check_layout(opt_state: Any) -> None:
+  """Refuses an optimizer state whose layout shows an optax wrapper around
+  (or a chain element before) a ``loss_scaling``; see the comment above."""
+  name = LossScaleState.__name__
+  for path, _ in optax.tree.get_all_with_path(
+      opt_state, "loss_scale",
+      filtering=lambda p, v: getattr(p[-1], "tuple_name", None) == name):
+    problem = _layout_problem(path)
+    if problem is not None:
+      raise TypeError(problem)
 
 
 # -- the check that gradients were scaled ----------------------------------------------
@@ -200,12 +234,16 @@ class ScalingCheck(NamedTuple):
 
   Attributes:
     suspect_steps: int32, finite steps in a row that failed the headroom test.
-    last_log2_max: float32, ``log2 m`` at the last finite nonzero step (NaN
-      before any).
-    last_log2_scale: float32, ``log2 s`` at that step.
+    last_log2_max: float32, ``log2 m`` at the last finite nonzero step (0
+      before any: read it together with ``seen``).
+    last_log2_scale: float32, ``log2 s`` at that step (0 before any).
     scale_change: float32, total ``|change of log2 s|`` between such steps.
     response: float32, total change of ``log2 m`` between them, signed by the
       direction of the scale's change.
+    seen: bool, whether a finite nonzero step has been recorded (whether the
+      two ``last_*`` fields hold a value). No field is ever NaN or inf: a
+      fresh state passes ``jax_debug_nans`` and can be ``device_put`` onto a
+      multi-process mesh.
   """
 
   suspect_steps: Any
@@ -213,13 +251,14 @@ class ScalingCheck(NamedTuple):
   last_log2_scale: Any
   scale_change: Any
   response: Any
+  seen: Any
 
   @classmethod
   def initial(cls) -> "ScalingCheck":
     """No evidence yet (a buffer per leaf: states may be donated)."""
-    return cls(jnp.zeros([], jnp.int32), jnp.full([], jnp.nan, jnp.float32),
-               jnp.full([], jnp.nan, jnp.float32), jnp.zeros([], jnp.float32),
-               jnp.zeros([], jnp.float32))
+    return cls(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32),
+               jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32),
+               jnp.zeros([], jnp.float32), jnp.zeros([], bool))
 
   def looks_unscaled(self) -> jax.Array:
     """True once the scale has changed by 2 binades and the gradients followed
@@ -236,15 +275,22 @@ class ScalingCheck(NamedTuple):
     """Adds one step: ``largest`` is the largest magnitude of the gradients
     handed to ``update`` (inf if any is not finite), ``scale`` its scale."""
     scale = jnp.asarray(scale, jnp.float32)
-    log2_max, log2_scale = _log2(largest), _log2(scale)
     valid = (largest > 0) & jnp.isfinite(largest)
-    suspect = (log2_scale >= 1) & (largest * scale <= _F16_MAX)
+    # Only finite positive values reach log2 (no -inf from a zero step, no
+    # inf from a non-finite one), and the headroom test divides a finite
+    # constant by a scale >= 2 instead of multiplying (no overflow).
+    one = jnp.ones([], jnp.float32)
+    log2_max = _log2(jnp.where(valid, largest, one))
+    positive = scale > 0
+    log2_scale = _log2(jnp.where(positive, scale, one))
+    suspect = (positive & (log2_scale >= 1)
+               & (largest <= _F16_MAX / jnp.maximum(scale, 2 * one)))
     suspect_steps = jnp.where(
         valid, jnp.where(suspect, optax.safe_increment(self.suspect_steps),
                          jnp.zeros_like(self.suspect_steps)),
         self.suspect_steps)
     delta = log2_scale - self.last_log2_scale
-    pair = valid & jnp.isfinite(self.last_log2_max) & (jnp.abs(delta) > 1e-3)
+    pair = valid & self.seen & (jnp.abs(delta) > 1e-3)
     zero = jnp.zeros([], jnp.float32)
     return ScalingCheck(
         suspect_steps=suspect_steps,
@@ -253,11 +299,12 @@ class ScalingCheck(NamedTuple):
         scale_change=self.scale_change + jnp.where(pair, jnp.abs(delta), zero),
         response=self.response + jnp.where(
             pair, (log2_max - self.last_log2_max) * jnp.sign(delta), zero),
+        seen=self.seen | valid,
     )
 
 
 def _log2(x: jax.Array) -> jax.Array:
-  """log2 of a positive float32 scalar, exact for powers of two."""
+  """log2 of a positive finite float32 scalar, exact for powers of two."""
   mantissa, exponent = jnp.frexp(x)  # x = mantissa * 2**exponent, [0.5, 1)
   return (exponent - 1).astype(jnp.float32) + jnp.log2(2 * mantissa)
 
@@ -266,13 +313,22 @@ def _largest_magnitude(tree: Any) -> jax.Array:
   """The largest ``|x|`` over the floating leaves, as a float32 scalar; inf if
   any entry is inf or NaN (one reduction answers finiteness too: NaN counts
   as inf, since XLA's vectorised max does not propagate NaN reliably)."""
+  leaves = [x for x in jax.tree.leaves(tree) if tree_lib.is_float(x)]
+  return _max_magnitude(leaves) if leaves else jnp.zeros([], jnp.float32)
+
+
+@jax.jit
+def _max_magnitude(leaves: list[jax.Array]) -> jax.Array:
+  """One program (inlined under an outer jit): its inf constant for NaN is
+  internal, so an eager step of a finite run creates no inf that
+  ``jax_debug_infs`` would flag."""
   maxima = [
       jnp.max(jnp.where(jnp.isnan(x), jnp.full((), jnp.inf, x.dtype),
                         jnp.abs(x)), initial=np.array(0, x.dtype))
       .astype(jnp.float32)
-      for x in jax.tree.leaves(tree) if tree_lib.is_float(x)
+      for x in leaves
   ]
-  return jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros([], jnp.float32)
+  return jnp.max(jnp.stack(maxima))
 
 
 # -- the state ----------------------------------------------------------------------
@@ -397,7 +453,8 @@ def loss_scaling(
   inner state exactly as it was, step counts included -- and adjusts the
   scale. Every choice is a ``lax.select``: no host sync, no recompilation.
   ``loss_scaling`` must be the outermost transformation (clipping goes
-  inside); ``init`` refuses optax wrappers around it.
+  inside); :func:`get_loss_scale` and :func:`scaled_value_and_grad` refuse an
+  optimizer state whose layout shows an optax wrapper around it.
 
   Args:
     inner: the optax optimizer to wrap.
@@ -423,9 +480,8 @@ def loss_scaling(
 
   Raises:
     TypeError: if ``inner`` is not an optax transformation, ``loss_scale`` is
-      not a loss scale, or an option has the wrong type; from ``init``, if an
-      optax wrapper encloses it or ``inner`` contains another ``loss_scaling``
-      or ``optax.MultiSteps``.
+      not a loss scale, or an option has the wrong type; from ``init``, if
+      ``inner`` contains another ``loss_scaling`` or ``optax.MultiSteps``.
     ValueError: for an option out of range; from ``update``, for a state made
       with another accumulation setting.
 
@@ -509,9 +565,6 @@ class _LossScaling:
   raise_on_max_skips: bool
 
   def init(self, params: Any) -> LossScaleState:
-    problem = _enclosing_problem()
-    if problem is not None:
-      raise TypeError(problem)
     checks.no_fp8_state(params, "jmp_lite.loss_scaling")
     inner_state = self.inner.init(params)
     if tree_lib.find(inner_state, LossScaleState, "loss_scale"):
@@ -684,7 +737,10 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
     ValueError: if the state holds no loss scaling, more than one (pass the
       sub-state you mean), or a shared scale's wrapper (use the scale you
       pass to ``update``).
-    TypeError: if a checkpoint restored the scale as a plain dict.
+    TypeError: if a checkpoint restored the scale as a plain dict, or the
+      state's layout shows an optax wrapper around ``loss_scaling`` (its
+      state inside ``MultiSteps``', ``apply_if_finite``'s...) or a chain
+      element before it: the error says which composition to write.
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -702,6 +758,7 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
         "jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**15)) and "
         "pass the state its init returned."
     )
+  _check_layout(opt_state)
   if len(found) > 1:
     raise ValueError(
         f"get_loss_scale found {len(found)} loss-scaling states in the "
