@@ -439,6 +439,231 @@ def test_delayed_scales_are_required_and_checked():
     fp8.fp8_dot_general(X, W, DENSE, scales=fp8.DelayedScales(1.0, 1.0, 1.0))
 
 
+def test_delayed_scales_that_are_not_usable():
+  # A Python/NumPy constant is refused where it is given...
+  for bad in (0.0, -1.0, np.inf, np.nan, np.float32(1e-40)):
+    with pytest.raises(ValueError, match="scales.lhs must be positive, finite"):
+      fp8.fp8_dot_general(X, W, DENSE, config=_DELAYED,
+                          scales=fp8.DelayedScales(bad, 1.0))
+  # ...a JAX array (traced here) falls back to current scaling, per operand.
+  current = _vjp_fn(fp8.Fp8Config())(X, W, G)
+  for bad in (0.0, -2.0, np.inf, np.nan):
+    scales = fp8.DelayedScales(jnp.float32(bad), jnp.float32(bad),
+                               jnp.float32(bad))
+    y, dx, dw, _ = _delayed(X, W, scales, G)
+    for got, want in zip((y, dx, dw), current):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_scales_are_applied_so_that_a_representable_result_is_right():
+  # amax_x * amax_w ~ 1e-34: the product of the two scales (~5e-40) is not a
+  # normal float32, the result (~1e-33) is.
+  x, w = X / np.abs(X).max() * 1e-17, W / np.abs(W).max() * 1e-17
+  for config in (fp8.Fp8Config(), _config("row"), _config("blockwise"),
+                 fp8.Fp8Config(power_of_two_scales=False)):
+    y, dx, dw = _vjp_fn(config)(x, w, G)
+    ref = x.astype(np.float64) @ w
+    assert np.linalg.norm(y - ref) <= 2 * U4 * np.linalg.norm(ref), config
+    assert np.all(np.isfinite(np.asarray(dx))) and np.any(np.asarray(dx))
+  # The rule itself, where the scales' product underflows or overflows and
+  # the result does not (and is exact: powers of two), and where it is a
+  # normal float32 (one multiplication, as before).
+  from jmp_lite._src.fp8 import matmul as matmul_lib  # pylint: disable=import-outside-toplevel
+  acc = jnp.array([2.0**-100, 2.0**100, 3 * 2.0**30, 0.0], jnp.float32)
+  a = jnp.array([2.0**100, 2.0**-100, 2.0**-70, 2.0**126], jnp.float32)
+  b = jnp.array([2.0**100, 2.0**-100, 2.0**-70, 2.0**126], jnp.float32)
+  got = jax.jit(matmul_lib._scaled)(acc, a, b)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(
+      np.asarray(got), np.array([2.0**100, 2.0**-100, 3 * 2.0**-110, 0.0],
+                                np.float32))
+  a, b = jnp.float32(1.5), jnp.float32(1 / 3)
+  assert float(jax.jit(matmul_lib._scaled)(jnp.float32(7.0), a, b)) == float(  # pylint: disable=protected-access
+      np.float32(7.0) * (np.float32(1.5) * np.float32(1 / 3)))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: fp8.fp8_dot_general(None, W, DENSE),
+    lambda: fp8.fp8_dot_general(X, None, DENSE),
+    lambda: fp8.fp8_dot_general(X, W, DENSE, config=_DELAYED,
+                                scales=fp8.DelayedScales(None, 1.0)),
+], ids=["lhs", "rhs", "scales.lhs"])
+def test_none_arguments_are_named(call):
+  name = {0: "lhs", 1: "rhs", 2: "scales.lhs"}
+  with pytest.raises(TypeError, match=r"(lhs|rhs|scales\.lhs) is None"):
+    call()
+
+
+# ---------------------------------------------------------------------------
+# Second derivatives: each backward matmul is differentiated as the float32
+# product of its straight-through quantized operands.
+# ---------------------------------------------------------------------------
+
+_X2, _W2 = _data((16, 32), 20, 0.0), _data((32, 16), 21, 0.0) * 0.2
+_V2 = _data((32, 16), 22, 0.5)
+
+
+def _fake_quantized(a, fmt="e4m3"):
+  """a quantized per tensor and dequantized; derivative 1."""
+  q = fp8.dequantize(fp8.quantize(a, fmt))
+  return a + jax.lax.stop_gradient(q - a)
+
+
+@jax.custom_vjp
+def _gradient_quantized(y):
+  return y
+
+
+_gradient_quantized.defvjp(lambda y: (y, None),
+                           lambda _, ct: (_fake_quantized(ct),))
+
+
+def _emulated(a, b, dn):
+  """The per-tensor e4m3 matmul in float32 arithmetic, straight through."""
+  return _gradient_quantized(
+      jax.lax.dot_general(_fake_quantized(a), _fake_quantized(b), dn))
+
+
+def _tanh_loss(w, x, dot):
+  return jnp.sum(jnp.tanh(dot(x, w, DENSE)) ** 2)
+
+
+def _rel(a, b):
+  return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) /
+               np.linalg.norm(np.asarray(b)))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "blockwise", "mxfp8"])
+def test_second_derivatives_match_float32(granularity):
+  kwargs = {"block_size": 16} if granularity == "blockwise" else {}
+  dot = functools.partial(fp8.fp8_dot_general, config=_config(
+      granularity, gradient_format="e4m3", **kwargs))
+
+  @jax.jit
+  def second(w, x, v):
+    penalty = lambda d: jax.grad(
+        lambda w: jnp.sum(jax.grad(_tanh_loss)(w, x, d) ** 2))(w)
+    hvp = lambda d: jax.jvp(lambda w: jax.grad(_tanh_loss)(w, x, d), (w,),
+                            (v,))[1]
+    mixed = lambda d: jax.grad(lambda x: jnp.vdot(
+        jax.grad(_tanh_loss)(w, x, d), v))(x)   # d/dx of a d/dw
+    return [(penalty(d), hvp(d), mixed(d))
+            for d in (dot, jax.lax.dot_general, _emulated)]
+
+  got, f32, emulated = second(_W2, _X2, _V2)
+  for a, b in zip(got, f32):
+    # Zeros (the old behaviour) are off by 1; float8 operands by 0.1-0.15.
+    assert _rel(a, b) < 0.3
+  # The float32 program of the straight-through emulation, to rounding. (On
+  # this data every granularity quantizes as per tensor does: power-of-two
+  # scales only shift exponents, and no value reaches float8's subnormals.)
+  for a, b in zip(got, emulated):
+    assert _rel(a, b) < 1e-5
+
+
+def test_hessian_vector_products_under_with_policy():
+  import jmp_lite  # pylint: disable=import-outside-toplevel
+  def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w) ** 2)
+  fp8_loss = jmp_lite.with_policy(
+      loss, "p=f32,c=f32,m=fp8(include_output_head=true)")
+
+  @jax.jit
+  def hvps(w, x, v):
+    fwd_over_rev = lambda f: jax.jvp(lambda w: jax.grad(f)(w, x), (w,),
+                                     (v,))[1]
+    rev_over_rev = lambda f: jax.grad(
+        lambda w: jnp.vdot(jax.grad(f)(w, x), v))(w)
+    return [(fwd_over_rev(f), rev_over_rev(f)) for f in (fp8_loss, loss)]
+
+  (fwd, rev), (fwd32, _) = hvps(_W2, _X2, _V2)
+  assert "f8_e4m3" in str(jax.make_jaxpr(jax.grad(fp8_loss))(_W2, _X2))
+  assert _rel(fwd, fwd32) < 0.3
+  assert _rel(rev, fwd) < 1e-5
+
+
+# ---------------------------------------------------------------------------
+# Data parallel: per-tensor amaxes over an axis_name.
+# ---------------------------------------------------------------------------
+
+_N_DEV = 8
+# One replica holds an outlier: with the global scale the other replicas'
+# values are quantized more coarsely than with their own.
+_XB = _data((_N_DEV, 4, 32), 30, 0.5)
+_XB[3, 0, 0] = 3000.0
+_WB = _data((32, 16), 31, 0.5)
+
+
+def _per_replica(fn, kind, *args):
+  """fn(x_shard, w) on each of 8 replicas (pmap or shard_map), stacked."""
+  if kind == "pmap":
+    return jax.pmap(fn, axis_name="data", in_axes=(0, None))(*args)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:_N_DEV]), ("data",))
+  spec = jax.sharding.PartitionSpec
+  body = lambda x, w: jax.tree.map(lambda v: v[None], fn(x[0], w))
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec("data"), spec()),
+                               out_specs=spec("data")))(*args)
+
+
+@pytest.mark.parametrize("kind", ["pmap", "shard_map"])
+def test_axis_name_makes_current_scaling_global(kind):
+  def run(config):
+    def fn(x, w):
+      y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(
+          x, w, DENSE, config=config), x, w)
+      return (y,) + vjp(jnp.ones_like(y))
+    return _per_replica(fn, kind, _XB, _WB)
+
+  glob = jax.jit(lambda x, w: fp8.fp8_dot_general(x, w, DENSE))(
+      _XB.reshape(-1, 32), _WB).reshape(_N_DEV, 4, 16)
+  y, dx, dw = run(fp8.Fp8Config(axis_name="data"))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(glob))
+  # Without it, each replica scales its own shard (documented).
+  local, _, _ = run(fp8.Fp8Config())
+  assert not np.array_equal(np.asarray(local), np.asarray(glob))
+  np.testing.assert_array_equal(np.asarray(local[3]), np.asarray(glob[3]))
+  if kind == "shard_map":
+    # The replicated weight's gradient is the sum over shards, as without
+    # float8 (each replica's own gradient under pmap).
+    np.testing.assert_allclose(np.asarray(dw[0]), np.asarray(dw[1]))
+  assert np.all(np.isfinite(np.asarray(dx)))
+
+
+@pytest.mark.parametrize("kind", ["pmap", "shard_map"])
+def test_axis_name_makes_delayed_amaxes_global(kind):
+  from jmp_lite._src.autocast import float8 as autocast_fp8  # pylint: disable=import-outside-toplevel
+  config = fp8.Fp8Config(scaling="delayed", axis_name="data")
+
+  def fn(x, w):
+    # The matmul's own report (the scales' cotangent)...
+    _, vjp = jax.vjp(lambda x, w, s: fp8.fp8_dot_general(
+        x, w, DENSE, config=config, scales=s), x, w,
+        fp8.DelayedScales(jnp.float32(1.0), jnp.float32(1.0)))
+    amaxes = vjp(jnp.ones_like(_))[2]
+    # ...and the state the policies keep (one history per operand).
+    zeros = jnp.zeros((4,), jnp.float32)
+    store = autocast_fp8.Fp8Store({"dot": {"lhs": zeros, "rhs": zeros}},
+                                  "roll")
+    scales = autocast_fp8.Site(store, ("dot",)).delayed_scales(x, w, config)
+    return amaxes.lhs, scales.lhs, store.outputs["dot"]["lhs"]
+
+  amax, scale, history = _per_replica(fn, kind, _XB, _WB)
+  np.testing.assert_array_equal(np.asarray(amax), np.full(_N_DEV, 3000.0))
+  np.testing.assert_array_equal(np.asarray(scale), np.full(_N_DEV, 8.0))
+  np.testing.assert_array_equal(np.asarray(history[:, 0]),
+                                np.full(_N_DEV, 3000.0))
+
+
+def test_unbound_axis_name_teaches():
+  config = fp8.Fp8Config(axis_name="data")
+  with pytest.raises(ValueError, match=r"axis_name='data'.*jax.pmap or "
+                     r"jax.shard_map.*jax.jit with sharded arrays"):
+    fp8.fp8_dot_general(X, W, DENSE, config=config)
+  with pytest.raises(TypeError, match="axis_name"):
+    fp8.Fp8Config(axis_name=0)
+  assert fp8.Fp8Config(axis_name=["a", "b"]).axis_name == ("a", "b")
+  hash(fp8.Fp8Config(axis_name=["a", "b"]))
+
+
 # ---------------------------------------------------------------------------
 # What a GPU would run: the program exported for CUDA.
 # ---------------------------------------------------------------------------

@@ -286,9 +286,68 @@ def test_scale_from_amax_matches_reference():
   got = np.asarray(jax.jit(lambda a: jnp.concatenate([
       fp8.scale_from_amax(a[:3]),
       fp8.scale_from_amax(a[3:4], margin=2),    # TE's scale / 2**margin
-      fp8.scale_from_amax(a[4:], margin=-1)]))(special))
+      fp8.scale_from_amax(a[4:], margin=1)]))(special))
   assert got[0] == 1.0 and np.isinf(got[1]) and np.isnan(got[2])
-  assert got[3] == 4.0 and got[4] == 0.5
+  assert got[3] == 4.0 and got[4] == 2.0
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_scales_stay_normal_for_every_finite_amax_and_margin(pow2):
+  amax = jnp.array([1e-45, 1e-38, 1.0, 3.4e38], jnp.float32)
+  for margin in (0, 64):
+    for fmt in ("e4m3", "e5m2"):
+      s = np.asarray(jax.jit(lambda a: fp8.scale_from_amax(
+          a, fmt, margin=margin, power_of_two=pow2))(amax))
+      assert np.all(s >= 2.0**-126) and np.all(s <= 2.0**126), (margin, s)
+      h = np.asarray(jax.jit(lambda a: fp8.scale_from_history(
+          a, fmt, margin=margin, power_of_two=pow2))(amax[:, None]))
+      assert 2.0**-126 <= h.item() <= 2.0**126
+  # margin=64 on an amax of 448: 2**64, exact.
+  assert float(fp8.scale_from_amax(jnp.float32(448.0), margin=64)) == 2.0**64
+
+
+@pytest.mark.parametrize("margin", [-1, 65, 200, 1.5, np.inf, None, "1"])
+def test_margin_must_be_an_integer_from_0_to_64(margin):
+  error = TypeError if margin in (None, "1") else ValueError
+  with pytest.raises(error, match="margin"):
+    fp8.scale_from_amax(jnp.float32(1.0), margin=margin)
+  with pytest.raises(error, match="margin"):
+    fp8.scale_from_history(jnp.ones(4), margin=margin)
+  assert float(fp8.scale_from_amax(jnp.float32(448.0), margin=2.0)) == 4.0
+
+
+def test_given_scales_that_are_not_usable():
+  x = jnp.asarray(_outlier_data((4, 16), seed=13))
+  for bad in (0.0, -1.0, np.nan, np.inf, 1e-40):
+    with pytest.raises(ValueError, match="scale must be positive, finite"):
+      fp8.quantize(x, "e4m3", scale=np.float32(bad))
+    with pytest.raises(ValueError, match="previous_scale must be positive"):
+      fp8.scale_from_history(jnp.zeros(3), previous_scale=bad)
+  # Traced (or JAX arrays): current scaling (or 1) instead.
+  current = fp8.quantize(x, "e4m3", "row")
+  bad_rows = jnp.array([[0.0], [np.nan], [np.inf], [-2.0]])
+  q = jax.jit(lambda x, s: fp8.quantize(x, "e4m3", "row", scale=s))(
+      x, bad_rows)
+  np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(current.scale))
+  _assert_same_codes(_codes(q.values), _codes(current.values), "e4m3")
+  kept = jax.jit(lambda h, p: fp8.scale_from_history(h, previous_scale=p))(
+      jnp.zeros(3), jnp.float32(0.0))
+  assert float(kept) == 1.0
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda: fp8.quantize(None), "x"),
+    (lambda: fp8.scale_from_amax(None), "amax"),
+    (lambda: fp8.scale_from_history(None), "history"),
+    (lambda: fp8.update_amax_history(jnp.zeros(3), None), "amax"),
+    (lambda: fp8.quantize(jnp.ones(3), scale=None, granularity="tensor",
+                          fmt=None), "format"),
+    (lambda: fp8.saturating_cast(None), "x"),
+    (lambda: fp8.encode_e8m0(None), "scale"),
+])
+def test_none_arguments_are_named(call, name):
+  with pytest.raises(TypeError, match=name):
+    call()
 
 
 def test_update_amax_history():

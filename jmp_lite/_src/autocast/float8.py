@@ -382,6 +382,10 @@ class Site:
       stored = _get(self.store.outputs, self.path)
     amax = [lax.stop_gradient(jnp.max(jnp.abs(v.astype(_F32)), initial=0.0))
             for v in (x, y)]
+    if config.axis_name is not None:
+      # Every replica records (and scales from) the global amax.
+      matmul_lib.check_axis_bound(config)
+      amax = [lax.pmax(v, config.axis_name) for v in amax]
     fmt = config.forward
     scales, new = [], {}
     for name, value in zip(("lhs", "rhs"), amax):

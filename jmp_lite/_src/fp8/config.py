@@ -133,6 +133,13 @@ class Fp8Config(policy_lib.MatmulRecipe):
       lowered for CUDA, and the exact emulation on every other platform
       (default True); False: the emulation everywhere (e.g. to export one
       program for several platforms, which the native path cannot lower for).
+    axis_name: under ``jax.pmap``/``jax.shard_map``, the mapped axis (a
+      string, or a tuple of strings) over which per-tensor amaxes are
+      reduced (``lax.pmax``), current and delayed, so that every replica
+      uses the same scales and records the same amax history (Transformer
+      Engine's amax reduction over the data-parallel group). None (default):
+      each replica scales from its own shard. Not needed under ``jax.jit``
+      with sharded arrays, where amaxes are global already (``docs/fp8.md``).
 
   Raises:
     TypeError, ValueError: for a field of the wrong type or value.
@@ -163,6 +170,7 @@ class Fp8Config(policy_lib.MatmulRecipe):
   dim_multiple: int = DEFAULT_DIM_MULTIPLE
   compute_dtype: Any = None
   native_mx: bool = True
+  axis_name: Any = None
 
   def __post_init__(self):
     fwd = formats_lib.get_format(self.forward_format, "forward_format").name
@@ -199,6 +207,7 @@ class Fp8Config(policy_lib.MatmulRecipe):
         dtypes_lib.canonical_dtype(self.compute_dtype,
                                    "Fp8Config.compute_dtype"),
         native_mx=checks.flag(self.native_mx, "native_mx", _OWNER),
+        axis_name=_canonical_axis_name(self.axis_name),
     )
     for name, value in fields.items():
       object.__setattr__(self, name, value)
@@ -281,6 +290,14 @@ class Fp8Config(policy_lib.MatmulRecipe):
         raise ValueError(
             f"Fp8Config(axis_name={axis!r}) cannot be written in the policy "
             f"grammar. {AXIS_NAME_SPELLING}")
+
+
+def _canonical_axis_name(name: Any) -> Any:
+  """None, a str, or a tuple of str (a list becomes a tuple: hashable)."""
+  if name is None:
+    return None
+  checks.axis_name(name)
+  return tuple(name) if isinstance(name, (tuple, list)) else name
 
 
 def _base_name(granularity: str, scaling: str) -> str:

@@ -170,6 +170,9 @@ quantize`) divide by a scale first, and map infinite inputs to NaN instead,
     Array([448, -448], dtype=float8_e4m3fn)
   """
   fmt = get_format(fmt)
+  if x is None:
+    raise TypeError(
+        "x is None: it must be a floating array. Pass the array itself.")
   x = checks.float_array(x, "x", float8=True)
   if np.dtype(x.dtype).itemsize == 1:
     x = x.astype(_F32)
@@ -249,6 +252,9 @@ def encode_e8m0(scale: Any) -> jax.Array:
     >>> formats.decode_e8m0(formats.encode_e8m0(jnp.array([0.3, 4.0])))
     Array([0.5, 4. ], dtype=float32)
   """
+  if scale is None:
+    raise TypeError(
+        "scale is None: it must be a floating array. Pass the array itself.")
   scale = checks.float_array(scale, "scale", float8=True)
   return jax.lax.bitcast_convert_type(e8m0_codes(scale), E8M0_DTYPE)
 

@@ -81,6 +81,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import checks
+from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
 from jmp_lite._src.fp8 import config as config_lib
 from jmp_lite._src.fp8 import formats as formats_lib
@@ -213,13 +214,19 @@ def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
     if name == "grad" and value is None:
       out.append(None)
       continue
-    value = checks.float_array(value, f"scales.{name}")
+    value = scaling_lib.check_given_scale(value, f"scales.{name}")
     if value.shape != ():
       raise ValueError(
           f"scales.{name} must be a scalar, got shape {value.shape}. "
           f"{DELAYED_SCALES_HELP}")
     out.append(value.astype(_F32))
   return DelayedScales(*out)
+
+
+def check_axis_bound(config: Fp8Config) -> None:
+  """Raises a teaching ValueError if ``config.axis_name`` is not bound here."""
+  if config.axis_name is not None:
+    checks.bound_axis(config.axis_name, "Fp8Config")
 
 
 def _result_dtype(lhs, rhs, preferred_element_type, config):
@@ -286,13 +293,23 @@ def _quantize_operand(x, fmt, kind, config, scale=None):
   """Quantizes a ``(B, P, C)`` array for a product over C.
 
   ``kind``: "tensor", "row", "tile" (1 x T along C), "block" (T x T over P
-  and C) or "mx". Returns the ``_Operand`` and the observed amax.
+  and C) or "mx". Returns the ``_Operand`` and the observed amax (per tensor:
+  the maximum over ``config.axis_name`` if set).
+
+  The operand has no derivative (its gradient is stopped): the derivatives
+  of the products are defined by ``_straight_through``.
   """
+  op, amax = _quantize_operand_values(x, fmt, kind, config, scale)
+  return jax.lax.stop_gradient(op), amax
+
+
+def _quantize_operand_values(x, fmt, kind, config, scale):
   b, p, c = x.shape
   pow2 = config.power_of_two_scales
   if kind == "tensor":
     q = scaling_lib.quantize_blocks(x, fmt, (b, p, c), scale, pow2,
-                                    scalar_scale=True)
+                                    scalar_scale=True,
+                                    axis_name=config.axis_name)
     return _Operand(q.values, q.scale, "row"), q.amax
   if kind == "row":
     q = scaling_lib.quantize_blocks(x, fmt, (1, 1, c), None, pow2)
@@ -329,10 +346,7 @@ def _product(a: _Operand, b: _Operand, native_mx: bool) -> jax.Array:
     acc = jax.lax.dot_general(a.values, b.values, _DN,
                               preferred_element_type=_F32)
     b_scale = b.scale if b.scale.ndim == 0 else jnp.swapaxes(b.scale, 1, 2)
-    # One multiplication by the product of the scales (cuBLAS's alpha): with
-    # power-of-two scales exact, and it overflows only where the result does,
-    # unlike (acc * a_scale) * b_scale with a huge a_scale and a tiny b_scale.
-    return acc * (a.scale * b_scale)
+    return _scaled(acc, a.scale, b_scale)
   if a.kind == "kblock":
     assert b.kind == "kblock"
     bsz, p, c = a.values.shape
@@ -344,13 +358,39 @@ def _product(a: _Operand, b: _Operand, native_mx: bool) -> jax.Array:
         (((3,), (3,)), ((0, 2), (0, 2))), preferred_element_type=_F32)
     a_scale = jnp.swapaxes(a.scale, 1, 2)[:, :, :, None]   # (B, nk, P, 1)
     b_scale = jnp.swapaxes(b.scale, 1, 2)[:, :, None, :]   # (B, nk, 1, Q)
-    return jnp.sum(acc * (a_scale * b_scale), axis=1)
+    return jnp.sum(_scaled(acc, a_scale, b_scale), axis=1)
   assert a.kind == b.kind == "mx", (a.kind, b.kind)
   args = (a.values, a.scale, b.values, b.scale)
   if not native_mx:
     return _mx_emulated(*args)
   return jax.lax.platform_dependent(*args, cuda=_mx_native,
                                     default=_mx_emulated)
+
+
+def _scaled(acc, a_scale, b_scale):
+  """``acc * a_scale * b_scale``, right wherever the result is a normal float32.
+
+  One multiplication by the product of the scales (cuBLAS's alpha) where that
+  product is a normal float32: with power-of-two scales exact, and it
+  overflows only where the result does, unlike ``(acc * a_scale) * b_scale``
+  with a huge ``a_scale`` and a tiny ``b_scale``. Where the product of the
+  scales underflows or overflows (``amax_a * amax_b`` below ~2.4e-33 or
+  above ~1e43) the result may still be representable: there the scales are
+  applied in log space, as the product of their mantissas (in [1/4, 1)) and
+  two powers of two, each half of the sum of their exponents, so that every
+  intermediate lies between ``acc`` and the result.
+  """
+  product = a_scale * b_scale
+  direct = acc * product
+  normal = jnp.isfinite(product) & (product >= jnp.asarray(2.0**-126, _F32))
+  a_mant, a_exp = jnp.frexp(a_scale)
+  b_mant, b_exp = jnp.frexp(b_scale)
+  exponent = a_exp.astype(jnp.int32) + b_exp.astype(jnp.int32)
+  half = jnp.clip(exponent // 2, -126, 127)
+  rest = jnp.clip(exponent - half, -126, 127)
+  split = ((acc * (a_mant * b_mant)) * dtypes_lib.pow2(half)) * dtypes_lib.pow2(
+      rest)
+  return jnp.where(normal, direct, split)
 
 
 def _mx_emulated(a_values, a_scale, b_values, b_scale):
@@ -385,6 +425,76 @@ def _mx_native_vmap(axis_size, in_batched, a_values, a_scale, b_values,
     args.append(x.reshape((-1,) + x.shape[2:]))
   out = _mx_native(*args)
   return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+
+# ---------------------------------------------------------------------------
+# Straight-through derivatives (second order).
+# ---------------------------------------------------------------------------
+
+
+def _part(scales: DelayedScales | None, name: str) -> jax.Array | None:
+  return None if scales is None else getattr(scales, name)
+
+
+def _dequantized(op: _Operand, c: int) -> jax.Array:
+  """float32 ``(B, P, c)``: the values ``op`` stands for (padding dropped)."""
+  values = op.values.astype(_F32)
+  if op.kind == "row":
+    full = values * op.scale
+  elif op.kind == "kblock":
+    bsz, p, padded = values.shape
+    nk = op.scale.shape[-1]
+    full = (values.reshape(bsz, p, nk, padded // nk) *
+            op.scale[..., None]).reshape(bsz, p, padded)
+  else:
+    full = values * scaling_lib.broadcast_blocks(
+        formats_lib.decode_e8m0(op.scale), (1, 1, scaling_lib.MX_BLOCK_SIZE),
+        values.shape)
+  return full[:, :, :c]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _fake_quantized(side, x, scale):
+  """``x`` quantized as ``side = (config, fmt, kind)`` says, dequantized to
+  float32, with the derivative of the identity (straight through)."""
+  config, fmt, kind = side
+  return _dequantized(_quantize_operand(x, fmt, kind, config, scale)[0],
+                      x.shape[-1])
+
+
+@_fake_quantized.defjvp
+def _fake_quantized_jvp(side, primals, tangents):
+  x, scale = primals
+  return _fake_quantized(side, x, scale), tangents[0].astype(_F32)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _straight_through(spec, value, x, y, x_scale, y_scale):
+  """``value``, the float8 product of ``x`` and ``y`` (``(B, P, C)``,
+  ``(B, Q, C)``) quantized as ``spec = (config, (fmt, kind), (fmt, kind))``
+  says, with the derivative of the float32 product of the two quantized
+  operands: ``dx . q(y) + q(x) . dy`` (straight-through quantization).
+
+  The value is returned as it is (first-order numerics unchanged); only a
+  derivative of it (a second derivative of the float8 matmul) computes
+  anything, and that derivative is itself differentiable.
+  """
+  del spec, x, y, x_scale, y_scale
+  return value
+
+
+@_straight_through.defjvp
+def _straight_through_jvp(spec, primals, tangents):
+  value, x, y, x_scale, y_scale = primals
+  _, dx, dy, _, _ = tangents
+  config, (x_fmt, x_kind), (y_fmt, y_kind) = spec
+  qx = _fake_quantized((config, x_fmt, x_kind), x, x_scale)
+  qy = _fake_quantized((config, y_fmt, y_kind), y, y_scale)
+  dot = functools.partial(jax.lax.dot_general, dimension_numbers=_DN,
+                          preferred_element_type=_F32)
+  tangent = dot(dx.astype(_F32), qy) + dot(qx, dy.astype(_F32))
+  out = _straight_through(spec, value, x, y, x_scale, y_scale)
+  return out, tangent.astype(value.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -424,30 +534,38 @@ def _fp8_matmul(a, b, scales, static):
 
 
 def _fp8_matmul_fwd(a, b, scales, static):
-  out, qa, qb, amax_a, amax_b = _forward(a, b, scales, static.config)
-  if static.config.granularity == "tensor":
-    # Per-tensor scales fit any contraction: keep the float8 operands.
-    saved = (qa, qb)
-  else:
-    saved = (a, b)
-  return out.astype(static.out_dtype), (saved, scales, amax_a, amax_b)
+  config = static.config
+  out, qa, qb, amax_a, amax_b = _forward(a, b, scales, config)
+  lhs_kind, rhs_kind = _FORWARD_KINDS[config.granularity]
+  out = _straight_through(
+      (config, (config.forward, lhs_kind), (config.forward, rhs_kind)),
+      out, a, b, _part(scales, "lhs"), _part(scales, "rhs"))
+  # Per-tensor scales fit any contraction: the backward matmuls reuse the
+  # float8 operands. The high-precision operands are residuals too, but only
+  # the derivatives of the backward pass (second order) read them: in a
+  # first-order program they are dead once the forward product is done.
+  quantized = (qa, qb) if config.granularity == "tensor" else None
+  return (out.astype(static.out_dtype),
+          ((a, b), quantized, scales, amax_a, amax_b))
 
 
 def _fp8_matmul_bwd(static, residuals, g):
   config = static.config
-  saved, scales, amax_a, amax_b = residuals
+  (a, b), quantized, scales, amax_a, amax_b = residuals
   grad_fmt, fwd_fmt = config.gradient, config.forward
   gt = jnp.swapaxes(g, 1, 2)  # (B, N, M): the gradient contracting over M
+  at, bt = jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)
   if config.granularity == "tensor":
-    qa, qb = saved
-    g_op, amax_g = _quantize_operand(g, grad_fmt, "tensor", config,
-                                     None if scales is None else scales.grad)
+    qa, qb = quantized
+    sg = _part(scales, "grad")
+    g_op, amax_g = _quantize_operand(g, grad_fmt, "tensor", config, sg)
     if scales is not None and scales.grad is None:
       amax_g = None
     da = _product(g_op, _transposed(qb), config.native_mx)
     db = _product(_transposed(g_op), _transposed(qa), config.native_mx)
+    dgrad_kinds = wgrad_kinds = ("tensor", "tensor")
+    sa, sb = _part(scales, "lhs"), _part(scales, "rhs")
   else:
-    a, b = saved
     if config.granularity == "blockwise":
       # DeepSeek-V3: gradients in 1 x T tiles along the contracting dimension;
       # the weight's T x T blocks serve both directions; the activation is
@@ -456,14 +574,20 @@ def _fp8_matmul_bwd(static, residuals, g):
     else:
       dgrad_kinds = wgrad_kinds = _BACKWARD_KINDS[config.granularity]
     g_n, _ = _quantize_operand(g, grad_fmt, dgrad_kinds[0], config)
-    bt, _ = _quantize_operand(jnp.swapaxes(b, 1, 2), fwd_fmt, dgrad_kinds[1],
-                              config)
-    da = _product(g_n, bt, config.native_mx)
+    bt_op, _ = _quantize_operand(bt, fwd_fmt, dgrad_kinds[1], config)
+    da = _product(g_n, bt_op, config.native_mx)
     g_m, _ = _quantize_operand(gt, grad_fmt, wgrad_kinds[0], config)
-    at, _ = _quantize_operand(jnp.swapaxes(a, 1, 2), fwd_fmt, wgrad_kinds[1],
-                              config)
-    db = _product(g_m, at, config.native_mx)
-    amax_g = None
+    at_op, _ = _quantize_operand(at, fwd_fmt, wgrad_kinds[1], config)
+    db = _product(g_m, at_op, config.native_mx)
+    amax_g = sg = sa = sb = None
+  # Differentiable (second order): each backward product is differentiated
+  # as the high-precision product of its straight-through quantized operands.
+  da = _straight_through(
+      (config, (grad_fmt, dgrad_kinds[0]), (fwd_fmt, dgrad_kinds[1])),
+      da, g, bt, sg, sb)
+  db = _straight_through(
+      (config, (grad_fmt, wgrad_kinds[0]), (fwd_fmt, wgrad_kinds[1])),
+      db, gt, at, sg, sa)
   da = da.astype(static.lhs_dtype)
   db = db.astype(static.rhs_dtype)
   if scales is None:
@@ -477,6 +601,21 @@ _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 # ---------------------------------------------------------------------------
 # The public function.
 # ---------------------------------------------------------------------------
+
+
+def _same_varying_axes(a: jax.Array, b: jax.Array):
+  """Under ``shard_map``, both operands marked varying over the axes either
+  varies over (as ``jax.lax.dot_general`` does implicitly): a custom gradient
+  must return each operand's cotangent with the operand's own type, and the
+  cotangent of a replicated weight multiplied by a sharded batch varies. The
+  transpose of this marking is the ``psum`` that makes the weight's gradient
+  the sum over shards, as without float8."""
+  axes = compat.varying_axes(a) | compat.varying_axes(b)
+  out = []
+  for x in (a, b):
+    missing = tuple(sorted(axes - compat.varying_axes(x)))
+    out.append(compat.to_varying(x, missing) if missing else x)
+  return out
 
 
 def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
@@ -545,12 +684,13 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
         f"fp8_dot_general does not support out_sharding (got "
         f"{out_sharding!r}): leave it None and constrain the result's "
         "sharding with jax.lax.with_sharding_constraint instead.")
-  lhs = checks.float_array(lhs, "lhs")
-  rhs = checks.float_array(rhs, "rhs")
+  lhs = scaling_lib.array_argument(lhs, "lhs")
+  rhs = scaling_lib.array_argument(rhs, "rhs")
   del precision
   (lc, rc), (lb, rb) = _check_dimension_numbers(dimension_numbers, lhs.shape,
                                                 rhs.shape)
   scales = _check_scales(scales, config)
+  check_axis_bound(config)
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type, config)
   a, lhs_free = _to_canonical(lhs, lb, lc)
   b, rhs_free = _to_canonical(rhs, rb, rc)
@@ -561,5 +701,6 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     # gradient; nothing to quantize.
     return jnp.zeros(shape, out_dtype)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  a, b = _same_varying_axes(a, b)
   out = _fp8_matmul(a, b, scales, static)
   return out.reshape(shape)

@@ -61,6 +61,25 @@ from jmp_lite._src.fp8 import formats as formats_lib
 _F32 = np.dtype(np.float32)
 #: The smallest scale current scaling produces: the smallest normal float32.
 MIN_SCALE = 2.0**-126
+#: The largest scale it produces: 2**126, so that its reciprocal is a normal
+#: float32 too (only reached with a margin and an amax near float32's max).
+MAX_SCALE = 2.0**126
+#: The largest margin (headroom in powers of two) of delayed scaling.
+MAX_MARGIN = 64
+
+MARGIN_HELP = (
+    "margin is the headroom of delayed scaling in powers of two: an integer "
+    f"from 0 to {MAX_MARGIN} (scales are multiplied by 2**margin; Transformer "
+    "Engine's default is 0, and a margin beyond a few units only throws "
+    "away float8 precision)."
+)
+GIVEN_SCALE_HELP = (
+    "A dequantization scale must be a positive, finite, normal float32 "
+    "(at least 2**-126): x is quantized as x / scale. Compute delayed scales "
+    "with scale_from_history (it never returns 0, inf or NaN); a traced scale "
+    "that is not usable falls back to current scaling (the scale of the "
+    "tensor's own amax)."
+)
 #: The MX block size (OCP Microscaling spec: 32 elements share a scale).
 MX_BLOCK_SIZE = 32
 #: DeepSeek-V3's tile/block size.
@@ -125,24 +144,69 @@ class Quantized:
 _OWNER = "jmp_lite.fp8"
 
 
-def _check_margin(margin: Any) -> float:
-  return checks.static_number(margin, "margin", _OWNER)
+def _check_margin(margin: Any) -> int:
+  """The margin as an int in [0, MAX_MARGIN] (a whole float is accepted)."""
+  if margin is None:
+    raise TypeError(f"{_OWNER}: margin must be an integer, got None. "
+                    f"{MARGIN_HELP}")
+  value = checks.static_number(margin, "margin", _OWNER)
+  if not value.is_integer() or not 0 <= value <= MAX_MARGIN:
+    raise ValueError(f"{_OWNER}: margin={margin!r} is out of range. "
+                     f"{MARGIN_HELP}")
+  return int(value)
+
+
+def array_argument(x: Any, what: str, *, float8: bool = False) -> jax.Array:
+  """``checks.float_array``, with a TypeError naming ``what`` for None."""
+  if x is None:
+    raise TypeError(
+        f"{what} is None: it must be a floating array (float32, bfloat16 or "
+        "float16). Pass the array itself.")
+  return checks.float_array(x, what, float8=float8)
+
+
+def check_given_scale(scale: Any, what: str) -> jax.Array:
+  """A user-given dequantization scale, as a float32 array.
+
+  A Python or NumPy value that is not positive, finite and normal is refused
+  here (a ValueError naming ``what``); a JAX array (traced or not: reading it
+  would wait for the device) is checked where it is used, by
+  :func:`usable_scale`.
+  """
+  value = array_argument(scale, what)
+  if not isinstance(scale, jax.Array):
+    host = np.asarray(scale, np.float64)
+    bad = ~(np.isfinite(host) & (host >= MIN_SCALE))
+    if bad.any():
+      raise ValueError(
+          f"{what} must be positive, finite and normal, got "
+          f"{host[bad].ravel()[0]!r}. {GIVEN_SCALE_HELP}")
+  return value.astype(_F32)
+
+
+def usable_scale(scale: jax.Array, fallback: jax.Array) -> jax.Array:
+  """``scale`` where it is a usable float32 scale (finite, at least 2**-126),
+  else ``fallback``: a zero, negative, subnormal or non-finite scale would
+  turn every element into 0, inf or NaN."""
+  ok = jnp.isfinite(scale) & (scale >= jnp.asarray(MIN_SCALE, _F32))
+  return jnp.where(ok, scale, fallback)
 
 
 def scale_from_amax(amax: Any, fmt: Any = "e4m3", *, margin: float = 0,
                     power_of_two: bool = True) -> jax.Array:
   """The dequantization scale that maps ``amax`` onto the format's range.
 
-  ``scale = amax * 2**margin / fmt.max``, at least 2**-126, 1 where
+  ``scale = amax * 2**margin / fmt.max``, clamped to [2**-126, 2**126] (so
+  that neither the scale nor its reciprocal is 0 or inf), 1 where
   ``amax == 0``, rounded up to a power of two if ``power_of_two``. NaN and inf
   amaxes give NaN and inf scales (see the module docstring).
 
   Args:
     amax: absolute maxima (any shape; computed in float32).
     fmt: the float8 format (``"e4m3"`` or ``"e5m2"``).
-    margin: headroom in powers of two: the scale is multiplied by
-      ``2**margin`` (Transformer Engine's ``margin``, which divides its
-      reciprocal scale by ``2**margin``).
+    margin: headroom in powers of two, an integer from 0 to 64: the scale is
+      multiplied by ``2**margin`` (Transformer Engine's ``margin``, which
+      divides its reciprocal scale by ``2**margin``).
     power_of_two: round the scale up to a power of two.
 
   Returns:
@@ -157,7 +221,7 @@ def scale_from_amax(amax: Any, fmt: Any = "e4m3", *, margin: float = 0,
   fmt = formats_lib.get_format(fmt)
   margin = _check_margin(margin)
   power_of_two = checks.flag(power_of_two, "power_of_two", _OWNER)
-  amax = checks.float_array(amax, "amax").astype(_F32)
+  amax = array_argument(amax, "amax").astype(_F32)
   return _scale_from_amax(amax, fmt, margin, power_of_two)
 
 
@@ -165,7 +229,12 @@ def _scale_from_amax(amax, fmt, margin, power_of_two):
   scale = amax / jnp.asarray(fmt.max, _F32)
   if margin:
     scale = scale * jnp.asarray(2.0**margin, _F32)
-  scale = jnp.maximum(scale, jnp.asarray(MIN_SCALE, _F32))  # keeps NaN
+  # Within [2**-126, 2**126] for every finite amax, so that neither the scale
+  # nor its reciprocal is 0 or inf (after rounding up to a power of two too);
+  # a NaN or infinite amax keeps its NaN or inf scale.
+  clamped = jnp.clip(scale, jnp.asarray(MIN_SCALE, _F32),
+                     jnp.asarray(MAX_SCALE, _F32))
+  scale = jnp.where(jnp.isfinite(amax), clamped, scale)
   scale = jnp.where(amax == 0, jnp.asarray(1.0, _F32), scale)
   if power_of_two:
     scale = formats_lib.round_up_pow2(scale)
@@ -195,8 +264,8 @@ def update_amax_history(history: Any, amax: Any) -> jax.Array:
     >>> fp8.update_amax_history(jnp.array([3.0, 2.0, 1.0]), jnp.float32(4.0))
     Array([4., 3., 2.], dtype=float32)
   """
-  history = checks.float_array(history, "history")
-  amax = checks.float_array(amax, "amax")
+  history = array_argument(history, "history")
+  amax = array_argument(amax, "amax")
   if history.ndim < 1 or history.shape[0] < 1:
     raise ValueError(
         f"history must have a leading history axis of length >= 1, got shape "
@@ -249,7 +318,7 @@ def scale_from_history(history: Any, fmt: Any = "e4m3", *, margin: float = 0,
   power_of_two = checks.flag(power_of_two, "power_of_two", _OWNER)
   algorithm = checks.choice(algorithm, "amax algorithm", _OWNER,
                             AMAX_ALGORITHMS, AMAX_ALGORITHM_HELP)
-  history = checks.float_array(history, "history").astype(_F32)
+  history = array_argument(history, "history").astype(_F32)
   if history.ndim < 1 or history.shape[0] < 1:
     raise ValueError(
         f"history must have a leading history axis of length >= 1, got shape "
@@ -259,12 +328,13 @@ def scale_from_history(history: Any, fmt: Any = "e4m3", *, margin: float = 0,
   if previous_scale is None:
     fallback = jnp.ones_like(scale)
   else:
-    fallback = checks.float_array(
-        previous_scale, "previous_scale").astype(_F32)
+    fallback = check_given_scale(previous_scale, "previous_scale")
     if fallback.shape not in ((), scale.shape):
       raise ValueError(
           f"previous_scale must be a scalar or have shape {scale.shape}, got "
           f"{fallback.shape}.")
+    # A traced previous scale that is not usable: 1, as without one.
+    fallback = usable_scale(fallback, jnp.ones_like(fallback))
   usable = jnp.isfinite(amax) & (amax > 0)
   return jnp.where(usable, scale, fallback)
 
@@ -323,23 +393,30 @@ def _cast_scaled(x32, scale_full, fmt):
 
 def quantize_blocks(x: jax.Array, fmt: formats_lib.Fp8Format,
                     block_shape: tuple[int, ...], scale: jax.Array | None,
-                    power_of_two: bool, scalar_scale: bool = False
-                    ) -> Quantized:
+                    power_of_two: bool, scalar_scale: bool = False,
+                    axis_name: Any = None) -> Quantized:
   """Quantizes with one float32 scale per block (no argument checking).
 
   ``scale`` (one per block) replaces the computed scale when given (delayed
-  scaling). ``scalar_scale`` stores a single scale as a scalar.
+  scaling); where it is not usable (zero, negative, subnormal or not finite)
+  the block falls back to current scaling. ``scalar_scale`` stores a single
+  scale as a scalar. ``axis_name`` (per tensor only): the amax is the maximum
+  over that mapped axis (``lax.pmax``), so that every replica of a
+  ``pmap``/``shard_map`` computes the same scale.
   """
   block_shape = tuple(max(b, 1) for b in block_shape)  # zero-size axes
   x32 = x.astype(_F32)
   if scalar_scale:
     amax = jnp.max(jnp.abs(x32), initial=0.0)
+    if axis_name is not None:
+      amax = jax.lax.pmax(amax, axis_name)
   else:
     amax = _block_reduce_max(jnp.abs(x32), block_shape)
+  current = _scale_from_amax(amax, fmt, 0, power_of_two)
   if scale is None:
-    scale = _scale_from_amax(amax, fmt, 0.0, power_of_two)
+    scale = current
   else:
-    scale = scale.astype(_F32).reshape(amax.shape)
+    scale = usable_scale(scale.astype(_F32).reshape(amax.shape), current)
   values = _cast_scaled(x32, broadcast_blocks(scale, block_shape, x.shape),
                         fmt)
   return Quantized(values, scale, amax, tuple(block_shape))
@@ -498,7 +575,7 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
   fmt = formats_lib.get_format(fmt)
   granularity = check_granularity(granularity)
   power_of_two = checks.flag(power_of_two, "power_of_two", _OWNER)
-  x = checks.float_array(x, "x")
+  x = array_argument(x, "x")
   block_size = _check_block_size(block_size, granularity)
   ndim = x.ndim
   if granularity == "tensor":
@@ -548,7 +625,7 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
                      jnp.moveaxis(q.scale, -1, ax),
                      jnp.moveaxis(q.amax, -1, ax), block_shape)
   if scale is not None:
-    scale = checks.float_array(scale, "scale")
+    scale = check_given_scale(scale, "scale")
     if tuple(scale.shape) != tuple(scale_shape):
       raise ValueError(
           f"scale must have shape {tuple(scale_shape)} (one per "
