@@ -8,6 +8,11 @@ Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv):
 * ``floor``: the whole suite on Python 3.11 with every pinned package at the
   lower bound of its pin, read from ``pyproject.toml``: the oldest versions we
   claim to support.
+* ``upgrade-flags``: the whole suite on the newest releases (Python 3.12)
+  with JAX's upgrade flags on, through the environment variables jax reads
+  for them: ``JAX_REMAT3=1 JAX_CUSTOM_VJP3=1 JAX_CUSTOM_JVP3=1`` (about to
+  become jax's defaults; ``jax_scan3`` stays off until JAX differentiates
+  it, and autocast refuses its ``Scan3`` with an error naming it).
 * ``bench``: the GPU suite's tests (``tests/test_gpu_suite.py``) with the
   ``bench`` extra, PyTorch, installed, so that the torch.amp side-by-side runs
   end to end at tiny sizes on the CPU (without torch those tests skip). The
@@ -43,12 +48,15 @@ from packaging.requirements import Requirement
 nox.options.error_on_missing_interpreters = True
 nox.options.download_python = "never"
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["newest", "floor", "bench"]
+nox.options.sessions = ["newest", "floor", "upgrade-flags", "bench"]
 
 ROOT = pathlib.Path(__file__).resolve().parent
 # The packages whose supported range the pins state and the matrix tests.
 RANGED = ("jax", "jaxlib", "flax", "optax")
 PYTEST = ("python", "-m", "pytest", "-q")
+#: jax's upgrade flags (config flags read ``JAX_<NAME>`` environment variables).
+UPGRADE_FLAGS = {"JAX_REMAT3": "1", "JAX_CUSTOM_VJP3": "1",
+                 "JAX_CUSTOM_JVP3": "1"}
 #: The PyTorch the bench session installs, and the index it adds for it.
 BENCH_TORCH = os.environ.get("BENCH_TORCH", "torch==2.13.0")
 BENCH_TORCH_INDEX = os.environ.get("BENCH_TORCH_INDEX", "https://download.pytorch.org/whl/cpu")
@@ -97,6 +105,17 @@ def newest(session: nox.Session) -> None:
   session.install("--upgrade", "-e", ".[test]")
   _versions(session)
   session.run(*PYTEST, *session.posargs)
+
+
+@nox.session(python="3.12", name="upgrade-flags")
+def upgrade_flags(session: nox.Session) -> None:
+  """The whole suite on the newest releases with JAX's upgrade flags on."""
+  session.install("--upgrade", "-e", ".[test]")
+  _versions(session)
+  session.run("python", "-c", "import jax; print('upgrade flags:', "
+              "jax.config.jax_remat3, jax.config.jax_custom_vjp3, "
+              "jax.config.jax_custom_jvp3)", env=UPGRADE_FLAGS)
+  session.run(*PYTEST, *session.posargs, env=UPGRADE_FLAGS)
 
 
 @nox.session(python="3.11")

@@ -28,6 +28,17 @@ from jmp_lite.autocast_rules import OpRuleContext
 
 from helpers import all_eqns
 
+
+def _eqns_of(jaxpr, kind):
+  """Top-level equations of a kind (``"remat"``, ``"custom_jvp"``...), by
+  primitive object or, under JAX's upgrade flags, the hi operation's class."""
+  return [e for e in jaxpr.eqns if interpreter_lib.kind_of(e) == kind]
+
+
+def _body(eqn):
+  """The (first) body of a higher-order equation."""
+  return next(compat.sub_jaxprs(eqn.params))
+
 F32 = np.dtype(jnp.float32)
 F16 = np.dtype(jnp.float16)
 HALF_DTYPES = [np.dtype(jnp.float16), np.dtype(jnp.bfloat16)]
@@ -166,7 +177,7 @@ def test_dot_accumulates_in_f32_and_returns_compute_dtype():
   assert dot.params["preferred_element_type"] == F32
   assert [v.aval.dtype for v in dot.invars] == [jnp.float16, jnp.float16]
   # ... and the value handed on is in the compute dtype.
-  (call,) = [e for e in jaxpr.eqns if e.primitive is P.custom_jvp_call_p]
+  (call,) = _eqns_of(jaxpr, "custom_jvp")
   assert call.outvars[0].aval.dtype == jnp.float16
 
 
@@ -325,17 +336,20 @@ def test_nested_jit_body_is_autocast_and_params_kept():
 def test_checkpoint_body_is_autocast():
   fn = lambda w, x: jax.checkpoint(lambda a, b: jnp.tanh(a @ b) @ b)(x, w).sum()
   jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16))(W, X)
-  (remat,) = [e for e in jaxpr.eqns if e.primitive is compat.primitive("remat_p")]
-  assert_dots_in(remat.params["jaxpr"], np.dtype(jnp.float16), count=2)
+  (remat,) = _eqns_of(jaxpr, "remat")
+  assert_dots_in(_body(remat), np.dtype(jnp.float16), count=2)
   _check_grads(fn, W, X)
 
 
 def test_checkpoint_policy_is_kept():
-  policy = jax.checkpoint_policies.nothing_saveable
+  # (Not nothing_saveable: jax_remat3 stores that default as None.)
+  policy = jax.checkpoint_policies.dots_saveable
   fn = lambda w, x: jax.checkpoint(lambda a, b: a @ b, policy=policy)(x, w).sum()
   jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16))(W, X)
-  (remat,) = [e for e in jaxpr.eqns if e.primitive is compat.primitive("remat_p")]
-  assert remat.params["policy"] is policy
+  (remat,) = _eqns_of(jaxpr, "remat")
+  parts = (compat.hi_remat_parts if compat.hi_kind(remat.params)
+           else compat.remat_parts)(remat.params)
+  assert parts[2] is policy
 
 
 def test_scan_body_is_autocast_and_carry_keeps_its_dtype():
@@ -408,11 +422,9 @@ def _scaled_sin_jvp(primals, tangents):
 def test_custom_jvp_primal_is_autocast_and_rule_kept():
   fn = lambda w, x: _scaled_sin(w, x).sum()
   jaxpr = jax.make_jaxpr(autocast(fn, jnp.float16))(W, X)
-  calls = [e for e in jaxpr.eqns if e.primitive is P.custom_jvp_call_p]
-  assert [e.params["call_jaxpr"].jaxpr.debug_info.func_name for e in calls] == [
-      "_scaled_sin"
-  ]
-  assert_dots_in(calls[0].params["call_jaxpr"], np.dtype(jnp.float16), count=1)
+  calls = _eqns_of(jaxpr, "custom_jvp")
+  assert [compat.func_name(_body(e), "?") for e in calls] == ["_scaled_sin"]
+  assert_dots_in(_body(calls[0]), np.dtype(jnp.float16), count=1)
   _check_grads(fn, W, X)  # Equal to 3x the true gradient, as the rule says.
   true_grad = jax.grad(lambda w: jnp.sin(X @ w).sum())(W)
   np.testing.assert_allclose(jax.jit(jax.grad(fn))(W, X), 3 * true_grad, rtol=1e-5)
@@ -451,10 +463,10 @@ def test_custom_vjp_primal_and_fwd_autocast_bwd_kept():
   fn = lambda w, x: _marked(w, x).sum()
   f = autocast(fn, jnp.float16)
   jaxpr = jax.make_jaxpr(f)(W, X)
-  (call,) = [e for e in jaxpr.eqns if e.primitive is P.custom_vjp_call_p]
-  assert_dots_in(call.params["call_jaxpr"], np.dtype(jnp.float16), count=1)
+  (call,) = _eqns_of(jaxpr, "custom_vjp")
+  assert_dots_in(_body(call), np.dtype(jnp.float16), count=1)
   # The boundary keeps the traced dtypes the user's bwd was written for.
-  assert [a.dtype for a in call.params["call_jaxpr"].out_avals] == [F32]
+  assert [a.dtype for a in _body(call).out_avals] == [F32]
   true_grad = jax.grad(lambda w: jnp.tanh(X @ w).sum())(W)
   np.testing.assert_allclose(
       jax.jit(jax.grad(f))(W, X), 5 * true_grad, rtol=2e-2, atol=2e-2)

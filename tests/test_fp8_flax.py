@@ -445,3 +445,34 @@ def test_nnx_exported_cuda_step():
   assert [d for d, _ in dots if not d[0].startswith("f8")] == [
       ("bf16", "bf16")] * 3
   assert_no_host_calls(text)
+
+
+# ---------------------------------------------------------------------------
+# A restored state that does not fit the recipe (issue 25, item 7)
+# ---------------------------------------------------------------------------
+
+
+def test_linen_restored_history_of_another_length_is_refused():
+  model, variables = linen_model(DELAYED)               # history_length=16
+  short = jlinen.apply_policy(
+      LM(), "p=f32,c=bf16,o=f32,m=fp8_delayed(history_length=4)",
+      jlinen.DEFAULT_MODULE_RULES)
+  with pytest.raises(ValueError, match=r"16-step amax history for the matmul "
+                     r"at LM/inp/dot_general_0.*history_length=4.*h\[\.\.\., "
+                     r":4\]") as info:
+    short.apply(variables, X, mutable=["fp8_state"])
+  assert "init" in str(info.value)
+  # The fix the message gives works: the 4 newest amaxes of every history.
+  sliced = {**variables, "fp8_state": jax.tree.map(
+      lambda h: h[..., :4], variables["fp8_state"])}
+  _, updates = short.apply(sliced, X, mutable=["fp8_state"])
+  assert updates["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"].shape == (4,)
+
+
+def test_linen_site_without_lhs_is_a_teaching_error():
+  model, variables = linen_model(DELAYED)
+  state = jax.tree.map(lambda x: x, variables["fp8_state"])
+  del state["LM"]["inp"]["dot_general_0"]["lhs"]
+  with pytest.raises(ValueError, match=r"entry for the matmul at "
+                     r"LM/inp/dot_general_0 is not \{'lhs'.*got \['rhs'\]"):
+    model.apply({**variables, "fp8_state": state}, X)

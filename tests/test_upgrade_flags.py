@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
+from jmp_lite._src import compat
 
 FLAGS = ("jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
 
@@ -84,6 +85,12 @@ def _grads(policy, body):
                                   "scan"])
 def test_autocast_enters_every_body_under_the_flag(flag, name):
   body = _bodies()[name]
+  if (flag == "jax_custom_vjp3" and name == "custom_vjp"
+      and "custom_vjp" not in compat._HI_CLASSES):  # pylint: disable=protected-access
+    # jax < 0.12's experimental protocol: refused, naming it.
+    with pytest.raises(ValueError, match="CustomVJPTraced"):
+      jmp_lite.autocast(body, "bf16")(X, W)
+    return
   forward = jmp_lite.autocast(body, "bf16")
   assert _dots(forward, X, W) and all(
       d == ("bfloat16", "bfloat16") for d in _dots(forward, X, W)), (
@@ -160,3 +167,10 @@ def test_scan3_is_refused_naming_it():
   finally:
     jax.config.update("jax_scan3", False)
   assert "jax_scan3" in str(info.value) and "in_float32" in str(info.value)
+
+
+def test_a_first_order_hi_operation_runs_as_traced(flag):
+  # jnp.frexp is a "hi" operation without a body under jax_custom_jvp3.
+  fn = lambda x: jnp.frexp(x @ x)[0]
+  x = jnp.full((16, 16), 3.0)
+  np.testing.assert_array_equal(jmp_lite.autocast(fn, "bf16")(x), fn(x))

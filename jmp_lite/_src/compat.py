@@ -226,7 +226,7 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
       if isinstance(value, (Jaxpr, ClosedJaxpr)):
         continue  # found above
       body = getattr(value, "jaxpr", None)
-      if Jaxpr is not None and isinstance(body, Jaxpr):
+      if Jaxpr is not None and isinstance(body, (Jaxpr, ClosedJaxpr)):
         yield body
 
 
@@ -448,7 +448,10 @@ _HI_CLASSES: dict[str, Any] = {
     kind: cls for kind, cls in (
         ("remat", getattr(_ad_checkpoint, "RematTraced", None)),
         ("custom_jvp", getattr(_hijax, "CustomJVPTraced", None)),
-        ("custom_vjp", getattr(_hijax, "CustomVJPTraced", None)),
+        # jax 0.10/0.11's CustomVJPTraced keeps the user's rules under
+        # another protocol (no _custom_vjp_fwd wrapper): not known there.
+        ("custom_vjp", getattr(_hijax, "CustomVJPTraced", None)
+         if hasattr(_hijax, "_custom_vjp_fwd") else None),
         ("scan", getattr(_loops, "Scan3", None)),
     ) if isinstance(cls, type)
 }
@@ -551,3 +554,17 @@ def to_varying(x: Any, axis_name: Any) -> Any:
     return jax.lax.pcast(x, axis_name, to="varying")
   except ValueError:
     return x
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The ``shard_map`` axes ``x`` varies over (empty outside ``shard_map``).
+
+  jax 0.10 and 0.12 keep them in ``aval.manual_axis_type.varying``; earlier
+  versions in ``aval.vma``.
+  """
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", None) or ())
+

@@ -93,15 +93,18 @@ def _scope_path(stack: str) -> tuple[str, ...]:
 
 def _is_quantized_dot(eqn: Any, region: Any) -> bool:
   """A ``dot_general`` float8 would quantize under the recipe in force there
-  (whatever its shapes): batched matmuls float8 leaves alone (attention, a
-  cross-entropy written as an einsum) and non-float operands do not count."""
+  (whatever its shapes), or one in float8 already (a nested float8 route):
+  batched matmuls float8 leaves alone (attention, a cross-entropy written as
+  an einsum) and integer/float64 operands do not count."""
   if eqn.primitive is not _DOT:
     return False
   avals = [v.aval for v in eqn.invars]
   if len(avals) != 2 or not all(
-      tree_lib.is_float(a) and 2 <= np.dtype(a.dtype).itemsize <= 4
+      tree_lib.is_float(a) and 1 <= np.dtype(a.dtype).itemsize <= 4
       for a in avals):
     return False
+  if any(np.dtype(a.dtype).itemsize == 1 for a in avals):
+    return True  # quantized already (its batch dimension is its own)
   if not eqn.params["dimension_numbers"][1][0]:
     return True
   recipe = _marked_recipe(compat.name_stack(eqn), region)
@@ -613,8 +616,18 @@ def _custom_jvp3(interp, ctx, args, params):
                               jax.tree.unflatten(in_tree, tangents))
     return jax.tree.leaves(outs), jax.tree.leaves(out_tangents)
 
+  # The rule is traced on the traced types (JAX checks its primal outputs
+  # against them) and evaluated by the interpreter on the autocast values.
+  primal_types = [jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                       weak_type=getattr(a, "weak_type", False))
+                  for a in ctx.in_avals]
+  tangent_types = [
+      jax.ShapeDtypeStruct(a.shape, a.dtype if jax.numpy.issubdtype(
+          a.dtype, jax.numpy.inexact) else jax.dtypes.float0)
+      for a in ctx.in_avals]
+
   def jvp(primals, tangents):
-    closed = jax.make_jaxpr(flat_rule)(list(primals), list(tangents))
+    closed = jax.make_jaxpr(flat_rule)(primal_types, tangent_types)
     outs = tangent_interp.eval_closed(closed, [*primals, *tangents])
     n_out = len(out_dtypes)
     if len(outs) != 2 * n_out:
@@ -690,6 +703,9 @@ _HI_HANDLERS = {"remat": _remat3, "custom_jvp": _custom_jvp3,
 def _hi(interp, ctx, args, params):
   """A "hi" primitive (jax 0.12's upgrade flags): by its operation's class."""
   handler = _HI_HANDLERS.get(compat.hi_kind(params))
+  if handler is None and not any(True for _ in compat.sub_jaxprs(params)):
+    # A first-order hi operation (jnp.frexp's Frexp): as traced.
+    return ctx.apply("passthrough", *args, **params)
   if handler is None:
     raise ValueError(UNKNOWN_HIGHER_ORDER.format(
         what=f"the primitive {ctx.primitive.name!r} holding "
