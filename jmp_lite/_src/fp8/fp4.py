@@ -1,0 +1,571 @@
+"""FP4 (E2M1) numerics: the NVFP4 and MXFP4 quantizers, the random Hadamard
+transform and stochastic rounding.
+
+The element format is E2M1 (:data:`jax.numpy.float4_e2m1fn`): 1 sign bit, 2
+exponent bits, 1 mantissa bit, no infinity, no NaN; its values are
+``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` and their negatives. Two block formats scale
+it (the guide: ``docs/fp4.md``):
+
+* **NVFP4** (NVIDIA, Transformer Engine's ``NVFP4BlockScaling``): blocks of
+  16 consecutive elements along the last axis, each with an E4M3 block scale,
+  under one float32 scale per tensor computed from the tensor's current amax.
+  Optionally (weights) 16x16 tiles share one block scale, so that a weight
+  and its transpose quantize to the same values.
+* **MXFP4** (OCP Microscaling): blocks of 32 elements with a power-of-two
+  E8M0 scale.
+
+How each step is computed, following Transformer Engine's reference
+quantizer (``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``)
+and CUDA kernel (``compute_global_encode_scaling_factor_FP4``):
+
+1. NVFP4's tensor scale: ``S_enc = 6 * 448 / amax`` (float32), at most the
+   largest float32; ``S_enc = 1`` where ``amax == 0``. The stored (decoding)
+   tensor scale is ``1 / S_enc``.
+2. Each block's scale is ``amax_block * (S_enc * float32(1/6))``, clipped to
+   448 and rounded to nearest even onto the E4M3 grid; the block is multiplied
+   by ``min(1 / (block_scale * (1 / S_enc)), float32 max)``, clipped to
+   ``[-6, 6]`` and rounded onto the E2M1 grid.
+3. MXFP4's scale ``2**k`` is built from the exponent bits of the block's amax
+   ``m * 2**e`` (``1 <= m < 2``), never by a cast: the rule ``"round_up"`` (the
+   default, as cuBLAS and JAX's MX quantizer) takes the smallest ``k`` with
+   ``amax <= 6 * 2**k`` (``k = e - 2`` if ``m <= 1.5``, else ``e - 1``), so no
+   element is clipped; the OCP rule ``"floor"`` takes ``k = e - 2``
+   (``floor(log2 amax)`` minus E2M1's largest exponent, 2) and clips elements
+   in ``(6, 8)`` to 6. ``k`` is clipped to E8M0's range ``[-127, 127]``; an
+   all-zero block gets ``k = -127``.
+
+Every rounding is done in float32 arithmetic on the format's grid (a
+multiplication by a power of two, a round, a multiplication back: exact);
+the casts to ``float4_e2m1fn``/``float8_e4m3fn`` only re-encode representable
+values. A bare cast is not relied on: ``astype(float4_e2m1fn)`` turns NaN into
+-0, ``astype(float8_e8m0fnu)`` maps 0 to NaN, and jaxlib 0.10's XLA:CPU rounds
+a float32 -> float8 cast twice.
+
+**Non-finite inputs stay visible.** NaN and inf are replaced by 0 for the
+computation of the scales and values (so that one inf does not crush the
+tensor's other values), and flagged: an NVFP4 tensor holding any NaN or inf
+gets a NaN tensor scale, an MXFP4 block holding one gets the E8M0 NaN code
+(255). Dequantizing, or multiplying with :func:`~jmp_lite._src.fp8.\
+fp4_matmul.fp4_dot_general`, then gives NaN, where a plain E2M1 cast would have
+given -0 (NaN) or 6 (inf): an overflow reaches the loss-scaling check.
+
+**Stochastic rounding** rounds a value between two neighbouring E2M1 values
+``lo < v < hi`` up with probability ``(v - lo) / (hi - lo)``, using
+:data:`SR_RANDOM_BITS` (8) random bits per element as Blackwell's
+``cvt.rs`` instruction does: the fraction ``(v - lo) / (hi - lo)`` is
+truncated to 8 bits ``f`` and ``v`` rounds up where ``f + r >= 256`` for a
+uniform random byte ``r``. The expected value is exact for fractions that are
+multiples of 1/256 and low by less than ``(hi - lo) / 256`` otherwise. The
+random bytes are ``jax.random.bits(key, shape, jnp.uint8)`` of the quantized
+tensor's shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import dtypes
+
+_F32 = np.dtype(np.float32)
+_U32 = np.dtype(np.uint32)
+_U8 = np.dtype(np.uint8)
+_F32_MAX = float(np.finfo(np.float32).max)
+
+#: The FP4 element type (E2M1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives).
+E2M1_DTYPE = np.dtype(jnp.float4_e2m1fn)
+#: NVFP4's block-scale type.
+E4M3_DTYPE = np.dtype(jnp.float8_e4m3fn)
+#: MXFP4's block-scale type (a biased power-of-two exponent; 255 is NaN).
+E8M0_DTYPE = np.dtype(jnp.float8_e8m0fnu)
+#: The largest E2M1 value.
+E2M1_MAX = 6.0
+#: The largest E4M3 value.
+E4M3_MAX = 448.0
+#: NVFP4 blocks: 16 elements along the last axis (16x16 tiles for weights).
+NVFP4_BLOCK_SIZE = 16
+#: MXFP4 blocks: 32 elements along the last axis.
+MXFP4_BLOCK_SIZE = 32
+#: The size of the random Hadamard transform.
+RHT_SIZE = 16
+#: Transformer Engine's fixed sign vector of the random Hadamard transform
+#: (``get_wgrad_sign_vector``), applied before the Hadamard matrix.
+RHT_SIGNS: tuple[int, ...] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1,
+                              1, -1, -1)
+#: Random bits per element of stochastic rounding (as Blackwell's ``cvt.rs``).
+SR_RANDOM_BITS = 8
+#: MXFP4 scale rules: ``"round_up"`` (cuBLAS, JAX; the default) or ``"floor"``
+#: (the OCP Microscaling spec's).
+MX_SCALE_RULES: tuple[str, ...] = ("round_up", "floor")
+
+#: Why an FP4 quantizer wants whole blocks, and how to get them.
+WHOLE_BLOCKS_HELP = (
+    "The FP4 quantizers scale whole blocks along the last axis (NVFP4: 16 "
+    "elements, and 16x16 tiles over the last two axes with two_d=True; "
+    "MXFP4: 32). Zero-pad the array (jnp.pad: zeros change no block's amax "
+    "and add nothing to a dot product), or use fp4_dot_general, which pads "
+    "its contracting dimensions itself."
+)
+
+
+class Nvfp4Tensor(NamedTuple):
+  """An NVFP4 tensor: E2M1 values, E4M3 block scales, a float32 tensor scale.
+
+  It stands for ``values * block_scale * tensor_scale``, each block scale
+  repeated over its 16 elements of the last axis
+  (:func:`dequantize_fp4`).
+
+  Attributes:
+    values: ``float4_e2m1fn``, the input's shape.
+    block_scales: ``float8_e4m3fn``, the input's shape with the last axis
+      divided by 16 (with 16x16 tiles, each tile's scale is repeated on its
+      16 rows).
+    tensor_scale: a float32 scalar, ``1 / S_enc = amax / 2688`` (1 for an
+      all-zero tensor); NaN if the input held NaN or inf.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import fp4
+    >>> q = fp4.quantize_nvfp4(jnp.arange(16.0))
+    >>> q.values.dtype, q.block_scales.shape
+    (dtype(float4_e2m1fn), (1,))
+  """
+
+  values: jax.Array
+  block_scales: jax.Array
+  tensor_scale: jax.Array
+
+
+class Mxfp4Tensor(NamedTuple):
+  """An MXFP4 tensor: E2M1 values and E8M0 block scales.
+
+  It stands for ``values * 2**(code - 127)``, each scale repeated over its
+  32 elements of the last axis (:func:`dequantize_fp4`); code 255 (NaN)
+  marks a block that held NaN or inf.
+
+  Attributes:
+    values: ``float4_e2m1fn``, the input's shape.
+    scales: ``float8_e8m0fnu``, the input's shape with the last axis divided
+      by 32.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import fp4
+    >>> q = fp4.quantize_mxfp4(jnp.full((32,), 3.0))
+    >>> fp4.dequantize_fp4(q)[0]
+    Array(3., dtype=float32)
+  """
+
+  values: jax.Array
+  scales: jax.Array
+
+
+# ---------------------------------------------------------------------------
+# Rounding on a grid, in float32 arithmetic.
+# ---------------------------------------------------------------------------
+
+
+def round_to_grid(x: jax.Array, mantissa_bits: int,
+                  min_exponent: int) -> jax.Array:
+  """float32 ``x`` rounded to nearest, ties to even, onto the grid of a
+  format with ``mantissa_bits`` and smallest normal ``2**min_exponent``
+  (no clipping: the caller clips to the format's range first)."""
+  k = dtypes.spacing_exponent(x, mantissa_bits, min_exponent)
+  return jnp.round(x * dtypes.pow2(-k)) * dtypes.pow2(k)
+
+
+def round_e2m1(x: jax.Array) -> jax.Array:
+  """float32 ``x`` in ``[-6, 6]`` rounded to nearest even E2M1 (float32)."""
+  return round_to_grid(x, 1, 0)
+
+
+def round_e4m3(x: jax.Array) -> jax.Array:
+  """float32 ``x`` in ``[-448, 448]`` rounded to nearest even E4M3 (float32)."""
+  return round_to_grid(x, 3, -6)
+
+
+def stochastic_round_e2m1(x: jax.Array, random_bytes: jax.Array) -> jax.Array:
+  """float32 ``x`` in ``[-6, 6]`` rounded stochastically onto E2M1 (float32).
+
+  ``random_bytes`` (uint8, ``x``'s shape) are the random bits: with ``f`` the
+  first 8 bits of ``x``'s fraction between its two neighbours, ``x`` rounds
+  up (away from zero) where ``f + r >= 256``.
+  """
+  magnitude = jnp.abs(x)
+  k = dtypes.spacing_exponent(magnitude, 1, 0)
+  t = magnitude * dtypes.pow2(-k)  # in units of the spacing: exact
+  low = jnp.floor(t)
+  fraction = jnp.floor((t - low) * 2.0**SR_RANDOM_BITS).astype(jnp.int32)
+  up = fraction + random_bytes.astype(jnp.int32) >= 2**SR_RANDOM_BITS
+  rounded = (low + up.astype(_F32)) * dtypes.pow2(k)
+  return jnp.copysign(rounded, x)
+
+
+def _quantize_elements(scaled: jax.Array, key: Any) -> jax.Array:
+  """float32 ``scaled`` clipped to ``[-6, 6]`` and rounded onto E2M1 (to
+  nearest even, or stochastically where a key is given)."""
+  clipped = jnp.clip(scaled, -E2M1_MAX, E2M1_MAX)
+  if key is None:
+    return round_e2m1(clipped)
+  bits = jax.random.bits(key, clipped.shape, jnp.uint8)
+  return stochastic_round_e2m1(clipped, bits)
+
+
+def _blocks(x: jax.Array, size: int) -> jax.Array:
+  return x.reshape(x.shape[:-1] + (x.shape[-1] // size, size))
+
+
+def _finite_part(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``x`` as float32 with NaN and inf replaced by 0, and where it was finite."""
+  x = x.astype(_F32)
+  finite = jnp.isfinite(x)
+  return jnp.where(finite, x, jnp.zeros((), _F32)), finite
+
+
+# ---------------------------------------------------------------------------
+# NVFP4.
+# ---------------------------------------------------------------------------
+
+
+def nvfp4_tensor_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(S_enc, 1 / S_enc)`` for a finite float32 ``amax``: ``S_enc = 2688 /
+  amax`` at most the largest float32, 1 where ``amax == 0``."""
+  encode = jnp.minimum(jnp.asarray(E2M1_MAX * E4M3_MAX, _F32) / amax,
+                       jnp.asarray(_F32_MAX, _F32))
+  encode = jnp.where((amax == 0) | (encode == 0), jnp.ones((), _F32), encode)
+  return encode, jnp.ones((), _F32) / encode
+
+
+def _tile_amax(magnitude: jax.Array) -> jax.Array:
+  """The amax of each 16x16 tile of the last two axes, repeated on the
+  tile's 16 rows: ``(..., P, C // 16)``."""
+  *lead, p, c = magnitude.shape
+  t = NVFP4_BLOCK_SIZE
+  tiles = magnitude.reshape(*lead, p // t, t, c // t, t)
+  amax = jnp.max(tiles, axis=(-3, -1))  # (..., P // 16, C // 16)
+  return jnp.repeat(amax, t, axis=-2)
+
+
+def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
+                       key: Any = None) -> tuple[jax.Array, jax.Array,
+                                                 jax.Array]:
+  """NVFP4 of ``x`` (last axis a multiple of 16; with ``two_d`` the last
+  two): ``(values, block_scales, tensor_scale)`` as float32 arrays whose
+  values lie on the E2M1 and E4M3 grids. The tensor scale is NaN if ``x``
+  held NaN or inf. ``key`` rounds the elements stochastically."""
+  xf, finite = _finite_part(x)
+  magnitude = jnp.abs(xf)
+  amax = jnp.max(magnitude) if x.size else jnp.zeros((), _F32)
+  encode, decode = nvfp4_tensor_scales(amax)
+  tensor_scale = jnp.where(jnp.all(finite), decode,
+                           jnp.asarray(np.nan, _F32))
+  if two_d:
+    block_amax = _tile_amax(magnitude)
+  else:
+    block_amax = jnp.max(_blocks(magnitude, NVFP4_BLOCK_SIZE), axis=-1)
+  multiplier = encode * jnp.asarray(np.float32(1.0) / np.float32(E2M1_MAX))
+  block_scales = round_e4m3(jnp.minimum(block_amax * multiplier,
+                                        jnp.asarray(E4M3_MAX, _F32)))
+  block_encode = jnp.minimum(jnp.ones((), _F32) / (block_scales * decode),
+                             jnp.asarray(_F32_MAX, _F32))
+  scaled = (_blocks(xf, NVFP4_BLOCK_SIZE) * block_encode[..., None]).reshape(
+      x.shape)
+  return _quantize_elements(scaled, key), block_scales, tensor_scale
+
+
+# ---------------------------------------------------------------------------
+# MXFP4.
+# ---------------------------------------------------------------------------
+
+
+def mx_exponents(amax: jax.Array, rule: str) -> jax.Array:
+  """int32 ``k`` of MXFP4's scale ``2**k`` for float32 block amaxes, from
+  their exponent bits (see the module docstring), in ``[-127, 127]``."""
+  bits = lax.bitcast_convert_type(amax.astype(_F32), _U32)
+  biased = (bits >> 23).astype(jnp.int32) & 0xFF
+  mantissa = bits & 0x7FFFFF
+  k = biased - 127 - 2
+  if rule == "round_up":
+    k = k + (mantissa > 0x400000).astype(jnp.int32)
+  k = jnp.where(biased == 0, jnp.asarray(-127, jnp.int32), k)
+  return jnp.clip(k, -127, 127)
+
+
+def mul_pow2(x: jax.Array, k: jax.Array) -> jax.Array:
+  """float32 ``x * 2**k`` for int32 ``k`` in ``[-254, 254]``: two exact
+  multiplications by normal powers of two."""
+  half = k // 2
+  return (x * dtypes.pow2(half)) * dtypes.pow2(k - half)
+
+
+def mxfp4_quantize_f32(x: jax.Array, *, rule: str = "round_up",
+                       key: Any = None) -> tuple[jax.Array, jax.Array]:
+  """MXFP4 of ``x`` (last axis a multiple of 32): ``(values, codes)``, float32
+  values on the E2M1 grid and uint8 E8M0 codes (255 for a block that held NaN
+  or inf). ``key`` rounds the elements stochastically."""
+  xf, finite = _finite_part(x)
+  blocks = _blocks(xf, MXFP4_BLOCK_SIZE)
+  k = mx_exponents(jnp.max(jnp.abs(blocks), axis=-1), rule)
+  bad = ~jnp.all(_blocks(finite, MXFP4_BLOCK_SIZE), axis=-1)
+  codes = jnp.where(bad, jnp.asarray(255, jnp.int32), k + 127).astype(_U8)
+  scaled = mul_pow2(blocks, -k[..., None]).reshape(x.shape)
+  return _quantize_elements(scaled, key), codes
+
+
+def decode_e8m0_codes(codes: jax.Array) -> jax.Array:
+  """float32 ``2**(code - 127)`` of uint8 E8M0 codes, NaN for 255."""
+  k = codes.astype(jnp.int32) - 127
+  value = mul_pow2(jnp.ones(codes.shape, _F32), k)
+  return jnp.where(codes == 255, jnp.asarray(np.nan, _F32), value)
+
+
+# ---------------------------------------------------------------------------
+# The random Hadamard transform.
+# ---------------------------------------------------------------------------
+
+
+def hadamard_f32(x: jax.Array) -> jax.Array:
+  """The 16-point random Hadamard transform of float32 ``x`` along its last
+  axis (a multiple of 16), in float32: each block of 16 is multiplied by
+  TE's signs, transformed by the Sylvester Hadamard matrix with the fast
+  Walsh-Hadamard butterfly (halves of 8, then 4, 2, 1: ``[a + b, a - b]``),
+  and multiplied by 1/4, so that the transform is orthogonal."""
+  shape = x.shape
+  signs = jnp.asarray(np.array(RHT_SIGNS, np.float32))
+  y = _blocks(x.astype(_F32), RHT_SIZE) * signs
+  half = RHT_SIZE // 2
+  while half >= 1:
+    y = y.reshape(y.shape[:-1] + (RHT_SIZE // (2 * half), 2, half))
+    a, b = y[..., 0, :], y[..., 1, :]
+    y = jnp.stack([a + b, a - b], axis=-2).reshape(
+        y.shape[:-3] + (RHT_SIZE,))
+    half //= 2
+  return (y * jnp.asarray(0.25, _F32)).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# The public quantizers.
+# ---------------------------------------------------------------------------
+
+
+def _input(x: Any, what: str) -> jax.Array:
+  """A floating array (float64, float32, bfloat16, float16) to quantize."""
+  if x is None or isinstance(x, (bool, np.bool_)):
+    raise TypeError(
+        f"{what} must be a floating array (float32, bfloat16 or float16), "
+        f"got {x!r}. Pass the array itself.")
+  try:
+    x = jnp.asarray(x)
+  except TypeError:
+    raise TypeError(
+        f"{what} must be a floating array (float32, bfloat16 or float16), "
+        f"got {type(x).__name__}.") from None
+  dtype = np.dtype(x.dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{what} must be a floating array (float32, bfloat16 or float16), "
+        f"got dtype {dtype.name}. Cast it first, e.g. x.astype(jnp.float32).")
+  if dtype.itemsize == 1 or dtype == E2M1_DTYPE:
+    raise TypeError(
+        f"{what} is already a narrow float ({dtype.name}). Pass the "
+        "high-precision array (float32, bfloat16 or float16): FP4 "
+        "quantization computes its scales from it.")
+  return x
+
+
+def _whole_blocks(x: jax.Array, axes: int, size: int, what: str) -> None:
+  if x.ndim < axes or any(d % size for d in x.shape[-axes:]):
+    last = "last axis" if axes == 1 else f"last {axes} axes"
+    raise ValueError(
+        f"{what} has shape {tuple(x.shape)}, but its {last} must be "
+        f"multiples of {size}. {WHOLE_BLOCKS_HELP}")
+
+
+def _check_key(key: Any, what: str = "key") -> Any:
+  if key is None:
+    return None
+  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+    raise TypeError(
+        f"{what} must be a JAX PRNG key (jax.random.key(seed)), got the "
+        f"integer {key!r}. Write jax.random.key({key!r}).")
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+  raw = (not typed and np.dtype(key.dtype) == _U32 and key.shape == (2,))
+  if not ((typed and key.shape == ()) or raw):
+    raise TypeError(
+        f"{what} must be a single JAX PRNG key (jax.random.key(seed), or a "
+        f"raw uint32 key of shape (2,)), got dtype {key.dtype} and shape "
+        f"{tuple(key.shape)}. Split a batch of keys first.")
+  return key
+
+
+def quantize_nvfp4(x: Any, *, two_d: bool = False,
+                   key: Any = None) -> Nvfp4Tensor:
+  """Quantizes an array to NVFP4 along its last axis.
+
+  Blocks of 16 elements get E4M3 scales under a float32 per-tensor scale
+  computed from the current amax (``6 * 448 / amax``), as Transformer
+  Engine's ``NVFP4BlockScaling`` quantizes; ``docs/fp4.md`` gives every
+  rounding step. NaN or inf anywhere in ``x`` gives a NaN tensor scale.
+
+  Args:
+    x: a float32, bfloat16 or float16 array whose last axis is a multiple of
+      16 (with ``two_d``, its last two axes).
+    two_d: one block scale per 16x16 tile of the last two axes (the recipe's
+      weights: the weight and its transpose quantize alike).
+    key: a PRNG key: round the elements stochastically
+      (:data:`SR_RANDOM_BITS` random bits each). None: round to nearest even.
+
+  Returns:
+    An :class:`Nvfp4Tensor`.
+
+  Raises:
+    TypeError: for a non-floating or already narrow ``x``, or a bad key.
+    ValueError: if the blocked axes are not multiples of 16.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import fp4
+    >>> q = fp4.quantize_nvfp4(jnp.linspace(-1.0, 1.0, 32))
+    >>> float(fp4.dequantize_fp4(q)[-1])
+    1.0
+  """
+  x = _input(x, "x")
+  two_d = bool(two_d)
+  _whole_blocks(x, 2 if two_d else 1, NVFP4_BLOCK_SIZE, "x")
+  values, scales, tensor_scale = nvfp4_quantize_f32(
+      x, two_d=two_d, key=_check_key(key))
+  return Nvfp4Tensor(values.astype(E2M1_DTYPE), scales.astype(E4M3_DTYPE),
+                     tensor_scale)
+
+
+def quantize_mxfp4(x: Any, *, scale_rule: str = "round_up",
+                   key: Any = None) -> Mxfp4Tensor:
+  """Quantizes an array to MXFP4 along its last axis.
+
+  Blocks of 32 elements get a power-of-two E8M0 scale built from the
+  exponent bits of the block's amax. NaN or inf in a block gives that block
+  the NaN scale (code 255).
+
+  Args:
+    x: a float32, bfloat16 or float16 array whose last axis is a multiple of
+      32.
+    scale_rule: ``"round_up"`` (the smallest power of two that fits the
+      block's amax into E2M1's range: cuBLAS's and JAX's rule) or
+      ``"floor"`` (the OCP Microscaling spec's: elements beyond 6 are
+      clipped).
+    key: a PRNG key for stochastic rounding, or None (round to nearest even).
+
+  Returns:
+    An :class:`Mxfp4Tensor`.
+
+  Raises:
+    TypeError: for a non-floating or already narrow ``x``, or a bad key.
+    ValueError: for an unknown scale rule, or a last axis that is not a
+      multiple of 32.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import fp4
+    >>> q = fp4.quantize_mxfp4(jnp.full((2, 32), 7.0))
+    >>> fp4.dequantize_fp4(q)[0, 0]  # round-up scale 2: 7 / 2 = 3.5 -> 4
+    Array(8., dtype=float32)
+  """
+  x = _input(x, "x")
+  rule = check_scale_rule(scale_rule)
+  _whole_blocks(x, 1, MXFP4_BLOCK_SIZE, "x")
+  values, codes = mxfp4_quantize_f32(x, rule=rule, key=_check_key(key))
+  return Mxfp4Tensor(values.astype(E2M1_DTYPE),
+                     lax.bitcast_convert_type(codes, E8M0_DTYPE))
+
+
+def check_scale_rule(rule: Any) -> str:
+  """A valid MXFP4 scale rule (canonical), or a teaching error."""
+  valid = ", ".join(map(repr, MX_SCALE_RULES))
+  if not isinstance(rule, str):
+    raise TypeError(
+        f"The MXFP4 scale rule must be a string, one of {valid}; got "
+        f"{type(rule).__name__}: {rule!r}.")
+  name = rule.strip().lower().replace("-", "_")
+  if name not in MX_SCALE_RULES:
+    raise ValueError(
+        f"Unknown MXFP4 scale rule {rule!r}. Valid rules: {valid} "
+        "('round_up': the block's largest element is never clipped, as "
+        "cuBLAS and JAX round; 'floor': the OCP Microscaling spec's rule).")
+  return name
+
+
+def dequantize_fp4(q: Nvfp4Tensor | Mxfp4Tensor,
+                   dtype: Any = jnp.float32) -> jax.Array:
+  """The values an FP4 tensor stands for.
+
+  Args:
+    q: an :class:`Nvfp4Tensor` or :class:`Mxfp4Tensor`.
+    dtype: the result dtype (computed in float32).
+
+  Returns:
+    ``values * block_scale * tensor_scale`` (NVFP4) or ``values * 2**(code -
+    127)`` (MXFP4), NaN where a scale is NaN.
+
+  Raises:
+    TypeError: if ``q`` is neither.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import fp4
+    >>> x = jnp.array([0.0, 0.4, 1.0, 2.5] * 8)
+    >>> fp4.dequantize_fp4(fp4.quantize_mxfp4(x))[:4]
+    Array([0. , 0.5, 1. , 2. ], dtype=float32)
+  """
+  if isinstance(q, Nvfp4Tensor):
+    values = _blocks(q.values.astype(_F32), NVFP4_BLOCK_SIZE)
+    full = values * q.block_scales.astype(_F32)[..., None]
+    return (full.reshape(q.values.shape) *
+            jnp.asarray(q.tensor_scale, _F32)).astype(dtype)
+  if isinstance(q, Mxfp4Tensor):
+    codes = lax.bitcast_convert_type(q.scales, _U8)
+    values = _blocks(q.values.astype(_F32), MXFP4_BLOCK_SIZE)
+    full = values * decode_e8m0_codes(codes)[..., None]
+    return full.reshape(q.values.shape).astype(dtype)
+  raise TypeError(
+      f"dequantize_fp4 takes an Nvfp4Tensor or an Mxfp4Tensor (from "
+      f"quantize_nvfp4/quantize_mxfp4), got {type(q).__name__}.")
+
+
+def random_hadamard_transform(x: Any) -> jax.Array:
+  """The 16-point random Hadamard transform of NVFP4 training, along the last
+  axis.
+
+  Each block of 16 elements ``v`` becomes ``v @ diag(RHT_SIGNS) @ H16 / 4``
+  (``H16`` the Sylvester Hadamard matrix, ``RHT_SIGNS`` Transformer Engine's
+  fixed signs): an orthogonal transform, so the dot product of two
+  transformed vectors is the dot product of the originals, while outliers
+  are spread over their block before quantizing. Computed in float32 with
+  the fast Walsh-Hadamard butterfly. The transform is its own inverse up to
+  the signs: ``x == (random_hadamard_transform(x) reshaped to blocks) @ H16 /
+  4 * RHT_SIGNS``.
+
+  Args:
+    x: a floating array whose last axis is a multiple of 16.
+
+  Returns:
+    The float32 transform, ``x``'s shape.
+
+  Raises:
+    TypeError: for a non-floating ``x``.
+    ValueError: if the last axis is not a multiple of 16.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jmp_lite import fp4
+    >>> y = fp4.random_hadamard_transform(jnp.eye(16)[0])
+    >>> float(jnp.abs(y).max()), float(jnp.sum(y * y))
+    (0.25, 1.0)
+  """
+  x = _input(x, "x")
+  _whole_blocks(x, 1, RHT_SIZE, "x")
+  return hadamard_f32(x)

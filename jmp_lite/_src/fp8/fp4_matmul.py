@@ -1,0 +1,520 @@
+"""An FP4 ``dot_general`` (NVFP4, MXFP4) with an FP4 backward pass.
+
+:func:`fp4_dot_general` has ``jax.lax.dot_general``'s signature plus a static
+:class:`Fp4Config`. How it computes (the guide: ``docs/fp4.md``):
+
+1. Each operand is brought to the canonical form ``(B, M, K)`` / ``(B, N, K)``
+   (batch, free, contracting dimensions), as the float8 matmul does.
+2. Forward: both operands are quantized to FP4 with round-to-nearest-even
+   along K (:mod:`~jmp_lite._src.fp8.fp4`); the **rhs is the weight** by
+   convention (Flax's ``Dense`` calls ``dot_general(inputs, kernel, ...)``):
+   with NVFP4 and ``two_d_weights`` it is quantized in 16x16 tiles over
+   ``(N, K)``, so the backward pass sees the same quantized weight. The block
+   scales multiply the E2M1 values (exact in float32), one float32 dot
+   accumulates, and the tensor scales multiply the float32 result.
+3. Backward, with the incoming gradient ``g`` (``(B, M, N)``):
+
+   * ``dlhs = g @ W^T`` contracts over N: ``g`` quantized along N (stochastic
+     rounding if ``config.stochastic_rounding``), the weight's column-wise
+     copy quantized along N from the high-precision weight (with 16x16 tiles:
+     the same values as the forward's copy);
+   * ``drhs = g^T @ x`` contracts over M (every row of every batch element):
+     both operands are transformed by the 16-point random Hadamard transform
+     along M (``config.rht``; the amax is taken after the transform), then
+     quantized along M, ``g`` with stochastic rounding.
+
+Contracting dimensions that are not multiples of the block size (16 or 32)
+are zero-padded: exact, since the padding adds nothing to a dot product and
+changes no block's amax (nor, for M, the Hadamard transform of any real
+element's block beyond adding zeros). 16x16 weight tiles pad N too.
+
+**Stochastic rounding needs random bits**: pass ``key`` (a PRNG key; a
+training step folds its step counter into a base key,
+``jax.random.fold_in(key, step)``, and each matmul needs its own, e.g.
+folded with the layer index). With ``key=None`` the bits are derived from
+the incoming gradient's bits (a wrapping sum of them folded into a fixed
+key): deterministic and reproducible, different whenever the gradient is,
+but correlated across matmuls that see the same gradient.
+
+**NaN and inf stay visible**: an operand or gradient holding NaN or inf gives
+a NaN product (the whole product: the flag travels in the tensor scale,
+which multiplies the float32 result on every platform).
+
+**The platform**: where the program is lowered for CUDA (and
+``config.native``), the block-scaled product is ``jax.nn.scaled_matmul`` on
+the ``float4_e2m1fn`` values and the E4M3 (NVFP4) or E8M0 (MXFP4) scales:
+the ``__op$block_scaled_dot`` custom call, which XLA:GPU turns into a cuDNN
+block-scaled GEMM on Blackwell and into a dequantize-then-dot elsewhere.
+Everywhere else it is the exact emulation: the dequantized operands (exact in
+float32) and one float32 ``dot_general``. The choice is made by
+``jax.lax.platform_dependent``, by the platform the program is lowered for.
+Exporting the CUDA program needs ``disabled_checks=[jax.export.\
+DisabledSafetyCheck.custom_call("__op$block_scaled_dot")]``.
+
+Second derivatives through the FP4 backward pass are refused with a
+``ValueError`` (the backward pass rounds; its derivative would be silently
+zero).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import dtypes as dtypes_lib
+from jmp_lite._src.fp8 import fp4 as fp4_lib
+from jmp_lite._src.fp8 import matmul as fp8_matmul_lib
+
+_F32 = np.dtype(np.float32)
+
+#: The FP4 recipes.
+FP4_RECIPES: tuple[str, ...] = ("nvfp4", "mxfp4")
+#: The fixed key that ``key=None`` folds the gradient's bits into.
+DATA_KEY_SEED = 0x4F50
+
+FP4_RECIPE_HELP = (
+    "Valid FP4 recipes are 'nvfp4' (NVIDIA: 1x16 blocks of E2M1 with E4M3 "
+    "scales under a float32 per-tensor scale; 16x16 weight tiles, random "
+    "Hadamard transform and stochastic rounding in the backward pass) and "
+    "'mxfp4' (OCP Microscaling: 1x32 blocks with power-of-two E8M0 scales; "
+    "random Hadamard transform and stochastic rounding in the backward pass, "
+    "as Tseng et al. train)."
+)
+TWO_D_HELP = (
+    "two_d_weights quantizes the weight (the rhs) in 16x16 tiles, NVFP4's "
+    "recipe. MXFP4 blocks are 1x32 along the contracting dimension and have "
+    "no 2D variant: leave two_d_weights unset (None) or False with "
+    "recipe='mxfp4'."
+)
+SCALE_RULE_NVFP4_HELP = (
+    "mx_scale_rule chooses MXFP4's power-of-two scale; NVFP4's E4M3 block "
+    "scales are rounded to nearest. Leave mx_scale_rule unset (None) with "
+    "recipe='nvfp4'."
+)
+SECOND_ORDER_HELP = (
+    "fp4_dot_general has no second derivative: its backward pass quantizes "
+    "(rounds) the gradient and the operands, so differentiating it would "
+    "silently give zero. Compute gradient penalties and Hessian-vector "
+    "products of this part of the model in high precision (jax.lax."
+    "dot_general), or stop the gradient through it."
+)
+NARROW_OPERAND_HELP = (
+    "fp4_dot_general takes high-precision operands (float32, bfloat16, "
+    "float16) and quantizes them itself, with scales computed from them. "
+    "To multiply FP4 tensors you quantized yourself, dequantize them with "
+    "dequantize_fp4 first."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp4Config:
+  """The static configuration of an FP4 matmul (a recipe), frozen and hashable.
+
+  Every component of the recipe has a switch, so that its ablations can be
+  run (as Transformer Engine's ``disable_rht``,
+  ``disable_stochastic_rounding``, ``disable_2d_quantization``).
+
+  Attributes:
+    recipe: ``"nvfp4"`` (default) or ``"mxfp4"`` (case ignored).
+    rht: apply the 16-point random Hadamard transform to both operands of
+      the weight-gradient matmul, along its contracting dimension.
+    stochastic_rounding: round the incoming gradient stochastically (both
+      backward matmuls), with :data:`~jmp_lite._src.fp8.fp4.SR_RANDOM_BITS`
+      random bits per element; everything else rounds to nearest even.
+    two_d_weights: quantize the weight (the rhs) in 16x16 tiles. None (the
+      default) means True for NVFP4 and False for MXFP4, which has no 2D
+      tiles (True is refused there).
+    mx_scale_rule: MXFP4's scale rule, ``"round_up"`` or ``"floor"``. None
+      (the default) means ``"round_up"`` for MXFP4; it must stay None for
+      NVFP4.
+    native: on CUDA, multiply with ``jax.nn.scaled_matmul`` (a block-scaled
+      GEMM on Blackwell); False always uses the exact emulation.
+
+  Raises:
+    TypeError: for a non-string recipe or rule, or a non-bool switch.
+    ValueError: for an unknown recipe or rule, or a switch that does not
+      apply to the recipe.
+
+  Example:
+    >>> from jmp_lite import fp4
+    >>> fp4.Fp4Config("mxfp4").mx_scale_rule
+    'round_up'
+    >>> fp4.Fp4Config(two_d_weights=True) == fp4.Fp4Config()
+    True
+  """
+
+  recipe: str = "nvfp4"
+  rht: bool = True
+  stochastic_rounding: bool = True
+  two_d_weights: bool | None = None
+  mx_scale_rule: str | None = None
+  native: bool = True
+
+  def __post_init__(self):
+    if not isinstance(self.recipe, str):
+      raise TypeError(
+          f"Fp4Config: recipe must be a string, got "
+          f"{type(self.recipe).__name__}: {self.recipe!r}. {FP4_RECIPE_HELP}")
+    recipe = self.recipe.strip().lower()
+    if recipe not in FP4_RECIPES:
+      raise ValueError(
+          f"Fp4Config: unknown recipe {self.recipe!r}. {FP4_RECIPE_HELP}")
+    for name in ("rht", "stochastic_rounding", "native"):
+      _check_flag(getattr(self, name), name)
+    two_d = self.two_d_weights
+    if two_d is not None:
+      _check_flag(two_d, "two_d_weights")
+    rule = self.mx_scale_rule
+    if recipe == "nvfp4":
+      two_d = True if two_d is None else bool(two_d)
+      if rule is not None:
+        raise ValueError(
+            f"Fp4Config: mx_scale_rule={rule!r} was given with "
+            f"recipe='nvfp4'. {SCALE_RULE_NVFP4_HELP}")
+    else:
+      if two_d:
+        raise ValueError(
+            f"Fp4Config: two_d_weights=True was given with recipe='mxfp4'. "
+            f"{TWO_D_HELP}")
+      two_d = False
+      rule = fp4_lib.check_scale_rule("round_up" if rule is None else rule)
+    object.__setattr__(self, "recipe", recipe)
+    object.__setattr__(self, "two_d_weights", two_d)
+    object.__setattr__(self, "mx_scale_rule", rule)
+    for name in ("rht", "stochastic_rounding", "native"):
+      object.__setattr__(self, name, bool(getattr(self, name)))
+
+  @property
+  def block_size(self) -> int:
+    """Elements per block along the contracting dimension (16 or 32)."""
+    return (fp4_lib.NVFP4_BLOCK_SIZE if self.recipe == "nvfp4"
+            else fp4_lib.MXFP4_BLOCK_SIZE)
+
+
+def _check_flag(value: Any, name: str) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+        f"Fp4Config: {name} must be True or False, got "
+        f"{type(value).__name__}: {value!r}.")
+
+
+_DEFAULT_CONFIG = Fp4Config()
+
+
+# ---------------------------------------------------------------------------
+# Quantized operands and their product.
+# ---------------------------------------------------------------------------
+
+
+class _Operand(NamedTuple):
+  """A ``(B, P, C)`` FP4 operand of a product over C (C padded to blocks).
+
+  ``values`` float32 on the E2M1 grid; ``scales`` float32 E4M3 values
+  (NVFP4) or uint8 E8M0 codes (MXFP4), ``(B, P, C // block)``;
+  ``tensor_scale`` a float32 scalar (NVFP4: ``1 / S_enc``; MXFP4: 1) that is
+  NaN if the operand held NaN or inf.
+  """
+
+  values: jax.Array
+  scales: jax.Array
+  tensor_scale: jax.Array
+
+
+def _pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  pad = -x.shape[axis] % multiple
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
+def _quantize(x: jax.Array, config: Fp4Config, *, two_d: bool = False,
+              key: Any = None) -> _Operand:
+  """Quantizes ``(B, P, C)`` along C (padding C, and P for 2D tiles)."""
+  x = _pad_axis(x.astype(_F32), -1, config.block_size)
+  if config.recipe == "nvfp4":
+    if two_d:
+      x = _pad_axis(x, -2, fp4_lib.NVFP4_BLOCK_SIZE)
+    values, scales, tensor_scale = fp4_lib.nvfp4_quantize_f32(
+        x, two_d=two_d, key=key)
+  else:
+    values, scales = fp4_lib.mxfp4_quantize_f32(
+        x, rule=config.mx_scale_rule, key=key)
+    tensor_scale = jnp.where(jnp.any(scales == 255),
+                             jnp.asarray(np.nan, _F32), jnp.ones((), _F32))
+  return jax.lax.stop_gradient(_Operand(values, scales, tensor_scale))
+
+
+_DN = (((2,), (2,)), ((0,), (0,)))  # (B, P, C) x (B, Q, C) -> (B, P, Q)
+
+
+def _dequantized_blocks(values: jax.Array, scales: jax.Array) -> jax.Array:
+  """float32 ``values`` times their block scales (exact)."""
+  b, p, c = values.shape
+  nb = scales.shape[-1]
+  if np.dtype(scales.dtype) == np.dtype(np.uint8):
+    scales = fp4_lib.decode_e8m0_codes(scales)
+  full = values.reshape(b, p, nb, c // nb) * scales.astype(_F32)[..., None]
+  return full.reshape(b, p, c)
+
+
+def _emulated(a_values, a_scales, b_values, b_scales):
+  """The exact emulation: one float32 dot of the dequantized operands."""
+  return jax.lax.dot_general(
+      _dequantized_blocks(a_values, a_scales),
+      _dequantized_blocks(b_values, b_scales), _DN,
+      precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
+
+
+def _encoded_scales(scales: jax.Array) -> jax.Array:
+  if np.dtype(scales.dtype) == np.dtype(np.uint8):
+    return jax.lax.bitcast_convert_type(scales, fp4_lib.E8M0_DTYPE)
+  return scales.astype(fp4_lib.E4M3_DTYPE)
+
+
+@jax.custom_batching.custom_vmap
+def _native(a_values, a_scales, b_values, b_scales):
+  """FP4 on the GPU: ``jax.nn.scaled_matmul`` on E2M1 values and encoded
+  block scales (``__op$block_scaled_dot``)."""
+  return jax.nn.scaled_matmul(
+      a_values.astype(fp4_lib.E2M1_DTYPE), b_values.astype(fp4_lib.E2M1_DTYPE),
+      _encoded_scales(a_scales), _encoded_scales(b_scales),
+      preferred_element_type=_F32)
+
+
+@_native.def_vmap
+def _native_vmap(axis_size, in_batched, *args):
+  # scaled_matmul's batching rule wants every operand batched on one axis:
+  # fold the mapped axis into B instead, broadcasting unbatched operands.
+  flat = []
+  for x, batched in zip(args, in_batched):
+    if not batched:
+      x = jnp.broadcast_to(x[None], (axis_size,) + x.shape)
+    flat.append(x.reshape((-1,) + x.shape[2:]))
+  out = _native(*flat)
+  return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+
+def _product(a: _Operand, b: _Operand, config: Fp4Config, p: int,
+             q: int) -> jax.Array:
+  """float32 ``(B, p, q)``: the scaled product of two FP4 operands."""
+  args = (a.values, a.scales, b.values, b.scales)
+  if config.native:
+    acc = jax.lax.platform_dependent(*args, cuda=_native, default=_emulated)
+  else:
+    acc = _emulated(*args)
+  acc = acc[:, :p, :q]
+  return apply_tensor_scales(acc, a.tensor_scale, b.tensor_scale)
+
+
+def apply_tensor_scales(acc: jax.Array, a_scale: jax.Array,
+                        b_scale: jax.Array) -> jax.Array:
+  """``acc * (a_scale * b_scale)`` (cuBLAS's alpha) where that product is a
+  normal float32, else ``(acc * a_scale) * b_scale`` (tiny or huge amaxes);
+  NaN if either scale is NaN."""
+  alpha = a_scale * b_scale
+  normal = jnp.isfinite(alpha) & (alpha >= jnp.asarray(2.0**-126, _F32))
+  return jnp.where(normal, acc * alpha, (acc * a_scale) * b_scale)
+
+
+# ---------------------------------------------------------------------------
+# Stochastic-rounding keys.
+# ---------------------------------------------------------------------------
+
+
+def data_key(g: jax.Array) -> jax.Array:
+  """A PRNG key derived from the bits of float32 ``g`` (``key=None``)."""
+  bits = jax.lax.bitcast_convert_type(g.astype(_F32), jnp.uint32)
+  digest = jnp.sum(bits, dtype=jnp.uint32) ^ jnp.uint32(g.size & 0xFFFFFFFF)
+  return jax.random.fold_in(jax.random.key(DATA_KEY_SEED), digest)
+
+
+# ---------------------------------------------------------------------------
+# The custom gradient.
+# ---------------------------------------------------------------------------
+
+
+class _Static(NamedTuple):
+  config: Fp4Config
+  out_dtype: np.dtype
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+
+
+def _forward(a, b, config):
+  qa = _quantize(a, config)
+  qb = _quantize(b, config, two_d=config.two_d_weights)
+  return _product(qa, qb, config, a.shape[1], b.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp4_matmul(a, b, key, static):
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` in FP4, result in out_dtype."""
+  del key
+  return _forward(a, b, static.config).astype(static.out_dtype)
+
+
+def _fp4_matmul_fwd(a, b, key, static):
+  out = _forward(a, b, static.config).astype(static.out_dtype)
+  return out, (a, b, key)
+
+
+def backward_products(a, b, g, key, config):
+  """float32 ``(dlhs (B, M, K), drhs (B, N, K))`` for ``g`` ``(B, M, N)``."""
+  g = g.astype(_F32)
+  if config.stochastic_rounding:
+    key = data_key(g) if key is None else key
+    dgrad_key = jax.random.fold_in(key, 0)
+    wgrad_key = jax.random.fold_in(key, 1)
+  else:
+    dgrad_key = wgrad_key = None
+  m, n, k = a.shape[1], b.shape[1], a.shape[2]
+  # dlhs = g @ W^T over N; the weight's column-wise copy from high precision.
+  qg = _quantize(g, config, key=dgrad_key)
+  qbt = _quantize(jnp.swapaxes(b, 1, 2), config, two_d=config.two_d_weights)
+  da = _product(qg, qbt, config, m, k)
+  # drhs = g^T @ x over M, both transformed along M.
+  gt = jnp.swapaxes(g, 1, 2)
+  at = jnp.swapaxes(a, 1, 2).astype(_F32)
+  if config.rht:
+    gt = fp4_lib.hadamard_f32(_pad_axis(gt, -1, fp4_lib.RHT_SIZE))
+    at = fp4_lib.hadamard_f32(_pad_axis(at, -1, fp4_lib.RHT_SIZE))
+  db = _product(_quantize(gt, config, key=wgrad_key), _quantize(at, config),
+                config, n, k)
+  return da, db
+
+
+def _fp4_matmul_bwd(static, residuals, g):
+  a, b, key = residuals
+  da, db = backward_products(a, b, g, key, static.config)
+  da = _first_order_only(da).astype(static.lhs_dtype)
+  db = _first_order_only(db).astype(static.rhs_dtype)
+  return da, db, None
+
+
+_fp4_matmul.defvjp(_fp4_matmul_fwd, _fp4_matmul_bwd)
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+  return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  raise ValueError(SECOND_ORDER_HELP)
+
+
+# ---------------------------------------------------------------------------
+# The public function.
+# ---------------------------------------------------------------------------
+
+
+def _operand(x: Any, what: str) -> jax.Array:
+  if x is not None and not isinstance(x, (bool, np.bool_)):
+    try:
+      dtype = np.dtype(jnp.asarray(x).dtype)
+    except TypeError:
+      dtype = None
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and (
+        dtype.itemsize == 1 or dtype == fp4_lib.E2M1_DTYPE):
+      raise TypeError(
+          f"{what} has dtype {dtype.name}. {NARROW_OPERAND_HELP}")
+  return fp4_lib._input(x, what)  # pylint: disable=protected-access
+
+
+def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
+  if preferred_element_type is not None:
+    try:
+      dtype = np.dtype(preferred_element_type)
+    except TypeError:
+      dtype = None
+    if dtype is not None and dtype.itemsize == 1:
+      raise TypeError(
+          f"preferred_element_type={dtype.name}: an FP4 matmul accumulates "
+          "in float32 and returns float32, bfloat16, float16 or float64; FP4 "
+          "and float8 hold no results. Leave it None (the operands' dtype) "
+          "or pass e.g. jnp.bfloat16.")
+    return dtypes_lib.canonical_dtype(preferred_element_type,
+                                      "preferred_element_type")
+  a, b = np.dtype(lhs.dtype), np.dtype(rhs.dtype)
+  if a == b:
+    return a
+  if np.dtype(np.float64) in (a, b):
+    return np.dtype(np.float64)
+  return _F32
+
+
+def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
+                    precision: Any = None, preferred_element_type: Any = None,
+                    *, config: Fp4Config = _DEFAULT_CONFIG,
+                    key: Any = None) -> jax.Array:
+  """``jax.lax.dot_general`` in FP4 (NVFP4 or MXFP4), forward and backward.
+
+  Both operands are quantized to E2M1 with block scales (round to nearest
+  even), multiplied with float32 accumulation, and the result is
+  dequantized. The rhs is treated as the weight (16x16 tiles with NVFP4).
+  The backward pass quantizes the incoming gradient (stochastic rounding)
+  and computes both operand gradients with FP4 matmuls, the weight gradient
+  on random-Hadamard-transformed operands. See ``docs/fp4.md``.
+
+  Args:
+    lhs: a float32, bfloat16 or float16 array (the activation).
+    rhs: likewise (the weight).
+    dimension_numbers: as for ``jax.lax.dot_general``.
+    precision: accepted for signature compatibility and ignored.
+    preferred_element_type: the result dtype (float32, bfloat16, float16,
+      float64); accumulation is float32 regardless. Default: the operands'
+      (promoted) dtype.
+    config: the static :class:`Fp4Config` (default: NVFP4 with every
+      component on).
+    key: a PRNG key for the backward pass's stochastic rounding, e.g.
+      ``jax.random.fold_in(base_key, step)``; None derives one from the
+      gradient's bits (deterministic).
+
+  Returns:
+    The product, shaped as ``jax.lax.dot_general``'s.
+
+  Raises:
+    TypeError: for non-floating, float8 or FP4 operands, a config that is
+      not an ``Fp4Config``, an FP4/float8 ``preferred_element_type`` or a bad
+      key.
+    ValueError: for malformed or inconsistent dimension numbers.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_lite import fp4
+    >>> def loss(w, x, key):
+    ...   y = fp4.fp4_dot_general(x, w, (((1,), (0,)), ((), ())), key=key)
+    ...   return y.sum()
+    >>> x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
+    >>> g = jax.jit(jax.grad(loss))(w, x, jax.random.key(0))
+    >>> float(loss(w, x, None)), g.shape
+    (4096.0, (32, 16))
+  """
+  if not isinstance(config, Fp4Config):
+    raise TypeError(
+        f"config must be an Fp4Config, got {type(config).__name__}: "
+        f"{config!r}. Build one with e.g. Fp4Config('nvfp4').")
+  lhs = _operand(lhs, "lhs")
+  rhs = _operand(rhs, "rhs")
+  del precision
+  key = fp4_lib._check_key(key)  # pylint: disable=protected-access
+  (lc, rc), (lb, rb) = fp8_matmul_lib._check_dimension_numbers(  # pylint: disable=protected-access
+      dimension_numbers, lhs.shape, rhs.shape)
+  out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+  a, lhs_free = fp8_matmul_lib._to_canonical(lhs, lb, lc)  # pylint: disable=protected-access
+  b, rhs_free = fp8_matmul_lib._to_canonical(rhs, rb, rc)  # pylint: disable=protected-access
+  shape = ([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lhs_free] +
+           [rhs.shape[d] for d in rhs_free])
+  if 0 in a.shape or 0 in b.shape:
+    return jnp.zeros(shape, out_dtype)
+  static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  return _fp4_matmul(a, b, key, static).reshape(shape)
+
