@@ -1,0 +1,429 @@
+"""Low-bit storage of optimizer moments: code books and block quantizers.
+
+What :func:`jmp_lite.with_state_dtype` stores an optimizer moment in, one
+leaf at a time, and how the leaf is turned back into float32. Formats
+(:data:`FORMAT_NAMES`):
+
+* ``"float32"``: the moment itself.
+* ``"bfloat16"``: the moment rounded to nearest even; ``"bfloat16_sr"``:
+  rounded stochastically (unbiased), from random bits the caller passes.
+* ``"e4m3"``: float8 e4m3 values under a float32 absmax scale per block of
+  256 (``x / absmax * 448`` rounded to nearest even on e4m3's grid).
+* ``"8bit"``: bitsandbytes' dynamic-exponent code (Dettmers et al., arXiv
+  2110.02861), blocks of 256, nearest code: the signed map for moments that
+  can be negative, the unsigned map for non-negative ones.
+* ``"4bit"``: blocks of 128, two codes per byte: the signed dynamic-exponent
+  map with 3 exponent bits (lpmm, torchao) for signed moments, the linear map
+  ``{1/16, ..., 16/16}`` without zero (torchao's, lpmm's) for non-negative
+  ones.
+
+Layout (one array per moment, the params' leading axes untouched). Blocks
+run along the LAST axis of a leaf of shape ``(*lead, n)``: the last axis is
+padded with zeros to ``nb * block`` (``nb = ceil(n / block)``; zeros change no
+block's absmax) and each block is stored as its code bytes followed by the
+4 bytes of its float32 absmax (little-endian bits), so the stored leaf is
+``(*lead, nb * (block + 4))`` for 8-bit codes, ``(*lead, nb * (block / 2 + 4))``
+for 4-bit codes. 8-bit and 4-bit codes are ``uint8``; e4m3 codes are the
+float8 bits as ``int8``, so no format's leaf can be read as another's. An
+FSDP sharding of the leading axes never splits a block, and every operation
+is elementwise or a max within a block: results do not depend on the
+number of devices.
+
+Rules every block format follows (the spec :mod:`tests.state_codes_reference`
+re-implements):
+
+* Subnormal moments (``|x| < 2**-126``) count as zero, on every backend (XLA
+  on CPU flushes them anyway).
+* ``absmax`` is the block's largest magnitude. A block holding NaN or inf
+  gets a NaN scale and code 0 everywhere, so it decodes to NaN: a non-finite
+  moment stays visible, never becomes a finite code. A block of zeros gets
+  scale 0 and decodes to zeros.
+* Nearest code, ties to the lower code, of ``x / absmax`` (the code books
+  are sorted; a threshold between two codes is their midpoint, rounded down
+  to float32, and ``x`` goes above it only if strictly greater).
+* Non-negative moments never decode to 0 unless their whole block is 0:
+  their code books' zero is unreachable (a second moment quantized to zero
+  makes ``1 / sqrt(v)`` explode, lpmm's "zero-point problem"). Values below
+  the smallest code, negative ones included, take the smallest code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from fractions import Fraction
+from typing import Any
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import dtypes
+
+_F32 = np.dtype(np.float32)
+_BF16 = np.dtype(jnp.bfloat16)
+_E4M3 = np.dtype(jnp.float8_e4m3fn)
+_U8 = np.dtype(np.uint8)
+_I8 = np.dtype(np.int8)
+_SCALE_BYTES = 4
+#: Below this magnitude a moment counts as zero (float32's smallest normal).
+_TINY = 2.0**-126
+_E4M3_MAX = 448.0
+_E4M3_MIN_SUBNORMAL = 2.0**-9
+# e4m3 value / 448 for each of the 256 bit patterns (NaN for 0x7F, 0xFF).
+_E4M3_OVER_MAX = (np.arange(256, dtype=np.uint8).view(_E4M3).astype(_F32)
+                  / _F32.type(_E4M3_MAX)).astype(_F32)
+
+
+# -- code books ----------------------------------------------------------------
+
+
+def dynamic_map_values(signed: bool, max_exponent_bits: int,
+                       total_bits: int) -> list[Fraction]:
+  """bitsandbytes' dynamic-exponent map, as exact fractions (sorted).
+
+  For exponent ``i`` in ``0 .. max_exponent_bits - 1`` the map holds the
+  midpoints of ``k`` equal steps from 0.1 to 1, times ``10**(i - (e - 1))``
+  (``k = 2**(i + b - e)``, doubled for the unsigned map, ``b`` the bits after
+  the sign), their negatives for the signed map, then 0 and 1.
+  """
+  e, b = max_exponent_bits, total_bits - 1
+  values = [Fraction(0), Fraction(1)]
+  for i in range(e):
+    steps = 2 ** (i + b - e) * (1 if signed else 2)
+    power = Fraction(10) ** (i - (e - 1))
+    for j in range(steps):
+      mid = Fraction(1, 10) + Fraction(9, 10) * Fraction(2 * j + 1, 2 * steps)
+      values.append(power * mid)
+      if signed:
+        values.append(-power * mid)
+  extra = 2 ** (b - e) - 1
+  if extra:
+    raise ValueError("extra linear items are not used by jmp_lite's maps")
+  return sorted(values)
+
+
+def _round_down_f32(q: Fraction) -> np.float32:
+  """The largest float32 that is <= ``q``."""
+  f = np.float32(float(q))
+  if Fraction(float(f)) > q:
+    f = np.nextafter(f, np.float32(-np.inf))
+  return f
+
+
+def _nearest_f32(q: Fraction) -> np.float32:
+  """``q`` rounded to the nearest float32 (ties to even), from exact values."""
+  lo = _round_down_f32(q)
+  if Fraction(float(lo)) == q:
+    return lo
+  hi = np.nextafter(lo, np.float32(np.inf))
+  d_lo, d_hi = q - Fraction(float(lo)), Fraction(float(hi)) - q
+  if d_lo != d_hi:
+    return lo if d_lo < d_hi else hi
+  return lo if int(lo.view(np.uint32)) % 2 == 0 else hi
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CodeBook:
+  """A sorted table of float32 code values and the thresholds between them.
+
+  Attributes:
+    name: what the docs call it.
+    values: the float32 values, sorted ascending (index = code).
+    thresholds: ``thresholds[k]``, between codes ``k`` and ``k + 1``: their
+      exact midpoint rounded down to float32.
+    first: the lowest code a value may take: 0, or, for a non-negative book
+      whose code 0 is 0.0, the first positive code (zero is unreachable).
+  """
+
+  name: str
+  values: np.ndarray
+  thresholds: np.ndarray
+  first: int
+
+  @property
+  def bits(self) -> int:
+    return int(np.log2(len(self.values)))
+
+
+def _code_book(name: str, exact: list[Fraction], zero_free: bool) -> CodeBook:
+  values = np.array([_nearest_f32(q) for q in exact], _F32)
+  thresholds = np.array([
+      _round_down_f32((Fraction(float(a)) + Fraction(float(b))) / 2)
+      for a, b in zip(values[:-1], values[1:])], _F32)
+  first = int(np.argmax(values > 0)) if zero_free else 0
+  return CodeBook(name, values, thresholds, first)
+
+
+DYNAMIC8_SIGNED = _code_book(
+    "8-bit dynamic, signed", dynamic_map_values(True, 7, 8), False)
+DYNAMIC8_UNSIGNED = _code_book(
+    "8-bit dynamic, unsigned, zero unreachable",
+    dynamic_map_values(False, 7, 8), True)
+DYNAMIC4_SIGNED = _code_book(
+    "4-bit dynamic, signed", dynamic_map_values(True, 3, 4), False)
+LINEAR4_UNSIGNED = _code_book(
+    "4-bit linear without zero", [Fraction(k, 16) for k in range(1, 17)],
+    True)
+
+
+# -- formats -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFormat:
+  """How one optimizer moment is stored.
+
+  Attributes:
+    name: the canonical name (one of :data:`FORMAT_NAMES`).
+    kind: ``"float"`` (a plain dtype), ``"e4m3"`` or ``"code"`` (a code book).
+    dtype: the float dtype of a ``"float"`` format.
+    bits: code bits of a block format (8 or 4).
+    block_size: elements per block of a block format.
+    stochastic: ``"bfloat16_sr"``: stochastic rounding.
+  """
+
+  name: str
+  kind: str
+  dtype: np.dtype | None = None
+  bits: int = 0
+  block_size: int = 0
+  stochastic: bool = False
+
+  @property
+  def blocked(self) -> bool:
+    return self.kind != "float"
+
+  def book(self, non_negative: bool) -> CodeBook:
+    if self.bits == 8:
+      return DYNAMIC8_UNSIGNED if non_negative else DYNAMIC8_SIGNED
+    return LINEAR4_UNSIGNED if non_negative else DYNAMIC4_SIGNED
+
+
+FORMATS: dict[str, StateFormat] = {
+    "float32": StateFormat("float32", "float", _F32),
+    "bfloat16": StateFormat("bfloat16", "float", _BF16),
+    "bfloat16_sr": StateFormat("bfloat16_sr", "float", _BF16,
+                               stochastic=True),
+    "e4m3": StateFormat("e4m3", "e4m3", bits=8, block_size=256),
+    "8bit": StateFormat("8bit", "code", bits=8, block_size=256),
+    "4bit": StateFormat("4bit", "code", bits=4, block_size=128),
+}
+#: The format names, in the order error messages list them.
+FORMAT_NAMES: tuple[str, ...] = tuple(FORMATS)
+ALIASES = {"f32": "float32", "bf16": "bfloat16", "bf16_sr": "bfloat16_sr",
+           "fp8": "e4m3", "float8_e4m3fn": "e4m3"}
+#: The block sizes a block format accepts.
+BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def with_block_size(fmt: StateFormat, block_size: int) -> StateFormat:
+  return dataclasses.replace(fmt, block_size=block_size)
+
+
+def stored_shape(shape: tuple[int, ...], fmt: StateFormat) -> tuple[int, ...]:
+  """The shape of the array a moment of ``shape`` is stored in."""
+  if not fmt.blocked:
+    return tuple(shape)
+  if not shape:
+    raise ValueError("a block format needs at least one axis")
+  *lead, n = shape
+  blocks = -(-n // fmt.block_size)
+  return (*lead, blocks * (fmt.block_size * fmt.bits // 8 + _SCALE_BYTES))
+
+
+def stored_dtype(fmt: StateFormat) -> np.dtype:
+  """The dtype of the array a moment is stored in."""
+  if fmt.kind == "float":
+    return fmt.dtype
+  return _I8 if fmt.kind == "e4m3" else _U8
+
+
+# -- blocks ----------------------------------------------------------------------
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  """``(*lead, n)`` -> ``(*lead, nb, block)``, the last block zero-padded."""
+  *lead, n = x.shape
+  blocks = -(-n // block)
+  pad = blocks * block - n
+  if pad:
+    x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)])
+  return x.reshape(*lead, blocks, block)
+
+
+def _unblocks(x: jax.Array, n: int) -> jax.Array:
+  *lead, blocks, block = x.shape
+  return x.reshape(*lead, blocks * block)[..., :n]
+
+
+def _flush(x: jax.Array) -> jax.Array:
+  """Subnormals to zero, the same on every backend (NaN stays)."""
+  return jnp.where(jnp.abs(x) < _TINY, jnp.zeros_like(x), x)
+
+
+def _absmax(blocks: jax.Array) -> jax.Array:
+  """Each block's absmax, NaN where a block holds NaN or inf."""
+  absmax = jnp.max(jnp.abs(blocks), axis=-1)
+  return jnp.where(jnp.isfinite(absmax), absmax, jnp.float32(jnp.nan))
+
+
+def _normalised(blocks: jax.Array, absmax: jax.Array) -> jax.Array:
+  """``x / absmax`` in [-1, 1]; 0 in zero blocks, NaN in non-finite ones."""
+  safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
+  return blocks / safe[..., None]
+
+
+def nearest_codes(xn: jax.Array, book: CodeBook) -> jax.Array:
+  """The nearest code of each normalised value (ties to the lower code), by
+  a binary search over the thresholds; int32. NaN takes code 0."""
+  thresholds = jnp.asarray(book.thresholds)
+  index = jnp.zeros(xn.shape, jnp.int32)
+  step = len(book.values) // 2
+  while step:
+    candidate = index + step
+    above = xn > jnp.take(thresholds, candidate - 1, mode="clip")
+    index = jnp.where(above, candidate, index)
+    step //= 2
+  if book.first:
+    index = jnp.where(jnp.isnan(xn), 0, jnp.maximum(index, book.first))
+  return index
+
+
+def _e4m3_codes(xn: jax.Array, non_negative: bool) -> jax.Array:
+  """``xn * 448`` on e4m3's grid (nearest, ties to even) as its bits (int8)."""
+  v = jnp.clip(xn * jnp.float32(_E4M3_MAX), -_E4M3_MAX, _E4M3_MAX)
+  if non_negative:
+    v = jnp.maximum(v, jnp.float32(_E4M3_MIN_SUBNORMAL))
+  # Rounded here, in float32 on e4m3's grid, so the cast only re-encodes a
+  # representable value (a bare float32 -> float8 cast rounds twice on some
+  # jaxlibs' XLA:CPU).
+  k = dtypes.spacing_exponent(v, 3, -6)
+  v = jnp.round(v * dtypes.pow2(-k)) * dtypes.pow2(k)
+  v = jnp.where(jnp.isnan(v), jnp.zeros_like(v), v)
+  return lax.bitcast_convert_type(v.astype(_E4M3), jnp.int8)
+
+
+def quantize_blocks(x: jax.Array, fmt: StateFormat,
+                    non_negative: bool) -> tuple[jax.Array, jax.Array]:
+  """A moment as block codes and scales (before packing).
+
+  Args:
+    x: the moment, float32, at least one axis ``(*lead, n)``.
+    fmt: a block format (``"e4m3"``, ``"8bit"``, ``"4bit"``).
+    non_negative: whether ``x`` is a non-negative moment (picks the code
+      book; its zero is unreachable).
+
+  Returns:
+    ``codes`` (``(*lead, nb, block)``: uint8 code indices, int8 e4m3 bits)
+    and ``scales`` (``(*lead, nb)`` float32 absmax, NaN for a non-finite
+    block).
+  """
+  blocks = _blocks(_flush(x.astype(_F32)), fmt.block_size)
+  absmax = _absmax(blocks)
+  xn = _normalised(blocks, absmax)
+  if fmt.kind == "e4m3":
+    codes = _e4m3_codes(xn, non_negative)
+  else:
+    codes = nearest_codes(xn, fmt.book(non_negative)).astype(jnp.uint8)
+  nonfinite = jnp.isnan(absmax)[..., None]
+  codes = jnp.where(nonfinite, jnp.zeros_like(codes), codes)
+  return codes, absmax
+
+
+def dequantize_blocks(codes: jax.Array, scales: jax.Array, fmt: StateFormat,
+                      non_negative: bool) -> jax.Array:
+  """The float32 blocks ``quantize_blocks`` stored (``(*lead, nb, block)``)."""
+  if fmt.kind == "e4m3":
+    # Every e4m3 value over 448, rounded to float32 once, indexed by its bits.
+    table = jnp.asarray(_E4M3_OVER_MAX)
+    index = lax.bitcast_convert_type(codes.astype(jnp.int8), jnp.uint8)
+  else:
+    table = jnp.asarray(fmt.book(non_negative).values)
+    index = codes
+  v = jnp.take(table, index.astype(jnp.int32), mode="clip")
+  return v * scales[..., None]
+
+
+def pack(codes: jax.Array, scales: jax.Array, fmt: StateFormat) -> jax.Array:
+  """Codes and scales in one array: per block, its code bytes then the 4
+  little-endian bytes of its scale; 4-bit codes two per byte (the even
+  element in the low nibble)."""
+  if fmt.bits == 4:
+    c = codes.astype(jnp.uint8)
+    codes = c[..., 0::2] | lax.shift_left(c[..., 1::2], jnp.uint8(4))
+  bits = lax.bitcast_convert_type(scales.astype(_F32), jnp.uint32)
+  scale_bytes = jnp.stack(
+      [(lax.shift_right_logical(bits, jnp.uint32(8 * i)) & jnp.uint32(0xFF))
+       .astype(jnp.uint8) for i in range(_SCALE_BYTES)], axis=-1)
+  if codes.dtype == _I8:
+    scale_bytes = lax.bitcast_convert_type(scale_bytes, jnp.int8)
+  out = jnp.concatenate([codes, scale_bytes], axis=-1)
+  *lead, blocks, width = out.shape
+  return out.reshape(*lead, blocks * width)
+
+
+def unpack(stored: jax.Array, fmt: StateFormat) -> tuple[jax.Array, jax.Array]:
+  """The inverse of :func:`pack`: ``(codes, scales)``."""
+  width = fmt.block_size * fmt.bits // 8
+  *lead, total = stored.shape
+  blocks = stored.reshape(*lead, total // (width + _SCALE_BYTES),
+                          width + _SCALE_BYTES)
+  codes, scale_bytes = blocks[..., :width], blocks[..., width:]
+  scale_bytes = lax.bitcast_convert_type(scale_bytes, jnp.uint8).astype(
+      jnp.uint32)
+  bits = scale_bytes[..., 0]
+  for i in range(1, _SCALE_BYTES):
+    bits = bits | lax.shift_left(scale_bytes[..., i], jnp.uint32(8 * i))
+  scales = lax.bitcast_convert_type(bits, jnp.float32)
+  if fmt.bits == 4:
+    low = codes & jnp.uint8(0x0F)
+    high = lax.shift_right_logical(codes, jnp.uint8(4))
+    codes = jnp.stack([low, high], axis=-1).reshape(*codes.shape[:-1],
+                                                    2 * width)
+  return codes, scales
+
+
+# -- one moment ------------------------------------------------------------------
+
+
+def _stochastic_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
+  """``x`` rounded to bfloat16 up or down at random, unbiased: 16 random
+  bits added below bfloat16's last bit, then truncated. NaN stays NaN."""
+  noise = lax.shift_right_logical(
+      jax.random.bits(key, x.shape, jnp.uint32), jnp.uint32(16))
+  bits = lax.bitcast_convert_type(x, jnp.uint32) + noise
+  bits = bits & jnp.uint32(0xFFFF0000)
+  rounded = lax.bitcast_convert_type(bits, jnp.float32)
+  return jnp.where(jnp.isnan(x), x, rounded).astype(_BF16)
+
+
+def encode(x: jax.Array, fmt: StateFormat, non_negative: bool,
+           key: jax.Array | None = None) -> jax.Array:
+  """A float32 moment in its stored form (see the module docstring).
+
+  Args:
+    x: the moment (float32; at least one axis for a block format).
+    fmt: its format.
+    non_negative: whether the moment is non-negative (second-moment-like).
+    key: ``"bfloat16_sr"`` only: a PRNG key for this leaf.
+
+  Returns:
+    The stored array, of :func:`stored_shape` and :func:`stored_dtype`.
+  """
+  if fmt.kind == "float":
+    if fmt.stochastic:
+      return _stochastic_bf16(x.astype(_F32), key)
+    return x.astype(fmt.dtype)
+  codes, scales = quantize_blocks(x, fmt, non_negative)
+  return pack(codes, scales, fmt)
+
+
+def decode(stored: jax.Array, fmt: StateFormat, non_negative: bool,
+           shape: tuple[int, ...]) -> jax.Array:
+  """The float32 moment of original shape ``shape`` from its stored form."""
+  if fmt.kind == "float":
+    return stored.astype(_F32)
+  codes, scales = unpack(stored, fmt)
+  return _unblocks(dequantize_blocks(codes, scales, fmt, non_negative),
+                   shape[-1])

@@ -1,0 +1,154 @@
+"""An independent NumPy reference for jmp_lite's low-bit optimizer-state codes.
+
+Written from the specs, not from jmp_lite's code:
+
+* bitsandbytes' ``create_dynamic_map(signed, max_exponent_bits, total_bits)``
+  (functional.py), followed step by step: for each exponent ``i``, the means of
+  consecutive points of ``linspace(0.1, 1, fraction_items)`` times
+  ``10 ** (-(max_exponent_bits - 1) + i)``, negated too when signed, then 0
+  and 1, sorted. Computed here in exact rational arithmetic and rounded once
+  to float32 (bitsandbytes rounds in float32 at every step; the two tables
+  agree to a float32 ulp).
+* torchao's 4-bit maps (prototype/low_bit_optim/subclass_4bit.py):
+  ``create_dynamic_map(True, 3, 4)`` for signed states and
+  ``linspace(0, 1, 17)[1:]`` (no zero) for non-negative ones.
+* Block quantization (bitsandbytes' blockwise quantization, torchao's
+  ``quantize_*bit_with_qmap``): absmax per block along the last axis, the
+  nearest code of ``x / absmax`` found by ``argmin |x / absmax - code|``
+  (ties: the first, i.e. lower, code, as ``argmin`` picks).
+* e4m3: ``ml_dtypes.float8_e4m3fn`` rounding of ``x / absmax * 448``.
+* jmp_lite's documented rules: subnormals count as zero, a non-finite block
+  has a NaN scale and codes 0, a block of zeros has scale 0, non-negative
+  moments never take the code 0.0 (the smallest positive code instead), the
+  last block is zero-padded, each block stored as its codes then the
+  little-endian bytes of its float32 scale, 4-bit codes two per byte with the
+  even element in the low nibble, e4m3 bits as int8.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import ml_dtypes
+import numpy as np
+
+
+def _linspace(start: Fraction, stop: Fraction, num: int) -> list[Fraction]:
+  return [start + (stop - start) * k / (num - 1) for k in range(num)]
+
+
+def create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8):
+  """bitsandbytes' construction, exact, rounded once to float32."""
+  data = []
+  non_sign_bits = total_bits - 1
+  additional_items = 2 ** (non_sign_bits - max_exponent_bits) - 1
+  assert additional_items == 0  # True for the maps used here.
+  for i in range(max_exponent_bits):
+    fraction_items = (2 ** (i + non_sign_bits - max_exponent_bits) + 1
+                      if signed else
+                      2 ** (i + non_sign_bits - max_exponent_bits + 1) + 1)
+    boundaries = _linspace(Fraction(1, 10), Fraction(1), fraction_items)
+    means = [(a + b) / 2 for a, b in zip(boundaries[:-1], boundaries[1:])]
+    scale = Fraction(10) ** (-(max_exponent_bits - 1) + i)
+    data += [scale * m for m in means]
+    if signed:
+      data += [-scale * m for m in means]
+  data.append(Fraction(0))
+  data.append(Fraction(1))
+  assert len(data) == 2**total_bits
+  data.sort()
+  return np.array([_to_f32(q) for q in data], np.float32)
+
+
+def _to_f32(q: Fraction) -> np.float32:
+  """Exact rational -> nearest float32, ties to even (no double rounding)."""
+  f = np.float32(float(q))
+  candidates = [np.nextafter(f, np.float32(-np.inf)), f,
+                np.nextafter(f, np.float32(np.inf))]
+  best = min(candidates, key=lambda c: (abs(Fraction(float(c)) - q),
+                                        int(c.view(np.uint32)) & 1))
+  return np.float32(best)
+
+
+QMAP_8_SIGNED = create_dynamic_map(True, 7, 8)
+QMAP_8_UNSIGNED = create_dynamic_map(False, 7, 8)
+QMAP_4_SIGNED = create_dynamic_map(True, 3, 4)
+QMAP_4_UNSIGNED = np.array([_to_f32(Fraction(k, 16)) for k in range(1, 17)],
+                           np.float32)
+
+BLOCK = {"e4m3": 256, "8bit": 256, "4bit": 128}
+
+
+def qmap(fmt: str, non_negative: bool) -> np.ndarray:
+  if fmt == "8bit":
+    return QMAP_8_UNSIGNED if non_negative else QMAP_8_SIGNED
+  return QMAP_4_UNSIGNED if non_negative else QMAP_4_SIGNED
+
+
+def quantize(x: np.ndarray, fmt: str, non_negative: bool, block=None):
+  """``(codes (*lead, nb, block), scales (*lead, nb))`` of a float32 moment."""
+  block = block or BLOCK[fmt]
+  x = np.asarray(x, np.float32)
+  x = np.where(np.abs(x) < np.float32(2.0**-126), np.float32(0), x)
+  *lead, n = x.shape
+  nb = -(-n // block)
+  padded = np.zeros((*lead, nb * block), np.float32)
+  padded[..., :n] = x
+  blocks = padded.reshape(*lead, nb, block)
+  codes = np.zeros(blocks.shape, np.uint8 if fmt != "e4m3" else np.int8)
+  scales = np.zeros(blocks.shape[:-1], np.float32)
+  for index in np.ndindex(*blocks.shape[:-1]):
+    b = blocks[index]
+    if not np.all(np.isfinite(b)):
+      scales[index] = np.nan
+      continue  # codes 0
+    absmax = np.float32(np.max(np.abs(b)))
+    scales[index] = absmax
+    with np.errstate(invalid="ignore"):
+      xn = (b / absmax if absmax > 0 else np.zeros_like(b)).astype(np.float32)
+    if fmt == "e4m3":
+      v = (xn * np.float32(448.0)).astype(np.float32)
+      if non_negative:
+        v = np.maximum(v, np.float32(2.0**-9))
+      codes[index] = v.astype(ml_dtypes.float8_e4m3fn).view(np.int8)
+    else:
+      table = qmap(fmt, non_negative).astype(np.float64)
+      allowed = np.ones(len(table), bool)
+      if non_negative:
+        allowed &= table != 0
+      distance = np.abs(xn.astype(np.float64)[:, None] - table[None, :])
+      distance[:, ~allowed] = np.inf
+      codes[index] = np.argmin(distance, axis=1)
+  return codes, scales
+
+
+def pack(codes: np.ndarray, scales: np.ndarray, fmt: str) -> np.ndarray:
+  """Each block: its code bytes, then its scale's 4 little-endian bytes."""
+  codes = np.asarray(codes)
+  if fmt == "4bit":
+    c = codes.astype(np.uint8)
+    codes = (c[..., 0::2] | (c[..., 1::2] << 4)).astype(np.uint8)
+  scale_bytes = np.ascontiguousarray(
+      scales.astype("<f4")).view(np.uint8).reshape(*scales.shape, 4)
+  if fmt == "e4m3":
+    scale_bytes = scale_bytes.view(np.int8)
+  out = np.concatenate([codes, scale_bytes], axis=-1)
+  return out.reshape(*out.shape[:-2], -1)
+
+
+def encode(x: np.ndarray, fmt: str, non_negative: bool) -> np.ndarray:
+  return pack(*quantize(x, fmt, non_negative), fmt)
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: str,
+               non_negative: bool, n: int) -> np.ndarray:
+  """float32 values (``(*lead, n)``), computed as jmp_lite documents:
+  ``table[code] * scale``, for e4m3 ``(value / 448) * scale``."""
+  if fmt == "e4m3":
+    v = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    v = (v / np.float32(448.0)).astype(np.float32)
+  else:
+    v = qmap(fmt, non_negative)[codes.astype(np.int64)]
+  with np.errstate(invalid="ignore", over="ignore"):
+    out = (v * scales[..., None]).astype(np.float32)
+  return out.reshape(*out.shape[:-2], -1)[..., :n]

@@ -1,0 +1,200 @@
+"""Low-bit optimizer-state codes against an independent NumPy reference."""
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jmp_lite._src import state_codes as sc
+from tests import state_codes_reference as ref
+
+BLOCK_FORMATS = ("e4m3", "8bit", "4bit")
+
+
+def _flush(x):
+  """Subnormal results count as zero (XLA:CPU flushes them)."""
+  x = np.asarray(x, np.float32)
+  return np.where(np.abs(x) < 2.0**-126, np.float32(0), x)
+
+
+def _same(a, b):
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _random(shape, seed):
+  rng = np.random.RandomState(seed)
+  # Magnitudes over many decades, as moments have.
+  return (rng.randn(*shape) * 10.0 ** rng.uniform(-8, 2, shape)).astype(
+      np.float32)
+
+
+def _zoo(book_values):
+  """Rows of 300 (two blocks of 256, three of 128: the last one padded)."""
+  rng = np.random.RandomState(1)
+  rows = np.zeros((7, 300), np.float32)
+  # row 0: all zeros.
+  rows[1] = rng.randn(300) * 1e-3  # one huge outlier per block
+  rows[1, [5, 140, 260]] = [1e30, -3e29, 2e30]
+  rows[2] = [1e-40, -1e-39, 1e-45, 1e-37] * 75  # subnormals, tiny normals
+  rows[3] = rng.randn(300)
+  rows[3, 3], rows[3, 270] = np.nan, np.inf  # non-finite blocks
+  rows[4] = -np.abs(rng.randn(300))  # absmax from a negative value
+  rows[4, 0] = -4.0
+  # row 5: exactly the midpoints between codes (ties) and the codes, in
+  # blocks whose absmax is 1.
+  mids = (book_values[:-1].astype(np.float64) + book_values[1:]) / 2
+  cells = np.concatenate([mids, book_values, mids])[:300].astype(np.float32)
+  rows[5, :len(cells)] = cells
+  rows[5, [0, 128, 256]] = 1.0
+  rows[6] = np.float32(2.0**-120) * rng.randn(300)  # tiny but normal blocks
+  return rows
+
+
+@pytest.mark.parametrize("book,expected", [
+    (sc.DYNAMIC8_SIGNED, ref.QMAP_8_SIGNED),
+    (sc.DYNAMIC8_UNSIGNED, ref.QMAP_8_UNSIGNED),
+    (sc.DYNAMIC4_SIGNED, ref.QMAP_4_SIGNED),
+    (sc.LINEAR4_UNSIGNED, ref.QMAP_4_UNSIGNED),
+], ids=["8bit-signed", "8bit-unsigned", "4bit-signed", "4bit-unsigned"])
+def test_code_books_match_reference(book, expected):
+  _same(book.values.view(np.uint32), expected.view(np.uint32))
+  assert np.all(np.diff(book.values) > 0)
+  # Each threshold is the exact midpoint rounded down to float32.
+  for k, t in enumerate(book.thresholds):
+    mid = (Fraction(float(book.values[k])) + Fraction(float(book.values[k + 1]))) / 2
+    assert Fraction(float(t)) <= mid < Fraction(float(np.nextafter(t, np.inf)))
+
+
+def test_code_books_published_values():
+  """Spot values from the papers' maps: bitsandbytes' 4-bit dynamic map (as
+  torchao's AdamW4bit uses it) and its 8-bit extremes."""
+  np.testing.assert_allclose(
+      sc.DYNAMIC4_SIGNED.values,
+      [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0,
+       0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0], rtol=1e-6)
+  assert sc.DYNAMIC8_UNSIGNED.values[1] == np.float32(3.25e-7)
+  assert sc.DYNAMIC8_SIGNED.values[0] == np.float32(-0.99296875)
+  assert 0.0 not in sc.LINEAR4_UNSIGNED.values
+  assert sc.DYNAMIC8_UNSIGNED.first == 1 and sc.LINEAR4_UNSIGNED.first == 0
+
+
+def _check_against_reference(x, fmt, non_negative):
+  fmt_obj = sc.FORMATS[fmt]
+  stored = jax.jit(lambda v: sc.encode(v, fmt_obj, non_negative))(x)
+  expected = ref.encode(x, fmt, non_negative)
+  assert stored.dtype == expected.dtype
+  assert stored.shape == expected.shape == sc.stored_shape(x.shape, fmt_obj)
+  _same(stored, expected)
+  codes, scales = ref.quantize(x, fmt, non_negative)
+  got = sc.decode(stored, fmt_obj, non_negative, x.shape)
+  want = ref.dequantize(codes, scales, fmt, non_negative, x.shape[-1])
+  _same(_flush(got), _flush(want))
+  return np.asarray(got), scales
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("non_negative", [False, True],
+                         ids=["signed", "non_negative"])
+def test_quantizers_bit_for_bit_on_random_states(fmt, non_negative):
+  x = _random((3, 2, 300), seed=0)
+  if non_negative:
+    x = np.abs(x)
+  _check_against_reference(x, fmt, non_negative)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("non_negative", [False, True],
+                         ids=["signed", "non_negative"])
+def test_quantizers_bit_for_bit_on_edge_zoo(fmt, non_negative):
+  book = (sc.FORMATS[fmt].book(non_negative).values if fmt != "e4m3"
+          else sc.DYNAMIC8_SIGNED.values)
+  x = _zoo(book)
+  if non_negative:
+    x = np.abs(x)
+  got, scales = _check_against_reference(x, fmt, non_negative)
+  block = sc.FORMATS[fmt].block_size
+  # A block holding NaN or inf decodes to NaN everywhere: never finite.
+  nonfinite = ~np.isfinite(x[3])
+  for b in range(scales.shape[-1]):
+    span = slice(b * block, min((b + 1) * block, 300))
+    if nonfinite[span].any():
+      assert np.isnan(scales[3, b]) and np.all(np.isnan(got[3, span]))
+    else:
+      assert np.all(np.isfinite(got[3, span]))
+  # Zero blocks decode to zeros; subnormals count as zero (in a block whose
+  # absmax is a tiny normal number, that number is kept to within a code).
+  _same(got[0], np.zeros(300, np.float32))
+  subnormal = np.abs(x[2]) < 2.0**-126
+  _same(_flush(got[2])[subnormal], np.zeros(subnormal.sum(), np.float32))
+  np.testing.assert_allclose(got[2][~subnormal], x[2][~subnormal], rtol=0.2)
+  assert np.all(np.isfinite(got[[0, 1, 2, 4, 5, 6]]))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_no_zero_code_reachable_for_non_negative_states(fmt):
+  """Every value of a non-negative block whose absmax is not 0 decodes to a
+  positive number, however small (exact zeros included)."""
+  rng = np.random.RandomState(3)
+  x = np.abs(rng.randn(4, 512)).astype(np.float32)
+  x[:, ::3] = 0.0
+  x[:, 1::7] = 1e-30
+  x[1] *= 1e-20
+  fmt_obj = sc.FORMATS[fmt]
+  got = np.asarray(sc.decode(sc.encode(jnp.asarray(x), fmt_obj, True),
+                             fmt_obj, True, x.shape))
+  assert np.all(got > 0)
+  codes, _ = sc.quantize_blocks(jnp.asarray(x), fmt_obj, True)
+  if fmt != "e4m3":
+    values = fmt_obj.book(True).values[np.asarray(codes).astype(int)]
+    assert np.all(values > 0)
+
+
+def test_signed_codes_keep_zero_exact():
+  x = jnp.asarray(np.concatenate([np.zeros(100), np.ones(28) * -0.5]),
+                  jnp.float32)[None]
+  for fmt in BLOCK_FORMATS:
+    fmt_obj = sc.FORMATS[fmt]
+    got = sc.decode(sc.encode(x, fmt_obj, False), fmt_obj, False, x.shape)
+    _same(got[0, :100], np.zeros(100, np.float32))
+
+
+def test_bfloat16_nearest_and_stochastic():
+  x = _random((4, 256), seed=5)
+  x[0, :4] = [np.nan, np.inf, -np.inf, 0.0]
+  fmt = sc.FORMATS["bfloat16"]
+  _same(sc.encode(jnp.asarray(x), fmt, False).view(jnp.uint16),
+        x.astype(ml_dtypes.bfloat16).view(np.uint16))
+  sr = sc.FORMATS["bfloat16_sr"]
+  key = jax.random.key(0)
+  got = np.asarray(sc.encode(jnp.asarray(x), sr, False, key)).astype(np.float32)
+  # Each value lands on one of its two bfloat16 neighbours; specials stay.
+  down = x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+  up = down + np.uint32(0x10000)
+  bits = got.view(np.uint32)
+  finite = np.isfinite(x)
+  assert np.all((bits == down) | (bits == up) | ~finite)
+  assert np.isnan(got[0, 0]) and got[0, 1] == np.inf and got[0, 2] == -np.inf
+  # Unbiased: the mean of many roundings of one value is the value.
+  v = jnp.full((1, 20000), 1.0 + 2.0**-10, jnp.float32)
+  mean = float(jnp.mean(sc.encode(v, sr, False, key).astype(jnp.float32)))
+  assert abs(mean - (1.0 + 2.0**-10)) < 2.0**-8 * 0.02
+
+
+def test_layout_and_padding():
+  """Blocks along the last axis, the last one padded: the stored leaf keeps
+  the leading axes, and (block + 4 scale bytes) per block of the last axis."""
+  assert sc.stored_shape((16, 300), sc.FORMATS["8bit"]) == (16, 2 * 260)
+  assert sc.stored_shape((16, 300), sc.FORMATS["4bit"]) == (16, 3 * 68)
+  assert sc.stored_shape((5, 256), sc.FORMATS["e4m3"]) == (5, 260)
+  assert sc.stored_dtype(sc.FORMATS["e4m3"]) == np.int8
+  assert sc.stored_dtype(sc.FORMATS["8bit"]) == np.uint8
+  x = jnp.asarray(_random((2, 300), 7))
+  fmt = sc.FORMATS["4bit"]
+  codes, scales = sc.unpack(sc.encode(x, fmt, False), fmt)
+  assert codes.shape == (2, 3, 128) and scales.shape == (2, 3)
+  # Padding: the zeros after element 300 take the zero code.
+  zero_code = int(np.flatnonzero(fmt.book(False).values == 0)[0])
+  _same(codes[:, 2, 300 - 256:], np.full((2, 84), zero_code, np.uint8))
