@@ -29,6 +29,20 @@ How it computes (every granularity, every platform):
    the weight in 128x128 blocks precisely so that they fit both directions,
    which requantizing reproduces exactly).
 
+**Second derivatives.** The forward product and both backward products are
+each wrapped so that their derivative is that of the float32 product of
+their quantized operands (straight-through quantization, ``_straight_through``):
+``jax.grad`` of a gradient, ``jax.jvp`` of ``jax.grad`` and ``jax.hessian``
+are those of the float32 program with fake-quantized operands. Only a
+derivative of the backward pass computes anything there: the first-order
+values are the float8 ones, unchanged, and the high-precision operands kept
+for the second derivatives are dead in a first-order program.
+
+**Data parallel.** With ``config.axis_name`` every per-tensor amax (forward
+operands, incoming gradient, the amaxes reported to delayed scaling) is the
+``lax.pmax`` over that ``pmap``/``shard_map`` axis, so that replicas share
+their scales; rows, tiles, blocks and MX blocks are local and not reduced.
+
 Contracting dimensions that do not divide into the block size (blockwise,
 MX) are zero-padded: exact for a dot product, since the padding contributes
 nothing and does not change any block's amax.
@@ -649,7 +663,9 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     config: the static :class:`Fp8Config` (default: per-tensor current
       scaling, e4m3 forward, e5m2 gradients).
     scales: with ``config.scaling="delayed"``, the :class:`DelayedScales`;
-      its cotangent holds the amaxes observed. None otherwise.
+      its cotangent holds the amaxes observed. None otherwise. A traced scale
+      that is not usable (zero, negative, subnormal, not finite) falls back
+      to current scaling for its operand.
 
   Returns:
     The product, shaped as ``jax.lax.dot_general``'s, in
@@ -657,10 +673,12 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     else the operands' (promoted) dtype.
 
   Raises:
-    TypeError: for non-floating or float8 operands, a config that is not an
-      ``Fp8Config``, or missing delayed-scaling scales.
+    TypeError: for non-floating, float8 or None operands, a config that is
+      not an ``Fp8Config``, or missing delayed-scaling scales.
     ValueError: for malformed or inconsistent dimension numbers, scales given
-      to current scaling, or an out_sharding.
+      to current scaling, a Python/NumPy scale that is zero, negative,
+      subnormal or not finite, a ``config.axis_name`` that is not bound
+      here, or an out_sharding.
 
   Example:
     >>> import functools, jax, jax.numpy as jnp

@@ -13,7 +13,9 @@ from its own absolute maximum (amax), just in time:
 
 * ``amax == 0`` (an all-zero group): ``scale = 1`` (no NaN, no inf);
 * a tiny amax: the scale is at least 2**-126, the smallest normal float32, so
-  that ``x / scale`` never divides by a flushed subnormal;
+  that ``x / scale`` never divides by a flushed subnormal; a huge one (with a
+  margin) at most 2**126, so that neither the scale nor its reciprocal is
+  inf;
 * ``power_of_two=True`` (the default): the scale is rounded *up* to a power of
   two. The group's amax then still maps to at most ``fmt.max`` (no saturation),
   quantizing and dequantizing only touch exponents (exact, no extra rounding),
@@ -43,6 +45,9 @@ input therefore always yields a non-finite float8 dot.
 ``scale=`` (one per group) computed from an amax history with
 :func:`scale_from_history`, and reads the amax the quantizer observed in
 :attr:`Quantized.amax` to roll the history with :func:`update_amax_history`.
+A given scale that is zero, negative, subnormal or not finite is refused
+when it is a Python/NumPy value and replaced by the current scale when it is
+a JAX array (see :func:`usable_scale`).
 """
 
 from __future__ import annotations
@@ -295,8 +300,8 @@ def scale_from_history(history: Any, fmt: Any = "e4m3", *, margin: float = 0,
     history: ``(N, ...)`` amax history, most recent first (see
       :func:`update_amax_history`).
     fmt: the float8 format the scale is for.
-    margin: headroom in powers of two (the scale is multiplied by
-      ``2**margin``).
+    margin: headroom in powers of two, an integer from 0 to 64 (the scale
+      is multiplied by ``2**margin``).
     algorithm: ``"max"`` or ``"most_recent"``.
     previous_scale: the scale to keep where the amax is zero or not finite.
     power_of_two: round the scale up to a power of two.
