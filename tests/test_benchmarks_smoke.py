@@ -260,3 +260,39 @@ def test_timing_interleaves_blocks_and_reports_per_block_ratios():
       [x / y for x, y in zip(wall["a"]["values"], wall["b"]["values"])])
   assert result["by"]["a"]["values"] == result["r"]["values"]
   assert len(result["cpu_r"]["values"]) == 3
+
+
+def test_compile_time_study_runs_and_reports(tmp_path):
+  """``benchmarks.compile_time`` at tiny sizes: one unrolled depth and the
+  scanned case, one route per family with its hand-cast baseline; only that it
+  runs and reports (no figure is checked)."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.compile_time", "--quick", "--depths", "1",
+       "--routes", "autocast,nnx_policy", "--out", str(tmp_path)],
+      cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "| route | blocks |" in proc.stdout
+  report = json.loads((tmp_path / "compile_time.json").read_text())
+  assert report["benchmark"] == "compile_time"
+  seen = {(r["route"], r["layers"], r["scan"]) for r in report["results"]}
+  assert seen == {("hand", 1, False), ("autocast", 1, False), ("nnx_hand", 1, False),
+                  ("nnx_policy", 1, False), ("hand", 2, True), ("autocast", 2, True)}
+  for r in report["results"]:
+    assert _positive_finite(r["trace_lower_s"]) and _positive_finite(r["compile_s"])
+    assert r["lowered_functions"] >= 1 and r["optimized_hlo"]["instructions"] > 0
+    assert math.isfinite(r["loss"])
+    assert r["ratios"]["compile"] > 0
+  hand = [r for r in report["results"] if r["route"] == "hand"]
+  assert all(r["ratios"]["trace_lower"] == 1.0 for r in hand)
+  assert (tmp_path / "compile_time.md").read_text().startswith("# Trace, lowering")
+
+
+def test_compile_time_study_refuses_bad_flags(capsys):
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit):
+    compile_time.parse(["--routes", "autocast,bogus"])
+  assert "'bogus'" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    compile_time.parse(["--depths", "0"])
+  assert "--depths" in capsys.readouterr().err

@@ -1,0 +1,385 @@
+"""Trace, lowering and compile time of every precision route against a hand-cast step.
+
+The question (issue 27): does a precision route cost more to trace, lower and
+compile than the same step written by hand, and does that cost stay linear in
+the depth of the model? The program measured is
+``jax.jit(jax.value_and_grad(loss))`` of a decoder LM's float32 cross-entropy
+(width 64, 4 heads, 32 tokens, vocab 256, batch 8) at 12, 24 and 48 blocks
+unrolled, and at 48 blocks under ``jax.lax.scan`` over stacked blocks. Routes,
+in three families, each against the hand-cast step of its own family:
+
+* plain JAX (``models/jax_models.py``'s ``apply_lm``): ``hand`` (params and
+  inputs cast to bfloat16 by hand, ``policy.cast_to_compute``),
+  ``with_policy`` and ``autocast`` with ``mixed_bfloat16``, ``with_policy_fp8``
+  and ``autocast_fp8`` with ``mixed_fp8``;
+* linen (a linen twin of ``CharLM``): ``linen_hand`` (params cast to bfloat16
+  by hand) and ``linen_policy`` (``jmp_lite.linen.apply_policy``);
+* NNX (``models/flax_models.py``'s ``CharLM``): ``nnx_hand`` and
+  ``nnx_policy`` (``jmp_lite.nnx.apply_policy``).
+
+Per route and depth: trace + lower (``.lower()``, best of ``--repeats`` after
+``jax.clear_caches()``), compile (``.compile()``, once), the number of
+functions in the lowered StableHLO, and the optimized HLO's size (characters
+and instructions, fused computations included). Ratios are to the family's
+hand-cast step measured in the same run. Compile times on a shared machine are
+noisy; the HLO sizes are not.
+
+Run from the repository root::
+
+  python -m benchmarks.compile_time                        # ~15-30 min on 2 CPU cores
+  python -m benchmarks.compile_time --update-results       # ... into benchmarks/results/
+  python -m benchmarks.compile_time --quick --out /tmp/ct  # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+import jmp_lite
+import jmp_lite.linen  # pylint: disable=unused-import
+import jmp_lite.nnx  # pylint: disable=unused-import
+from benchmarks import common
+from benchmarks import runner
+from benchmarks import workloads as wl
+from models import jax_models as models
+
+NAME = "compile_time"
+TITLE = "Trace, lowering and compile time of every precision route (issue 27)"
+#: Route -> (family, what it is).
+ROUTES = {
+    "hand": ("jax", "params and inputs cast to bfloat16 by hand"),
+    "with_policy": ("jax", "with_policy(apply_lm, 'mixed_bfloat16')"),
+    "autocast": ("jax", "autocast(loss, 'mixed_bfloat16')"),
+    "with_policy_fp8": ("jax", "with_policy(apply_lm, 'mixed_fp8')"),
+    "autocast_fp8": ("jax", "autocast(loss, 'mixed_fp8')"),
+    "linen_hand": ("linen", "linen LM, params cast to bfloat16 by hand"),
+    "linen_policy": ("linen", "jmp_lite.linen.apply_policy(lm, 'mixed_bfloat16')"),
+    "nnx_hand": ("nnx", "NNX CharLM, params cast to bfloat16 by hand"),
+    "nnx_policy": ("nnx", "jmp_lite.nnx.apply_policy(lm, 'mixed_bfloat16')"),
+}
+HAND = {"jax": "hand", "linen": "linen_hand", "nnx": "nnx_hand"}
+#: The issue's targets: every route / hand-cast at the deepest depth.
+TARGET_UNROLLED = 1.3
+TARGET_SCAN = 1.1
+SIZES = {
+    False: dict(vocab=256, width=64, heads=4, seq_len=32, batch=8,
+                depths=(12, 24, 48), scan_depth=48),
+    True: dict(vocab=32, width=16, heads=2, seq_len=8, batch=2,
+               depths=(1, 2), scan_depth=2),
+}
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?[\w.\-]+ .*\{$", re.M)
+_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", re.M)
+
+
+# --- the models -----------------------------------------------------------------------
+
+
+def _lm_config(size: dict, layers: int) -> models.LMConfig:
+  return models.LMConfig(vocab=size["vocab"], layers=layers, width=size["width"],
+                         heads=size["heads"], seq_len=size["seq_len"])
+
+
+def apply_lm_scanned(params: Any, tokens: jax.Array, cfg: models.LMConfig) -> jax.Array:
+  """``apply_lm`` with the blocks stacked and run by ``jax.lax.scan``."""
+  x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+
+  def step(x, block):
+    return models.apply_block(x, block, cfg.heads), None
+
+  x, _ = lax.scan(step, x, params["blocks"])
+  x = models.layer_norm(x, params["ln_f"])
+  return x @ params["embed"].T
+
+
+def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
+  cfg = _lm_config(size, layers)
+  workload = wl.transformer(size["batch"], cfg)
+  params, batch = wl.setup(workload, seed)
+  apply = lambda p, x: (apply_lm_scanned if scan else models.apply_lm)(p, x, cfg)
+  if scan:
+    params = dict(params, blocks=jax.tree.map(lambda *b: jnp.stack(b), *params["blocks"]))
+  policy = wl.policy("bf16", "fp8" if route.endswith("_fp8") else None)
+
+  def f32_loss(p, b):
+    return wl.cross_entropy(apply(p, b["x"]), b["y"])
+
+  if route == "hand":
+    def loss(p, b):
+      p, x = policy.cast_to_compute((p, b["x"]))
+      return wl.cross_entropy(apply(p, x), b["y"])
+  elif route.startswith("with_policy"):
+    applied = jmp_lite.with_policy(apply, policy)
+
+    def loss(p, b):
+      return wl.cross_entropy(applied(p, b["x"]), b["y"])
+  else:
+    loss = jmp_lite.autocast(f32_loss, policy)
+  return loss, (params, batch)
+
+
+def _linen_lm(size: dict, layers: int):
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from models import flax_models  # pylint: disable=g-import-not-at-top
+
+  class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+      h = nn.MultiHeadDotProductAttention(
+          num_heads=size["heads"], attention_fn=flax_models.causal_attention)(
+              nn.LayerNorm()(x), mask=mask)
+      x = x + h
+      h = nn.Dense(4 * size["width"])(nn.LayerNorm()(x))
+      return x + nn.Dense(size["width"])(nn.gelu(h))
+
+  class LinenLM(nn.Module):
+    """The linen twin of ``CharLM``: the same blocks, embeddings and head."""
+
+    @nn.compact
+    def __call__(self, tokens):
+      x = nn.Embed(size["vocab"], size["width"])(tokens)
+      x = x + nn.Embed(size["seq_len"], size["width"])(jnp.arange(tokens.shape[-1]))
+      mask = nn.make_causal_mask(tokens)
+      for _ in range(layers):
+        x = LinenBlock()(x, mask)
+      return nn.Dense(size["vocab"])(nn.LayerNorm()(x))
+
+  return LinenLM()
+
+
+def _tokens(size: dict, seed: int) -> dict[str, jax.Array]:
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (size["batch"], size["seq_len"] + 1),
+                              0, size["vocab"], jnp.int32)
+  return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+def _bf16(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(
+      x.dtype, jnp.floating) else x, tree)
+
+
+def _linen_program(route: str, size: dict, layers: int, seed: int):
+  model = _linen_lm(size, layers)
+  batch = _tokens(size, seed)
+  variables = model.init(jax.random.PRNGKey(seed), batch["x"])
+  if route == "linen_hand":
+    def loss(v, b):
+      return wl.cross_entropy(model.apply(_bf16(v), b["x"]), b["y"])
+  else:
+    policy_model = jmp_lite.linen.apply_policy(model, "mixed_bfloat16")
+
+    def loss(v, b):
+      return wl.cross_entropy(policy_model.apply(v, b["x"]), b["y"])
+  return loss, (variables, batch)
+
+
+def _nnx_program(route: str, size: dict, layers: int, seed: int):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from models import flax_models  # pylint: disable=g-import-not-at-top
+
+  model = flax_models.CharLM(size["vocab"], d_model=size["width"], num_heads=size["heads"],
+                             num_layers=layers, max_len=size["seq_len"],
+                             rngs=nnx.Rngs(seed))
+  batch = _tokens(size, seed)
+  if route == "nnx_hand":
+    graphdef, state = nnx.split(model)
+
+    def loss(s, b):
+      return wl.cross_entropy(nnx.merge(graphdef, _bf16(s))(b["x"]), b["y"])
+  else:
+    graphdef, state = nnx.split(jmp_lite.nnx.apply_policy(model, "mixed_bfloat16"))
+
+    def loss(s, b):
+      return wl.cross_entropy(nnx.merge(graphdef, s)(b["x"]), b["y"])
+  return loss, (state, batch)
+
+
+def program(route: str, size: dict, layers: int, scan: bool, seed: int):
+  """``(loss, (params, batch))`` of one route at one depth."""
+  family = ROUTES[route][0]
+  if family == "jax":
+    return _jax_program(route, size, layers, scan, seed)
+  if family == "linen":
+    return _linen_program(route, size, layers, seed)
+  return _nnx_program(route, size, layers, seed)
+
+
+# --- measuring ------------------------------------------------------------------------
+
+
+def hlo_size(text: str) -> dict[str, int]:
+  """Characters, computations and instructions of an HLO module's text."""
+  return {"chars": len(text), "computations": len(_COMPUTATION.findall(text)),
+          "instructions": len(_INSTRUCTION.findall(text))}
+
+
+def measure_one(route: str, size: dict, layers: int, scan: bool, args) -> dict[str, Any]:
+  """Trace + lower (best of ``args.repeats``), compile once, program sizes."""
+  loss, operands = program(route, size, layers, scan, args.seed)
+  step = jax.jit(jax.value_and_grad(loss))
+  lower_s = []
+  for _ in range(args.repeats):
+    jax.clear_caches()
+    started = time.perf_counter()
+    lowered = step.lower(*operands)
+    lower_s.append(time.perf_counter() - started)
+  stablehlo = lowered.as_text()
+  started = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - started
+  loss_value = float(compiled(*operands)[0])
+  row = {"route": route, "family": ROUTES[route][0], "layers": layers, "scan": scan,
+         "trace_lower_s": min(lower_s), "trace_lower_all_s": lower_s,
+         "compile_s": compile_s,
+         "lowered_functions": len(re.findall(r"func\.func ", stablehlo)),
+         "stablehlo_chars": len(stablehlo),
+         "optimized_hlo": hlo_size(compiled.as_text()), "loss": loss_value}
+  print(f"[{NAME}] {route:16s} {'scan ' if scan else ''}{layers:3d} blocks: trace+lower "
+        f"{row['trace_lower_s']:.2f} s, compile {compile_s:.2f} s, "
+        f"{row['lowered_functions']} functions, optimized HLO "
+        f"{row['optimized_hlo']['instructions']} instructions", flush=True)
+  return row
+
+
+def cases(args) -> list[tuple[int, bool]]:
+  size = SIZES[args.quick]
+  return [(d, False) for d in args.depths] + (
+      [(size["scan_depth"], True)] if args.scan else [])
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+  """Each row's ratios to its family's hand-cast step at the same depth."""
+  hand = {(r["family"], r["layers"], r["scan"]): r for r in rows if r["route"] in HAND.values()}
+  for r in rows:
+    base = hand.get((r["family"], r["layers"], r["scan"]))
+    if base is None:
+      r["ratios"] = None
+      continue
+    r["ratios"] = {
+        "trace_lower": r["trace_lower_s"] / base["trace_lower_s"],
+        "compile": r["compile_s"] / base["compile_s"],
+        "hlo_instructions": (r["optimized_hlo"]["instructions"]
+                             / base["optimized_hlo"]["instructions"]),
+    }
+
+
+def measure_all(args) -> dict[str, Any]:
+  size = SIZES[args.quick]
+  rows = []
+  for layers, scan in cases(args):
+    for route in args.routes:
+      if scan and ROUTES[route][0] != "jax":
+        continue  # The flax models unroll their blocks.
+      rows.append(measure_one(route, size, layers, scan, args))
+  add_ratios(rows)
+  return {"results": rows}
+
+
+# --- the page -------------------------------------------------------------------------
+
+
+def _per_block(rows: list[dict], route: str, key: Callable[[dict], float]) -> list[str]:
+  unrolled = sorted((r for r in rows if r["route"] == route and not r["scan"]),
+                    key=lambda r: r["layers"])
+  return [f"{key(r) / r['layers'] * 1e3:.0f}" for r in unrolled]
+
+
+def table(report: dict[str, Any]) -> list[str]:
+  rows = report["results"]
+  config = report["config"]
+  lines = [
+      "Program: `jax.jit(jax.value_and_grad(loss))` of a decoder LM "
+      f"({config['size']['width']} wide, {config['size']['heads']} heads, "
+      f"{config['size']['seq_len']} tokens, vocab {config['size']['vocab']}, batch "
+      f"{config['size']['batch']}), float32 cross-entropy. Trace + lower: best of "
+      f"{config['repeats']} after `jax.clear_caches()`; compile: once. Ratios: to the "
+      "hand-cast step of the same family and depth, measured in the same run. "
+      f"Targets at the deepest depth: <= {TARGET_UNROLLED} unrolled, <= {TARGET_SCAN} with "
+      "scan.",
+      "",
+      "| route | blocks | trace+lower s | compile s | lowered functions | optimized HLO "
+      "instructions | trace+lower / hand | compile / hand | HLO / hand |",
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    ratios = r["ratios"] or {}
+    lines.append(
+        f"| {r['route']} | {r['layers']}{' (scan)' if r['scan'] else ''} "
+        f"| {r['trace_lower_s']:.2f} | {r['compile_s']:.2f} | {r['lowered_functions']} "
+        f"| {r['optimized_hlo']['instructions']} "
+        + "".join(f"| {runner.fmt(ratios.get(k), '.2f')} "
+                  for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
+  lines += ["", "Per block (unrolled depths in order), milliseconds of compile time:", ""]
+  for route in dict.fromkeys(r["route"] for r in rows):
+    per = _per_block(rows, route, lambda r: r["compile_s"])
+    if per:
+      lines.append(f"* {route}: {' / '.join(per)}")
+  return lines + [""]
+
+
+# --- flags and main --------------------------------------------------------------------
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{NAME}",
+                                   description=TITLE)
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny sizes (1 and 2 blocks): a smoke test, not a measurement")
+  parser.add_argument("--repeats", type=int, default=None,
+                      help="trace+lower repeats, the best reported (default 3; 1 with --quick)")
+  parser.add_argument("--routes", default=",".join(ROUTES),
+                      help=f"comma-separated routes (default all: {','.join(ROUTES)})")
+  parser.add_argument("--depths", default=None,
+                      help="comma-separated unrolled depths (default 12,24,48; 1,2 with --quick)")
+  parser.add_argument("--no-scan", dest="scan", action="store_false",
+                      help="leave out the scanned case")
+  parser.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+  common.OUTPUTS.add_args(parser)
+  args = parser.parse_args(argv)
+  args.routes = runner.split_choices(parser, "--routes", args.routes, tuple(ROUTES))
+  for family, hand in HAND.items():
+    if any(ROUTES[r][0] == family for r in args.routes) and hand not in args.routes:
+      args.routes.insert(0, hand)  # Ratios need the family's baseline.
+  if args.repeats is None:
+    args.repeats = 1 if args.quick else 3
+  if args.repeats < 1:
+    parser.error(f"--repeats must be >= 1, got {args.repeats}")
+  if args.depths is None:
+    args.depths = list(SIZES[args.quick]["depths"])
+  else:
+    try:
+      args.depths = [int(d) for d in args.depths.split(",") if d.strip()]
+    except ValueError:
+      parser.error(f"--depths: expected comma-separated positive integers, got {args.depths!r}")
+    if not args.depths or min(args.depths) < 1:
+      parser.error(f"--depths: expected comma-separated positive integers, got {args.depths!r}")
+  args.out = common.OUTPUTS.folder(args)
+  return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = parse(argv)
+  size = SIZES[args.quick]
+  config = {"quick": args.quick, "repeats": args.repeats, "seed": args.seed,
+            "routes": {r: ROUTES[r][1] for r in args.routes}, "depths": args.depths,
+            "scan": args.scan, "size": {k: v for k, v in size.items() if k not in (
+                "depths", "scan_depth")},
+            "scan_depth": size["scan_depth"],
+            "targets": {"unrolled": TARGET_UNROLLED, "scan": TARGET_SCAN}}
+  runner.publish(NAME, f"benchmarks.{NAME}", argv, args.out, config,
+                 lambda: measure_all(args),
+                 lambda report: "\n".join(runner.header(TITLE, report) + table(report)))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
