@@ -12,7 +12,10 @@ bodies; how each keeps its type invariants:
 
 * ``jit``/``closed_call``: the body is autocast and re-bound with the
   original parameters (name, shardings, donation); outputs keep the dtypes
-  the autocast body gives them.
+  the autocast body gives them. Every call of one traced ``jit`` body with
+  the same input types binds the same autocast body object (one evaluation
+  keeps a memo), so JAX's lowering emits one function for them all, as it
+  does for the original program, instead of one per call site.
 * ``remat`` (``jax.checkpoint``): re-wrapped with ``jax.checkpoint`` with the
   original ``policy`` and ``prevent_cse``.
 * ``scan``/``while``: loop carries stay in their traced dtypes (cast on entry
@@ -190,6 +193,12 @@ class Interpreter:
     self.region = region
     self.tail = tail
     self.store = store
+    # Shared by an interpreter and its children: the autocast bodies of the
+    # `jit` equations of the evaluation in progress (see `_jit`), and how
+    # deep evaluations are nested (the memo is dropped when the outermost
+    # one returns, so it never outlives a trace).
+    self._memo: dict[Any, tuple[Any, Any]] = {}
+    self._depth = [0]
 
   def child(self, **changes: Any) -> "Interpreter":
     """A copy with some attributes changed (for a body, a JVP rule...)."""
@@ -197,7 +206,31 @@ class Interpreter:
                  accumulate_f32=self.accumulate_f32, fp8=self.fp8,
                  region=self.region, tail=self.tail, store=self.store)
     attrs.update(changes)
-    return Interpreter(**attrs)
+    new = Interpreter(**attrs)
+    new._memo, new._depth = self._memo, self._depth
+    return new
+
+  def memo_key(self, closed: Any, args: Sequence[Any]) -> tuple[Any, ...]:
+    """What the autocast version of ``closed`` for ``args`` depends on."""
+    return (id(closed), self.compute_dtype, self.accumulate_f32, self.fp8,
+            self.region, self.tail, self.store is None,
+            tuple((np.shape(x), rules_lib.dtype_of(x),
+                   bool(getattr(getattr(x, "aval", None), "weak_type", False)))
+                  for x in args))
+
+  def traced_once(self, closed: Any, args: Sequence[Any]) -> Any:
+    """:meth:`trace_closed`, memoized for the evaluation in progress.
+
+    The memo holds ``closed`` itself next to its autocast version, so an id
+    is never reused while its entry lives.
+    """
+    key = self.memo_key(closed, args)
+    hit = self._memo.get(key)
+    if hit is not None and hit[0] is closed:
+      return hit[1]
+    new = self.trace_closed(closed, args)
+    self._memo[key] = (closed, new)
+    return new
 
   def for_tangents(self) -> "Interpreter":
     """The interpreter for custom JVP rules (see ``OpRuleContext.accumulate_f32``)."""
@@ -209,6 +242,17 @@ class Interpreter:
       self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]
   ) -> list[Any]:
     """Evaluates an open jaxpr; returns its outputs in their autocast dtypes."""
+    self._depth[0] += 1
+    try:
+      return self._eval_jaxpr(jaxpr, consts, args)
+    finally:
+      self._depth[0] -= 1
+      if not self._depth[0]:
+        self._memo.clear()
+
+  def _eval_jaxpr(
+      self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]
+  ) -> list[Any]:
     env: dict[Any, Any] = {}
     weak: set[Any] = set()
     for var, val in compat.bind_inputs(jaxpr, consts, args):
@@ -402,7 +446,9 @@ def _jit(interp: Interpreter, ctx: rules_lib.OpRuleContext, args, params):
     # Delayed scaling's histories flow in and out of the body: inline it (a
     # jit inside a traced function is a call; XLA compiles one program).
     return interp.eval_closed(compat.jit_body(params), args)
-  new_body = interp.trace_closed(compat.jit_body(params), args)
+  # One autocast body per traced body and input types: re-bound calls of one
+  # jitted function then share a function in the lowered program.
+  new_body = interp.traced_once(compat.jit_body(params), args)
   return ctx.bind(*args, **compat.with_jit_body(params, new_body))
 
 
