@@ -79,6 +79,15 @@ QMAP_4_UNSIGNED = np.array([_to_f32(Fraction(k, 16)) for k in range(1, 17)],
 BLOCK = {"e4m3": 256, "8bit": 256, "4bit": 128}
 
 
+def effective_block(fmt: str, n: int) -> int:
+  """The documented rule: the format's block, or for a shorter row the
+  smallest power of two >= n, at least 32."""
+  block = 32
+  while block < n:
+    block *= 2
+  return min(BLOCK[fmt], block)
+
+
 def qmap(fmt: str, non_negative: bool) -> np.ndarray:
   if fmt == "8bit":
     return QMAP_8_UNSIGNED if non_negative else QMAP_8_SIGNED
@@ -87,8 +96,8 @@ def qmap(fmt: str, non_negative: bool) -> np.ndarray:
 
 def quantize(x: np.ndarray, fmt: str, non_negative: bool, block=None):
   """``(codes (*lead, nb, block), scales (*lead, nb))`` of a float32 moment."""
-  block = block or BLOCK[fmt]
   x = np.asarray(x, np.float32)
+  block = block or effective_block(fmt, x.shape[-1])
   x = np.where(np.abs(x) < np.float32(2.0**-126), np.float32(0), x)
   *lead, n = x.shape
   nb = -(-n // block)

@@ -198,3 +198,14 @@ def test_layout_and_padding():
   # Padding: the zeros after element 300 take the zero code.
   zero_code = int(np.flatnonzero(fmt.book(False).values == 0)[0])
   _same(codes[:, 2, 300 - 256:], np.full((2, 84), zero_code, np.uint8))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_short_rows_use_a_smaller_block(fmt):
+  """A row shorter than the block uses the next power of two (>= 32)."""
+  for shape, block in [((5, 40), 64), ((3, 10), 32)]:
+    fmt_obj = sc.FORMATS[fmt]
+    assert sc.block_for(fmt_obj, shape[-1]).block_size == block
+    x = _random(shape, seed=11)
+    _check_against_reference(x, fmt, False)
+    _check_against_reference(np.abs(x), fmt, True)

@@ -18,7 +18,9 @@ leaf at a time, and how the leaf is turned back into float32. Formats
   ones.
 
 Layout (one array per moment, the params' leading axes untouched). Blocks
-run along the LAST axis of a leaf of shape ``(*lead, n)``: the last axis is
+run along the LAST axis of a leaf of shape ``(*lead, n)`` (a row shorter
+than the format's block uses the next power of two >= n, at least 32, as its
+block: :func:`block_for`); the last axis is
 padded with zeros to ``nb * block`` (``nb = ceil(n / block)``; zeros change no
 block's absmax) and each block is stored as its code bytes followed by the
 4 bytes of its float32 absmax (little-endian bits), so the stored leaf is
@@ -221,6 +223,21 @@ def with_block_size(fmt: StateFormat, block_size: int) -> StateFormat:
   return dataclasses.replace(fmt, block_size=block_size)
 
 
+#: The smallest block: rows shorter than a format's block use the next power
+#: of two at or above their length, not below this.
+MIN_BLOCK = 32
+
+
+def block_for(fmt: StateFormat, n: int) -> StateFormat:
+  """``fmt`` with the block it uses for rows of length ``n``: its own, or,
+  for a shorter row, the next power of two >= n (at least
+  :data:`MIN_BLOCK`), so that short rows are not mostly padding."""
+  if not fmt.blocked:
+    return fmt
+  block = min(fmt.block_size, max(MIN_BLOCK, 1 << max(n - 1, 0).bit_length()))
+  return fmt if block == fmt.block_size else with_block_size(fmt, block)
+
+
 def stored_shape(shape: tuple[int, ...], fmt: StateFormat) -> tuple[int, ...]:
   """The shape of the array a moment of ``shape`` is stored in."""
   if not fmt.blocked:
@@ -228,6 +245,7 @@ def stored_shape(shape: tuple[int, ...], fmt: StateFormat) -> tuple[int, ...]:
   if not shape:
     raise ValueError("a block format needs at least one axis")
   *lead, n = shape
+  fmt = block_for(fmt, n)
   blocks = -(-n // fmt.block_size)
   return (*lead, blocks * (fmt.block_size * fmt.bits // 8 + _SCALE_BYTES))
 
@@ -264,8 +282,10 @@ def _flush(x: jax.Array) -> jax.Array:
 
 def _absmax(blocks: jax.Array) -> jax.Array:
   """Each block's absmax, NaN where a block holds NaN or inf."""
+  # Flagged explicitly: a max reduction need not propagate NaN.
+  finite = jnp.all(jnp.isfinite(blocks), axis=-1)
   absmax = jnp.max(jnp.abs(blocks), axis=-1)
-  return jnp.where(jnp.isfinite(absmax), absmax, jnp.float32(jnp.nan))
+  return jnp.where(finite, absmax, jnp.float32(jnp.nan))
 
 
 def _normalised(blocks: jax.Array, absmax: jax.Array) -> jax.Array:
@@ -415,6 +435,7 @@ def encode(x: jax.Array, fmt: StateFormat, non_negative: bool,
     if fmt.stochastic:
       return _stochastic_bf16(x.astype(_F32), key)
     return x.astype(fmt.dtype)
+  fmt = block_for(fmt, x.shape[-1])
   codes, scales = quantize_blocks(x, fmt, non_negative)
   return pack(codes, scales, fmt)
 
@@ -424,6 +445,7 @@ def decode(stored: jax.Array, fmt: StateFormat, non_negative: bool,
   """The float32 moment of original shape ``shape`` from its stored form."""
   if fmt.kind == "float":
     return stored.astype(_F32)
+  fmt = block_for(fmt, shape[-1])
   codes, scales = unpack(stored, fmt)
   return _unblocks(dequantize_blocks(codes, scales, fmt, non_negative),
                    shape[-1])

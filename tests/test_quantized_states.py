@@ -1,0 +1,262 @@
+"""quantized_states: low-bit moments for any optax optimizer."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jmp_lite
+from jmp_lite._src import state_codes as sc
+from jmp_lite._src.quantized_states import (
+    QuantizedStatesState, bytes_per_parameter, quantized_states)
+
+# optax's adam raises float ** int32 under strict promotion (conftest.py).
+pytestmark = pytest.mark.standard_promotion
+
+
+def _params(dtype=jnp.float32):
+  k1, k2 = jax.random.split(jax.random.key(0))
+  return {"w": jax.random.normal(k1, (64, 256), jnp.float32).astype(dtype),
+          "e": jax.random.normal(k2, (32, 384), jnp.float32).astype(dtype),
+          "b": jnp.zeros(256, dtype)}
+
+
+def _grads(params, step):
+  return jax.tree.map(
+      lambda p: jax.random.normal(jax.random.key(step), p.shape, jnp.float32)
+      .astype(p.dtype) * 0.1, params)
+
+
+def _run(opt, params, steps=3):
+  state = opt.init(params)
+  step = jax.jit(opt.update)
+  for i in range(steps):
+    updates, state = step(_grads(params, i), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+INNERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda: optax.lion(1e-3),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=1024),
+}
+
+
+@pytest.mark.parametrize("name", list(INNERS))
+@pytest.mark.parametrize("fmt", ["8bit", "4bit", "e4m3"])
+def test_one_wrapper_for_every_optimizer(name, fmt):
+  """The inner optimizer's own math on decoded moments: close to the float32
+  run, the quantized leaves stored in their format, the rest float32."""
+  params = _params()
+  ref, _ = _run(INNERS[name](), params)
+  got, state = _run(quantized_states(INNERS[name](), mu=fmt, nu=fmt), params)
+  for k in params:
+    np.testing.assert_allclose(got[k], ref[k], atol=0.05)
+  dtype = sc.stored_dtype(sc.FORMATS[fmt])
+  leaves = jax.tree.leaves_with_path(state.inner_state)
+  stored = [jax.tree_util.keystr(p) for p, x in leaves
+            if hasattr(x, "dtype") and x.dtype == dtype]
+  if name == "adafactor":  # Unfactored leaves only: v.
+    assert stored and all(".v[" in p for p in stored)
+  else:
+    assert stored
+  # The bias (256 < 4096 elements) stays float32.
+  assert all("'b'" not in p for p in stored)
+
+
+def test_roles_from_state_structure():
+  params = _params()
+  state = quantized_states(optax.adam(1e-3), mu="4bit", nu="4bit").init(params)
+  adam = state.inner_state[0]
+  w_mu, w_nu = adam.mu["w"], adam.nu["w"]
+  fmt = sc.FORMATS["4bit"]
+  # Zero moments: mu decodes to 0 with the signed map's zero code, nu's block
+  # scale is 0 (its zero-free code decodes to 0 only in an all-zero block).
+  codes, scales = sc.unpack(w_mu, fmt)
+  zero = int(np.flatnonzero(fmt.book(False).values == 0)[0])
+  assert np.all(np.asarray(codes) == zero) and np.all(np.asarray(scales) == 0)
+  codes, scales = sc.unpack(w_nu, fmt)
+  assert np.all(np.asarray(codes) == fmt.book(True).first)
+  # User overrides by path.
+  state = quantized_states(optax.adam(1e-3), mu="8bit", nu="8bit",
+                           keep=(r"\['e'\]",)).init(params)
+  assert state.inner_state[0].mu["e"].dtype == jnp.float32
+  assert state.inner_state[0].mu["w"].dtype == jnp.uint8
+
+
+def test_unknown_fields_are_kept():
+  """MultiSteps' accumulated gradients are no moment: they stay float32,
+  while the moments inside are quantized."""
+  opt = quantized_states(optax.MultiSteps(optax.adam(1e-3), 2),
+                         mu="8bit", nu="8bit")
+  state = opt.init(_params())
+  acc = state.inner_state.acc_grads
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(acc))
+  assert state.inner_state.inner_opt_state[0].mu["w"].dtype == jnp.uint8
+
+
+def test_bytes_per_parameter_table():
+  """From jax.eval_shape(opt.init): bf16 params + stochastic rounding +
+  8-bit m and v <= 4.05 bytes; 4-bit <= 3.1 (GPT-2-small-like shapes)."""
+  params = {"wte": jax.ShapeDtypeStruct((50257, 768), jnp.bfloat16),
+            "attn": jax.ShapeDtypeStruct((768, 2304), jnp.bfloat16),
+            "mlp": jax.ShapeDtypeStruct((768, 3072), jnp.bfloat16),
+            "ln": jax.ShapeDtypeStruct((768,), jnp.bfloat16)}
+  table = {}
+  for mu, nu in [("float32", "float32"), ("bfloat16", "bfloat16"),
+                 ("e4m3", "e4m3"), ("8bit", "8bit"), ("4bit", "4bit")]:
+    opt = jmp_lite.master_weights(
+        quantized_states(optax.adam(1e-3), mu=mu, nu=nu),
+        method="stochastic_rounding")
+    state = jax.eval_shape(opt.init, params)
+    table[mu] = 2 + bytes_per_parameter(state, params)
+  assert table["8bit"] <= 4.05 and table["e4m3"] <= 4.05
+  assert table["4bit"] <= 3.1
+  assert table["bfloat16"] == pytest.approx(6.0, abs=0.01)
+  assert table["float32"] == pytest.approx(10.0, abs=0.01)
+
+
+def test_tree_utilities():
+  params = _params()
+  opt = quantized_states(optax.adam(1e-3), mu="8bit", nu="4bit")
+  state = opt.init(params)
+  shapes = jax.eval_shape(opt.init, params)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), state)
+  mu = optax.tree.get(state, "mu")
+  assert mu["w"].shape == sc.stored_shape((64, 256), sc.FORMATS["8bit"])
+  specs = {"w": P("x"), "e": P("x"), "b": P()}
+  mapped = optax.tree_map_params(opt, lambda _, s: s, state, specs,
+                                 transform_non_params=lambda _: P())
+  assert mapped.inner_state[0].nu["w"] == P("x")
+  assert mapped.inner_state[0].count == P()
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_bit_identical_on_1_2_4_8_devices(fmt):
+  """FSDP sharding of the leading axis: state sharded like the params and
+  the same bits on 1, 2, 4 and 8 devices."""
+  params = _params()
+  opt = quantized_states(optax.adamw(1e-2), mu=fmt, nu=fmt)
+  results = []
+  for n in (1, 2, 4, 8):
+    mesh = Mesh(np.array(jax.devices()[:n]), ("fsdp",))
+    specs = {"w": P("fsdp"), "e": P("fsdp"), "b": P()}
+    shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    p = jax.device_put(params, shard)
+    state_shapes = jax.eval_shape(opt.init, p)
+    state_specs = optax.tree_map_params(
+        opt, lambda _, s: s, state_shapes, shard,
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+    state = jax.jit(opt.init, out_shardings=state_specs)(p)
+    step = jax.jit(opt.update, out_shardings=(shard, state_specs))
+    for i in range(2):
+      updates, state = step(jax.device_put(_grads(params, i), shard), state, p)
+      p = optax.apply_updates(p, updates)
+    nu_w = state.inner_state[0].nu["w"]
+    assert nu_w.sharding.spec == P("fsdp")
+    results.append(jax.tree.map(np.asarray, (p, state)))
+  for other in results[1:]:
+    jax.tree.map(np.testing.assert_array_equal, results[0], other)
+
+
+def test_composes_with_master_weights_and_loss_scaling():
+  """A skipped step leaves codes, scales and the key untouched."""
+  params = _params(jnp.bfloat16)
+  opt = jmp_lite.loss_scaling(
+      jmp_lite.master_weights(
+          quantized_states(optax.adam(1e-2), mu="bf16_sr", nu="8bit"),
+          method="stochastic_rounding"),
+      jmp_lite.DynamicLossScale(jnp.float32(2.0**4)))
+  state = opt.init(params)
+  grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
+  _, skipped = jax.jit(opt.update)(grads, state, params)
+  inner = lambda s: optax.tree.get(s, "inner_state")
+  before = jax.tree.leaves(optax.tree.get_all_with_path(state, "rng_key"))
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.tree.leaves(state.inner_state),
+               jax.tree.leaves(skipped.inner_state))
+  del inner, before
+  grads = _grads(params, 0)
+  scaled = jax.tree.map(lambda g: g * 16, grads)
+  updates, state = jax.jit(opt.update)(scaled, state, params)
+  assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+def test_stochastic_rounding_key_in_state():
+  params = _params()
+  opt = quantized_states(optax.adam(1e-2), mu="bf16_sr", nu="bf16")
+  _, a = _run(opt, params, steps=2)
+  _, b = _run(opt, params, steps=2)
+  jax.tree.map(np.testing.assert_array_equal, a, b)  # Reproducible.
+  assert a.rng_key.dtype == jnp.uint32
+  _, c = _run(quantized_states(optax.adam(1e-2), mu="bf16_sr", nu="bf16",
+                               seed=1), params, steps=2)
+  assert not np.array_equal(a.inner_state[0].mu["w"], c.inner_state[0].mu["w"])
+
+
+def test_non_finite_moments_stay_visible():
+  params = _params()
+  opt = quantized_states(optax.sgd(0.1, momentum=0.9), mu="8bit")
+  state = opt.init(params)
+  grads = _grads(params, 0)
+  grads["w"] = grads["w"].at[3, 7].set(jnp.nan)
+  _, state = opt.update(grads, state, params)
+  trace = sc.decode(state.inner_state[0].trace["w"], sc.FORMATS["8bit"], False,
+                    (64, 256))
+  assert bool(jnp.all(jnp.isnan(trace[3]))) and bool(
+      jnp.all(jnp.isfinite(trace[4])))
+
+
+# -- bad inputs ------------------------------------------------------------------
+
+
+def test_unknown_format():
+  with pytest.raises(ValueError, match=r"unknown nu format 'int8'.*'8bit'"):
+    quantized_states(optax.adam(1e-3), nu="int8")
+  with pytest.raises(TypeError, match="mu must be a format name"):
+    quantized_states(optax.adam(1e-3), mu=object())
+
+
+def test_bad_block_size():
+  with pytest.raises(ValueError, match=r"block_size=100; .*power of two"):
+    quantized_states(optax.adam(1e-3), mu="8bit", block_size=100)
+  with pytest.raises(TypeError, match="block_size must be an int"):
+    quantized_states(optax.adam(1e-3), mu="8bit", block_size=128.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.float8_e4m3fn])
+def test_integer_or_float8_params(dtype):
+  params = {"w": jnp.ones((4, 4), dtype)}
+  with pytest.raises(ValueError, match=r"param \['w'\] is " + np.dtype(dtype).name):
+    quantized_states(optax.adam(1e-3), mu="8bit").init(params)
+
+
+def test_hyperparameters_in_the_states_dtype():
+  inner = optax.inject_hyperparams(optax.adam)(
+      learning_rate=1e-3, b2=jnp.bfloat16(0.999))
+  with pytest.raises(ValueError, match=r"b2.* bfloat16 \(value 1\.0\).*beta2"):
+    quantized_states(inner, mu="8bit", nu="8bit").init(_params())
+  # float32 hyperparameters are never cast.
+  inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, b2=0.999)
+  state = quantized_states(inner, mu="8bit", nu="8bit").init(_params())
+  assert state.inner_state.hyperparams["b2"].dtype == jnp.float32
+
+
+def test_state_restored_into_another_format():
+  params = _params()
+  state = quantized_states(optax.adam(1e-3), mu="8bit", nu="8bit").init(params)
+  other = quantized_states(optax.adam(1e-3), mu="4bit", nu="8bit")
+  with pytest.raises(ValueError, match=r"mu='4bit'.*\.mu\['e'\] is uint8"):
+    other.update(_grads(params, 0), state, params)
+  e4m3 = quantized_states(optax.adam(1e-3), mu="e4m3", nu="8bit")
+  with pytest.raises(ValueError, match="expected int8"):
+    e4m3.update(_grads(params, 0), state, params)
+  with pytest.raises(ValueError, match="random key is missing"):
+    quantized_states(optax.adam(1e-3), mu="bf16_sr").update(
+        _grads(params, 0), state, params)
