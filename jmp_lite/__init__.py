@@ -25,8 +25,8 @@ from jmp_lite._src.policy import Policy
 from jmp_lite._src.tree import all_finite
 from jmp_lite._src.tree import select_tree
 # Policies on functions, float32 islands.
-from jmp_lite._src.policy import in_float32
-from jmp_lite._src.policy import with_policy
+from jmp_lite._src.apply import in_float32
+from jmp_lite._src.apply import with_policy
 # The optimizer side.
 from jmp_lite._src.loss_scaling import get_loss_scale
 from jmp_lite._src.loss_scaling import loss_scaling

@@ -16,9 +16,11 @@ import pytest
 
 import jmp_lite
 from jmp_lite import fp8
+from jmp_lite._src import markers
 from jmp_lite._src import policy as policy_lib
+from jmp_lite._src.fp8 import config as recipes_lib
 
-RECIPES = tuple(policy_lib.FP8_RECIPES)
+RECIPES = tuple(recipes_lib.FP8_RECIPES)
 CURRENT = tuple(r for r in RECIPES if r != "fp8_delayed")
 E4, E5 = "float8_e4m3fn", "float8_e5m2"
 
@@ -113,7 +115,7 @@ def test_every_named_recipe_round_trips_and_hashes(recipe):
   again = jmp_lite.get_policy(str(policy))
   assert again == policy and hash(again) == hash(policy)
   # The same recipe as a config makes the same policy.
-  config = fp8.Fp8Config(**policy_lib.FP8_RECIPES[recipe])
+  config = fp8.Fp8Config(**recipes_lib.FP8_RECIPES[recipe])
   assert config.spec() == recipe
   built = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.float32,
                           matmul_precision=config)
@@ -199,7 +201,7 @@ def test_random_policies_round_trip_exactly():
     assert str(again) == text
     recipe = again.matmul_precision
     assert (recipe if isinstance(recipe, fp8.Fp8Config) else
-            fp8.Fp8Config(**policy_lib.FP8_RECIPES[recipe])) == config, text
+            fp8.Fp8Config(**recipes_lib.FP8_RECIPES[recipe])) == config, text
   assert covered == {f.name for f in dataclasses.fields(fp8.Fp8Config)} - {
       "compute_dtype"}, "a new Fp8Config field: add it to _random_config"
 
@@ -411,6 +413,43 @@ def test_delayed_recipes_need_state():
     with pytest.raises(ValueError,
                        match="'fp8_delayed' uses delayed scaling.*linen"):
       wrap(mlp, "p=f32,c=bf16,o=f32,m=fp8_delayed")
+
+
+def test_no_recipe_is_parsed_from_text_while_tracing(monkeypatch):
+  """Recipes travel as objects: a policy resolves its recipe once, markers
+  carry a registry key, and tracing a 4-matmul model under autocast,
+  with_policy and a marked region parses no recipe text."""
+  custom = "p=f32,c=bf16,o=f32,m=fp8_rowwise(dim_multiple=8)"
+  policy = jmp_lite.get_policy(custom)
+  assert policy.fp8_recipe == fp8.Fp8Config(
+      granularity="row", gradient_format="e4m3", dim_multiple=8)
+  assert jmp_lite.get_policy("mixed_fp8").fp8_recipe == fp8.Fp8Config()
+  assert jmp_lite.get_policy("tf32").fp8_recipe is None
+  blockwise = jmp_lite.get_policy("c=bf16,m=fp8_blockwise(block_size=32)")
+  marker = markers.fp8_marker(blockwise.fp8_recipe)
+  assert re.fullmatch(r"jmp_lite\.fp8\[\d+\]", marker), marker
+  assert markers.marked_recipe(f"a/{marker}/b", None) is blockwise.fp8_recipe
+  calls = []
+  real = recipes_lib.from_spec
+  monkeypatch.setattr(recipes_lib, "from_spec",
+                      lambda text: calls.append(text) or real(text))
+
+  def model(params, x):
+    h = x @ params["w1"]
+    with jax.named_scope(marker):
+      h = jax.nn.relu(h[:, :32] @ params["sq"])
+      h = h @ params["sq"]
+    return h @ params["w2"][:32]
+
+  params = {**PARAMS, "sq": _data((32, 32), 6)}
+  for f in (jmp_lite.autocast(model, policy),
+            jmp_lite.with_policy(model, policy)):
+    dots = jaxpr_dots(jax.grad(lambda p, f=f: f(p, X).sum()), params)
+    assert (E4, E4) in dots
+  assert calls == []
+  # The same spelling resolves to an equal recipe (text is read once, by
+  # get_policy; the parse is cached).
+  assert jmp_lite.get_policy(custom).fp8_recipe == policy.fp8_recipe
 
 
 def test_markers_scope_recipes_and_reach_bodies():

@@ -1,20 +1,26 @@
 """Precision policies: which dtype params are stored in, computed in, returned
-in, and how precisely matmuls run."""
+in, and how precisely matmuls run.
+
+A policy's float8 recipe (``m=fp8``...) is resolved once, when the policy is
+built, to a recipe object of the layer below (``Policy.fp8_recipe``, a
+``jmp_lite.fp8.Fp8Config``); applying a policy to a function
+(``with_policy``, ``in_float32``) lives in the layer above autocast
+(``_src/apply.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 import warnings
 
 import jax
 import numpy as np
 
-from jmp_lite._src import checks
 from jmp_lite._src import dtypes
+from jmp_lite._src import markers
 from jmp_lite._src import tree as tree_lib
+from jmp_lite._src.fp8 import config as recipes_lib
 
 T = TypeVar("T")
 
@@ -39,49 +45,6 @@ PRESETS: dict[str, str] = {
     "tf32": "p=f32,c=f32,o=f32,m=tf32",
     "mixed_fp8": "p=f32,c=bf16,o=f32,m=fp8",
 }
-
-#: The float8 matmul recipes a policy names with ``m=`` (plain data: the
-#: fields of ``jmp_lite.fp8.Fp8Config`` that differ from its defaults; the
-#: float8 layer turns a name into its config). Why each: ``docs/fp8.md``.
-FP8_RECIPES: dict[str, dict[str, Any]] = {
-    # Per-tensor current scaling, e4m3 forward, e5m2 gradients: torchao's
-    # "tensorwise", Transformer Engine's Float8CurrentScaling (HYBRID).
-    "fp8": {},
-    # One scale per row along the contracting dimension, e4m3 everywhere,
-    # power-of-two scales: torchao's "rowwise".
-    "fp8_rowwise": {"granularity": "row", "gradient_format": "e4m3"},
-    # DeepSeek-V3: 1x128 activation/gradient tiles, 128x128 weight blocks,
-    # e4m3 everywhere (Transformer Engine's Float8BlockScaling).
-    "fp8_blockwise": {"granularity": "blockwise", "gradient_format": "e4m3"},
-    # OCP MX: 1x32 blocks, E8M0 scales, e4m3 everywhere (TE's
-    # MXFP8BlockScaling default).
-    "mxfp8": {"granularity": "mxfp8", "gradient_format": "e4m3"},
-    # Per-tensor delayed scaling of the forward operands (amax histories),
-    # current-scaled gradients.
-    "fp8_delayed": {"scaling": "delayed"},
-}
-
-#: The ``jax.named_scope`` prefix of a float8 region marker (see
-#: :func:`fp8_marker`).
-FP8_SCOPE = "jmp_lite.fp8"
-
-
-class MatmulRecipe:
-  """Base class of the matmul recipes a policy can hold (``m=``).
-
-  The policy layer sits above the float8 layer, so it knows recipes only
-  through this interface: ``jmp_lite.fp8.Fp8Config`` implements it. A recipe
-  is immutable and hashable, and :meth:`spec` is its canonical text in the
-  policy grammar (a name of :data:`FP8_RECIPES`, or such a name with the
-  fields that differ: ``"fp8_delayed(margin=1)"``).
-  """
-
-  def spec(self) -> str:
-    """The recipe's canonical text in the policy grammar."""
-    raise NotImplementedError
-
-  def check_policy_use(self) -> None:
-    """Raises if the recipe cannot sit in a policy (default: it can)."""
 
 # Matmul precisions a policy may name: ours (aliases -> canonical name) and
 # every jax.lax.DotAlgorithmPreset but DEFAULT, by lowercase name. Each maps to
@@ -110,8 +73,8 @@ MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "f32", "bf16", *_PRESETS_BY_NAME)
 _FP8_COMPUTE = tuple(np.dtype(d) for d in ("float32", "bfloat16", "float16"))
 
 
-def _fp8_recipe(value: Any, compute: np.dtype) -> "str | MatmulRecipe":
-  """A float8 recipe (name or MatmulRecipe), canonical and checked."""
+def _fp8_recipe(value: Any, compute: np.dtype) -> "str | recipes_lib.Fp8Config":
+  """A float8 recipe (name or Fp8Config), canonical and checked."""
   if compute not in _FP8_COMPUTE:
     raise ValueError(
         f"matmul_precision {_recipe_text(value)!r} is a float8 recipe, which "
@@ -124,28 +87,20 @@ def _fp8_recipe(value: Any, compute: np.dtype) -> "str | MatmulRecipe":
   spec = value.spec()
   # A recipe equal to a named one is stored by its name, so that the two
   # spellings make equal (and equally hashing) policies.
-  return spec if spec in FP8_RECIPES else value
+  return spec if spec in recipes_lib.FP8_RECIPES else value
 
 
 def _recipe_text(value: Any) -> str:
   return value if isinstance(value, str) else value.spec()
 
 
-def _parse_recipe(text: str) -> MatmulRecipe:
-  """A custom recipe written ``name(key=value;...)``, as a MatmulRecipe."""
-  # The one place the policy layer reaches into the float8 layer below it:
-  # only the float8 layer knows the fields of a recipe. Imported here, on
-  # use, so that importing the policy layer never imports the float8 one.
-  from jmp_lite._src.fp8 import config as fp8_config  # pylint: disable=g-import-not-at-top
-  return fp8_config.from_spec(text)
-
-
-def _matmul_precision(value: Any, compute_dtype: Any) -> "str | MatmulRecipe | None":
+def _matmul_precision(
+    value: Any, compute_dtype: Any) -> "str | recipes_lib.Fp8Config | None":
   """Validates a matmul precision for a compute dtype; its canonical form."""
   if value is None:
     return None
   compute = np.dtype(compute_dtype)
-  if isinstance(value, MatmulRecipe):
+  if isinstance(value, recipes_lib.Fp8Config):
     return _fp8_recipe(value, compute)
   if isinstance(value, jax.lax.DotAlgorithmPreset):
     value = value.name
@@ -160,11 +115,11 @@ def _matmul_precision(value: Any, compute_dtype: Any) -> "str | MatmulRecipe | N
   name = compact.lower()
   if name == "default":
     return None
-  if name in FP8_RECIPES:
+  if name in recipes_lib.FP8_RECIPES:
     return _fp8_recipe(name, compute)
   if "(" in name:
     # The recipe's fields keep their case (axis names are case-sensitive).
-    return _fp8_recipe(_parse_recipe(compact), compute)
+    return _fp8_recipe(recipes_lib.from_spec(compact), compute)
   name = _PRECISION_ALIASES.get(name, name)
   if name in _JAX_PRECISION:
     if compute != dtypes.FLOAT32:
@@ -181,7 +136,7 @@ def _matmul_precision(value: Any, compute_dtype: Any) -> "str | MatmulRecipe | N
         f"Unknown matmul precision {value!r}. Valid: {', '.join(MATMUL_PRECISIONS)}"
         " (tf32/f32/bf16 for float32 compute; the others are "
         "jax.lax.DotAlgorithmPreset names), 'default', or a float8 recipe: "
-        f"{', '.join(FP8_RECIPES)} (custom: 'fp8_delayed(margin=1)' or a "
+        f"{', '.join(recipes_lib.FP8_RECIPES)} (custom: 'fp8_delayed(margin=1)' or a "
         "jmp_lite.fp8.Fp8Config; see docs/fp8.md)."
     )
   supported = preset.supported_lhs_types or ()
@@ -208,7 +163,9 @@ class Policy:
   ``docs/precision.md`` (matmul precision). A float8 recipe (``"fp8"``,
   ``"fp8_rowwise"``, ``"fp8_blockwise"``, ``"mxfp8"``, ``"fp8_delayed"`` or a
   ``jmp_lite.fp8.Fp8Config``) runs the policy's matmuls in float8 instead:
-  ``docs/fp8.md``.
+  ``docs/fp8.md``. ``matmul_precision`` keeps the spelling given (a named
+  recipe stays its name); ``fp8_recipe`` holds the recipe resolved to an
+  ``Fp8Config`` once, when the policy is built (None without one).
 
   Args:
     param_dtype: dtype parameters are stored in (usually float32).
@@ -242,7 +199,11 @@ class Policy:
   param_dtype: type
   compute_dtype: type
   output_dtype: type
-  matmul_precision: "str | MatmulRecipe | None" = None
+  matmul_precision: "str | recipes_lib.Fp8Config | None" = None
+  #: The policy's float8 recipe, resolved once from ``matmul_precision``
+  #: (``"fp8"`` -> ``Fp8Config()``), or None without one.
+  fp8_recipe: "recipes_lib.Fp8Config | None" = dataclasses.field(
+      default=None, init=False, compare=False, repr=False)
 
   def __init__(
       self,
@@ -261,6 +222,8 @@ class Policy:
     object.__setattr__(
         self, "matmul_precision",
         _matmul_precision(matmul_precision, self.compute_dtype))
+    object.__setattr__(
+        self, "fp8_recipe", recipes_lib.recipe_config(self.matmul_precision))
 
   def cast_to_param(self, x: T) -> T:
     """Casts the floating leaves of ``x`` to the param dtype.
@@ -319,7 +282,7 @@ class Policy:
     (an enclosing policy's precision then stays in force; float8 matmuls are
     made by autocast's interpreter, not by a precision setting).
     """
-    if self.matmul_precision is None or fp8_spec(self) is not None:
+    if self.matmul_precision is None or self.fp8_recipe is not None:
       return contextlib.nullcontext()
     name = _JAX_PRECISION.get(self.matmul_precision,
                               self.matmul_precision.upper())
@@ -363,7 +326,7 @@ def _warn_unapplied_precision(policy: Policy, method: str) -> None:
     return
   _WARNED_UNAPPLIED.add(policy)
   m = _recipe_text(policy.matmul_precision)
-  meaning = (f"in float8 ({m})" if fp8_spec(policy) is not None
+  meaning = (f"in float8 ({m})" if policy.fp8_recipe is not None
              else f"at the {m} precision")
   warnings.warn(
       UNAPPLIED_MATMUL_PRECISION.format(
@@ -383,27 +346,15 @@ def cast_outputs(policy: Policy, tree: T) -> T:
   return tree_lib.cast_floating(tree, policy.output_dtype)
 
 
-def fp8_spec(policy: Policy) -> str | None:
-  """The canonical text of a policy's float8 recipe, or None if it has none."""
-  value = policy.matmul_precision
-  if isinstance(value, MatmulRecipe) or value in FP8_RECIPES:
-    return _recipe_text(value)
-  return None
-
-
 def fp8_marker(policy: Policy | None) -> str:
-  """The ``jax.named_scope`` that marks a float8 region: ``policy``'s recipe.
-
-  ``jmp_lite.fp8[<recipe>]`` (``jmp_lite.fp8[none]`` for a policy without
-  one). autocast's interpreter reads the innermost marker of every
-  ``dot_general``'s name stack: the Flax policies push one at each boundary.
-  """
-  spec = None if policy is None else fp8_spec(policy)
-  return f"{FP8_SCOPE}[{spec or 'none'}]"
+  """The named scope marking a float8 region with ``policy``'s recipe (see
+  ``jmp_lite._src.markers``); for the Flax layer until it moves."""
+  return markers.fp8_marker(None if policy is None else policy.fp8_recipe)
 
 
 def _looks_fp8(token: str) -> bool:
-  return "fp8" in token or "float8" in token or token in FP8_RECIPES
+  return ("fp8" in token or "float8" in token
+          or token in recipes_lib.FP8_RECIPES)
 
 
 def _spec_error(spec: str, problem: str) -> ValueError:
@@ -606,169 +557,3 @@ def cast_to_half(tree: T) -> T:
     True
   """
   return tree_lib.cast_floating(tree, dtypes.half_dtype())
-
-
-def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., Any]:
-  """Wraps a function so it runs under ``policy``: a functional apply.
-
-  The wrapper casts every floating leaf of its positional and keyword arguments
-  (params, inputs) to the compute dtype, calls ``fn`` (under the policy's
-  matmul precision, if it has one) and casts the floating leaves of the result
-  to the output dtype. With a float8 recipe (``"mixed_fp8"``), ``fn`` is
-  traced and its matmuls run in float8 but for the defaults' exclusions
-  (``docs/fp8.md``); array leaves of the arguments are traced, other leaves
-  are static. Integer inputs (labels, token ids),
-  ``None`` and other objects pass through. Keep params stored in the param
-  dtype outside; gradients with respect to them come back in that dtype.
-
-  Args:
-    fn: any function of pytrees, e.g. a Flax ``model.apply``.
-    policy: a ``Policy`` or a spec for :func:`get_policy`.
-
-  Returns:
-    The wrapped function (``functools.wraps`` keeps ``fn``'s name and doc).
-
-  Raises:
-    TypeError: if ``fn`` is not callable.
-    ValueError: for a delayed-scaling float8 recipe (it needs state: use the
-      Flax policies).
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> def apply(params, x):
-    ...   return x @ params["w"]
-    >>> f = jmp_lite.with_policy(apply, "p=f32,c=f16,o=f32")
-    >>> f({"w": jnp.ones((3, 2))}, jnp.ones((4, 3))).dtype
-    dtype('float32')
-  """
-  checks.function(fn, "with_policy", "a callable (e.g. model.apply)")
-  policy = get_policy(policy)
-  call = None
-  if fp8_spec(policy) is not None:
-    # Float8 matmuls are made by autocast's interpreter (one mechanism for
-    # every route). The one upward dependency of the policy layer, imported
-    # on use so that a policy without float8 never loads autocast.
-    from jmp_lite._src.autocast import float8  # pylint: disable=g-import-not-at-top
-    float8.check_stateless(policy, "jmp_lite.with_policy")
-    call = functools.partial(float8.evaluate, policy=policy,
-                             owner="jmp_lite.with_policy")
-
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    args, kwargs = cast_inputs(policy, (args, kwargs))
-    if call is not None:
-      return cast_outputs(policy, call(fn, args, kwargs))
-    with policy.matmul_context():
-      out = fn(*args, **kwargs)
-    return cast_outputs(policy, out)
-
-  wrapped.policy = policy  # type: ignore[attr-defined]
-  return wrapped
-
-
-# -- float32 islands ----------------------------------------------------------------
-
-#: The ``jax.named_scope`` that marks a float32 island: ``autocast`` leaves the
-#: operations traced inside it as they are.
-ISLAND_SCOPE = "jmp_lite.float32_island"
-
-#: What an island's matmul precision may be, and why.
-ISLAND_PRECISION = (
-    "in_float32 runs fn as a float32 island: its matmuls take float32 "
-    "operands at full float32 precision by default ('f32', HIGHEST). "
-    "matmul_precision may name another precision for float32 operands: "
-    "'tf32', 'bf16' (one bfloat16 pass) or a jax.lax.DotAlgorithmPreset for "
-    "float32 inputs such as 'bf16_bf16_f32_x3' or 'tf32_tf32_f32'. A float8 "
-    "recipe, a preset for half-precision or float8 inputs, or JAX's default "
-    "(TF32 on NVIDIA GPUs) would run the island's matmuls below float32 and "
-    "defeat the island; to run a region in float8, use a float8 policy "
-    "instead (e.g. jmp_lite.with_policy(fn, 'mixed_fp8')), and leave "
-    "matmul_precision unset here."
-)
-
-
-def _island_policy(matmul_precision: Any) -> Policy:
-  """The float32 policy of an island with ``matmul_precision``, checked."""
-  owner = "jmp_lite.in_float32"
-  value = matmul_precision
-  if isinstance(value, jax.lax.DotAlgorithmPreset):
-    value = value.name
-  if isinstance(value, MatmulRecipe) or value is None:
-    what = ("leaves the island's matmuls at JAX's default precision"
-            if value is None else "is a float8 recipe")
-    shown = repr(value) if value is None else repr(value.spec())
-    raise ValueError(
-        f"{owner}: matmul_precision={shown} {what}. {ISLAND_PRECISION}")
-  if not isinstance(value, str):
-    raise TypeError(
-        f"{owner}: matmul_precision must be a precision name such as 'f32' "
-        f"or 'tf32', got {type(value).__name__}: {value!r}. "
-        f"{ISLAND_PRECISION}")
-  name = "".join(value.split()).lower()
-  if name == "default" or name.partition("(")[0] in FP8_RECIPES:
-    what = ("leaves the island's matmuls at JAX's default precision"
-            if name == "default" else "is a float8 recipe")
-    raise ValueError(
-        f"{owner}: matmul_precision={value!r} {what}. {ISLAND_PRECISION}")
-  f32 = dtypes.FLOAT32
-  try:
-    return Policy(f32, f32, f32, matmul_precision=value)
-  except ValueError as err:
-    raise ValueError(
-        f"{owner}: matmul_precision={value!r} is not a precision for float32 "
-        f"matmuls ({err}). {ISLAND_PRECISION}") from None
-
-
-def in_float32(
-    fn: Callable[..., Any], *, matmul_precision: str = "f32"
-) -> Callable[..., Any]:
-  """Runs ``fn`` as a float32 island inside a half-precision computation.
-
-  The JAX counterpart of torch's ``custom_fwd(cast_inputs=torch.float32)`` and
-  MaxText's ``logits_dot_in_fp32``: the wrapper casts the floating leaves of
-  the arguments that are narrower than float32 to float32 (float64 stays),
-  and calls ``fn`` in a region ``autocast`` leaves as traced (in float32),
-  with full float32 matmuls (``HIGHEST``, not TF32, JAX's GPU default for
-  float32), also inside a tf32 or float8 policy. Outputs stay float32; gradients with respect to the
-  arguments come back in the arguments' dtypes. Works inside ``with_policy``,
-  the Flax policies (call it in a module's code) and ``autocast`` alike.
-
-  Args:
-    fn: the function to run in float32 (e.g. the logits matmul).
-    matmul_precision: the matmul precision inside: ``"f32"`` (default, full
-      float32), ``"tf32"``, ``"bf16"`` or a ``jax.lax.DotAlgorithmPreset``
-      for float32 inputs, such as ``"bf16_bf16_f32_x3"``. Float8 recipes,
-      presets for narrower inputs and ``None``/``"default"`` (TF32 on
-      NVIDIA GPUs) are refused: they would defeat the island.
-
-  Returns:
-    The wrapped function (``functools.wraps`` keeps ``fn``'s name and doc).
-
-  Raises:
-    TypeError: if ``fn`` is not callable.
-    TypeError: if ``matmul_precision`` is not a name or a preset.
-    ValueError: if ``matmul_precision`` is unknown, a float8 recipe, JAX's
-      default, or not for float32 inputs.
-
-  Example:
-    >>> import jax.numpy as jnp, jmp_lite
-    >>> logits = jmp_lite.in_float32(lambda h, w: h @ w)
-    >>> h, w = jnp.ones((2, 4), jnp.bfloat16), jnp.ones((4, 8))
-    >>> logits(h, w).dtype
-    dtype('float32')
-    >>> f = jmp_lite.autocast(lambda w, x: logits(x @ w, w), "bf16")
-    >>> [d for op, d in jmp_lite.op_dtypes(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
-    ...  if op == "dot_general"]
-    [('bfloat16', 'bfloat16'), ('float32', 'float32')]
-  """
-  checks.function(fn, "in_float32",
-                  "a callable, the function to run in float32")
-  inside = _island_policy(matmul_precision)
-
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    args, kwargs = tree_lib.widen_floating((args, kwargs))
-    with jax.named_scope(ISLAND_SCOPE), inside.matmul_context():
-      return fn(*args, **kwargs)
-
-  return wrapped

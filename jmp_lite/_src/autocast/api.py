@@ -13,11 +13,11 @@ from jmp_lite._src import dtypes
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src import compat
+from jmp_lite._src import markers
 from jmp_lite._src.autocast import float8 as float8_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.autocast import default_rules as table_lib
-from jmp_lite._src.fp8 import config as fp8_config
 
 _TRACING_ERRORS = (
     jax.errors.ConcretizationTypeError,
@@ -121,9 +121,9 @@ def autocast(
                   "a callable (e.g. model.apply or a loss function)")
   policy = _resolve_policy(policy_or_dtype)
   enabled = checks.flag(enabled, "enabled", "autocast")
-  fp8 = policy_lib.fp8_spec(policy) is not None
+  fp8 = policy.fp8_recipe is not None
   if fp8:
-    float8_lib.check_stateless(policy, "jmp_lite.autocast")
+    float8_lib.check_stateless(policy.fp8_recipe, "jmp_lite.autocast")
   if enabled:
     # On a jax whose internals autocast cannot read, only autocast fails.
     compat.require("jmp_lite.autocast")
@@ -145,7 +145,7 @@ def autocast(
 
   interp = interpreter_lib.Interpreter(
       policy.compute_dtype, table, fp8=fp8,
-      region=fp8_config.recipe_config(policy.matmul_precision))
+      region=policy.fp8_recipe)
   name = getattr(fn, "__qualname__", None) or repr(fn)
 
   @functools.wraps(fn)
@@ -252,7 +252,7 @@ def op_dtypes(
               for v in eqn.invars
               if tree_lib.is_float(v.aval)
           ),
-          float8_lib.fallback_reason(stack) if eqn.primitive is dot else None,
+          markers.fallback_reason(stack) if eqn.primitive is dot else None,
       )
       for eqn, stack in compat.walk_eqns_in_scopes(closed, live_only=True)
   ]

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import compat
+from jmp_lite._src import markers
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
@@ -78,25 +79,11 @@ HISTORY_LENGTH_MISMATCH = (
 #: Where float8 fallbacks are logged (level DEBUG, once per traced matmul).
 logger = logging.getLogger("jmp_lite")
 
-#: The named scope prefix a fallback matmul is bound under (op_dtypes reads it).
-FALLBACK_SCOPE = "jmp_lite.fp8_fallback"
-
-
-def fallback_reason(stack: str) -> str | None:
-  """The fallback reason recorded in a name stack, or None."""
-  start = stack.rfind(FALLBACK_SCOPE + "[")
-  if start < 0:
-    return None
-  end = stack.find("]", start)
-  return stack[start + len(FALLBACK_SCOPE) + 1:end]
-
-
-def check_stateless(policy: policy_lib.Policy, owner: str) -> None:
+def check_stateless(recipe: config_lib.Fp8Config | None, owner: str) -> None:
   """Refuses a delayed recipe where no state can be kept (autocast, with_policy)."""
-  config = config_lib.recipe_config(policy.matmul_precision)
-  if config is not None and config.scaling == "delayed":
+  if recipe is not None and recipe.scaling == "delayed":
     raise ValueError(DELAYED_NEEDS_STATE.format(owner=owner,
-                                                spec=config.spec()))
+                                                spec=recipe.spec()))
 
 
 # -- which matmuls run in float8 -------------------------------------------------
@@ -193,7 +180,7 @@ def _rule(fallback: str) -> Callable[..., Any]:
       shapes = " x ".join(str(tuple(a.shape)) for a in ctx.in_avals)
       logger.debug("jmp_lite: a dot_general %s stays out of float8: %s",
                    shapes, reason)
-      with jax.named_scope(f"{FALLBACK_SCOPE}[{reason}]"):
+      with jax.named_scope(markers.fallback_scope(reason)):
         return call()
     traced_out = np.dtype(ctx.out_avals[0].dtype)
     traced_in = {np.dtype(a.dtype) for a in ctx.in_avals}
@@ -407,8 +394,11 @@ class Site:
 
 
 @functools.lru_cache(maxsize=None)
-def _passthrough_table() -> dict[Any, Any]:
-  """Everything as traced but float8 matmuls; bodies entered (regions)."""
+def passthrough_table() -> dict[Any, Any]:
+  """The rule table of ``with_policy``'s float8 route (and the Flax
+  policies'): everything as traced but float8 matmuls
+  (:data:`fp8_dot_passthrough`); bodies entered, so that markers and the
+  policy's recipe reach them."""
   table: dict[Any, Any] = {prim: "recurse" for prim in interpreter_lib.HIGHER_ORDER}
   table[compat.primitive("dot_general_p")] = fp8_dot_passthrough
   return table
@@ -442,8 +432,8 @@ def evaluate(fn: Callable[..., Any], args: tuple, kwargs: dict,
   flat_fn, dynamic = interpreter_lib.split_static(fn, args, kwargs)
   closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
   interp = interpreter_lib.Interpreter(
-      policy.compute_dtype, _passthrough_table(), fp8=True,
-      region=config_lib.recipe_config(policy.matmul_precision), store=store)
+      policy.compute_dtype, passthrough_table(), fp8=True,
+      region=policy.fp8_recipe, store=store)
   outs = interp.eval_closed(closed, dynamic)
   leaves, treedef = jax.tree.flatten(out_shape)
   outs = interpreter_lib.cast_all(

@@ -36,9 +36,10 @@ Equations traced inside :func:`jmp_lite.in_float32` run with the
 ``"passthrough"`` rule, and higher-order primitives there are not entered.
 
 **Float8 regions** (``fp8=True``: a float8 recipe is in force somewhere). The
-recipe of each ``dot_general`` is the innermost float8 marker
-(``jmp_lite.fp8[<recipe>]``, :func:`jmp_lite._src.policy.fp8_marker`) in its
-name stack, else the region the interpreter carries (the policy's recipe for
+recipe of each ``dot_general`` is a recipe object: the one of the innermost
+float8 marker in its name stack (``jmp_lite.fp8[<key>]``, a key into the
+registry of :mod:`jmp_lite._src.markers`, never recipe text), else the
+region the interpreter carries (the policy's recipe object, handed over by
 ``autocast``/``with_policy``; a higher-order equation hands the recipe in
 force at it down to its bodies). The output head -- a ``dot_general`` from
 which no other one is reachable, at the top level of the traced program or in
@@ -61,37 +62,16 @@ from jax import lax
 import numpy as np
 
 from jmp_lite._src import checks
-from jmp_lite._src import dtypes
-from jmp_lite._src import policy as policy_lib
+from jmp_lite._src import markers
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src import compat
 from jmp_lite._src.autocast import rules as rules_lib
-from jmp_lite._src.fp8 import config as fp8_config
 
 _DOT = compat.primitive("dot_general_p")
 
 def _is_disabled(eqn: Any) -> bool:
   """Traced inside a float32 island (``in_float32``): left as traced."""
-  return policy_lib.ISLAND_SCOPE in compat.name_stack(eqn)
-
-
-_MARKER = policy_lib.FP8_SCOPE + "["
-
-
-def _marked_recipe(stack: str, default: Any) -> Any:
-  """The recipe of the innermost float8 marker in a name stack, or default."""
-  start = stack.rfind(_MARKER)
-  if start < 0:
-    return default
-  end = stack.find("]", start)
-  spec = stack[start + len(_MARKER):end]
-  return None if spec == "none" else fp8_config.from_spec(spec)
-
-
-def _scope_path(stack: str) -> tuple[str, ...]:
-  """The named scopes of a name stack, float8 markers left out (store keys)."""
-  return tuple(part for part in stack.split("/")
-               if part and not part.startswith(_MARKER))
+  return markers.in_island(compat.name_stack(eqn))
 
 
 def _is_quantized_dot(eqn: Any, region: Any) -> bool:
@@ -110,7 +90,7 @@ def _is_quantized_dot(eqn: Any, region: Any) -> bool:
     return True  # quantized already (its batch dimension is its own)
   if not eqn.params["dimension_numbers"][1][0]:
     return True
-  recipe = _marked_recipe(compat.name_stack(eqn), region)
+  recipe = markers.marked_recipe(compat.name_stack(eqn), region)
   return recipe is not None and recipe.include_batched
 
 
@@ -316,15 +296,15 @@ class Interpreter:
     stack = ""
     if self.fp8:
       stack = compat.name_stack(eqn)
-      recipe = _marked_recipe(stack, self.region)
+      recipe = markers.marked_recipe(stack, self.region)
       if eqn.primitive is _DOT:
         if is_sink and recipe is not None and not recipe.include_output_head:
           recipe = None  # the output head stays in the compute dtype
           excluded = "output head (include_output_head=False)"
         if self.store is not None:
-          site = self.store.site(_scope_path(stack), "dot_general")
+          site = self.store.site(markers.without_markers(stack), "dot_general")
       elif eqn.primitive is _SCAN and self.store is not None:
-        site = self.store.site(_scope_path(stack), "scan")
+        site = self.store.site(markers.without_markers(stack), "scan")
     if eqn.primitive in HIGHER_ORDER:
       recurse = self._child_for(eqn, recipe, is_sink, stack)._recurse
     elif eqn.primitive not in self.rules and not _is_disabled(eqn):
@@ -356,7 +336,7 @@ class Interpreter:
     if self.store is not None and kind in _STORE_THREADED:
       # A scan keys its body itself; inlined bodies extend the scopes.
       store = (self.store if kind == "scan"
-               else self.store.view(_scope_path(stack)))
+               else self.store.view(markers.without_markers(stack)))
     tail = self.tail and is_sink and kind not in _LOOPS
     return self.child(region=recipe, tail=tail, store=store)
 

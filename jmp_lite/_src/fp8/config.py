@@ -1,17 +1,21 @@
-"""The static configuration of a float8 matmul (a recipe).
+"""Float8 recipes as data: the named recipes, :class:`Fp8Config`, and their
+text in the policy grammar.
 
-:class:`Fp8Config` is a frozen, hashable dataclass: pass it as a static value
-(``functools.partial(fp8_dot_general, config=...)``, a module attribute, a
-``jit`` static argument) or as a policy's matmul precision
-(``Policy(..., matmul_precision=Fp8Config(...))``). Its constructor validates
-and canonicalises every field, so equal recipes compare and hash equal.
+The recipe layer sits below the policy and imports nothing above the
+foundations and the float8 element formats: a :class:`Fp8Config` is a
+frozen, hashable dataclass (a static value: ``functools.partial(
+fp8_dot_general, config=...)``, a ``jit`` static argument, a policy's
+resolved recipe). Its constructor validates and canonicalises every field, so
+equal recipes compare and hash equal.
 
-The policy grammar names recipes (``m=fp8``, ``m=fp8_rowwise``...): the names
-and their fields are plain data in the policy layer
-(:data:`jmp_lite._src.policy.FP8_RECIPES`); :func:`recipe_config` turns a
-policy's matmul precision into its config, and :meth:`Fp8Config.spec` /
-:func:`from_spec` write and read a config in the grammar
-(``"fp8_delayed(margin=1)"``).
+The policy grammar names recipes (``m=fp8``, ``m=fp8_rowwise``...):
+:data:`FP8_RECIPES` holds each name's fields, :func:`recipe_config` turns a
+policy's matmul precision into its recipe (once, when the policy is built:
+``Policy.fp8_recipe``), and :meth:`Fp8Config.spec` / :func:`from_spec` write
+and read a recipe in the grammar (``"fp8_delayed(margin=1)"``). This module
+also holds the one granularity vocabulary (:data:`GRANULARITIES`,
+:data:`MATMUL_GRANULARITIES`) that the quantizers, the matmul and the
+diagnostics use.
 """
 
 from __future__ import annotations
@@ -25,12 +29,80 @@ import numpy as np
 
 from jmp_lite._src import checks
 from jmp_lite._src import dtypes as dtypes_lib
-from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.fp8 import formats as formats_lib
-from jmp_lite._src.fp8 import scaling as scaling_lib
 
-#: The matmul granularities: how each operand of a float8 matmul is scaled.
+#: The float8 matmul recipes a policy names with ``m=`` (plain data: the
+#: fields of :class:`Fp8Config` that differ from its defaults). Why each:
+#: ``docs/fp8.md``.
+FP8_RECIPES: dict[str, dict[str, Any]] = {
+    # Per-tensor current scaling, e4m3 forward, e5m2 gradients: torchao's
+    # "tensorwise", Transformer Engine's Float8CurrentScaling (HYBRID).
+    "fp8": {},
+    # One scale per row along the contracting dimension, e4m3 everywhere,
+    # power-of-two scales: torchao's "rowwise".
+    "fp8_rowwise": {"granularity": "row", "gradient_format": "e4m3"},
+    # DeepSeek-V3: 1x128 activation/gradient tiles, 128x128 weight blocks,
+    # e4m3 everywhere (Transformer Engine's Float8BlockScaling).
+    "fp8_blockwise": {"granularity": "blockwise", "gradient_format": "e4m3"},
+    # OCP MX: 1x32 blocks, E8M0 scales, e4m3 everywhere (TE's
+    # MXFP8BlockScaling default).
+    "mxfp8": {"granularity": "mxfp8", "gradient_format": "e4m3"},
+    # Per-tensor delayed scaling of the forward operands (amax histories),
+    # current-scaled gradients.
+    "fp8_delayed": {"scaling": "delayed"},
+}
+
+# -- the granularity vocabulary ---------------------------------------------------
+#
+# One set of names for how elements share a float8 scale. An operand is scaled
+# per "tensor", per "row", in 1 x block_size "tile"s, in block_size x
+# block_size "block"s, or in 1x32 "mxfp8" blocks (E8M0 scales): the
+# quantizer's GRANULARITIES. A matmul's granularity (MATMUL_GRANULARITIES,
+# Fp8Config.granularity, the diagnostics') names how its two operands are
+# scaled: "tensor", "row" and "mxfp8" scale both alike, "blockwise" is
+# DeepSeek-V3's tiles for the activation and blocks for the weight.
+
+#: How the elements of one operand share scales (``quantize``).
+GRANULARITIES: tuple[str, ...] = ("tensor", "row", "tile", "block", "mxfp8")
+#: How a float8 matmul scales its operands (``Fp8Config.granularity``).
 MATMUL_GRANULARITIES: tuple[str, ...] = ("tensor", "row", "blockwise", "mxfp8")
+#: ``(activation, weight)`` operand granularities of each matmul granularity.
+MATMUL_OPERANDS: dict[str, tuple[str, str]] = {
+    "tensor": ("tensor", "tensor"), "row": ("row", "row"),
+    "blockwise": ("tile", "block"), "mxfp8": ("mxfp8", "mxfp8"),
+}
+#: Spellings accepted before the vocabulary was unified: each raises an error
+#: naming the one spelling (for one release).
+RENAMED_GRANULARITIES: dict[str, str] = {
+    "tensorwise": "tensor", "per_tensor": "tensor",
+    "rowwise": "row", "axiswise": "row", "per_row": "row",
+    "mx": "mxfp8",
+}
+#: The MX block size (OCP Microscaling spec: 32 elements share a scale).
+MX_BLOCK_SIZE = 32
+#: DeepSeek-V3's tile/block size.
+DEFAULT_BLOCK_SIZE = 128
+#: The algorithms delayed scaling takes its amax from a history with
+#: (Transformer Engine's names).
+AMAX_ALGORITHMS: tuple[str, ...] = ("max", "most_recent")
+AMAX_ALGORITHM_HELP = (
+    "Valid amax algorithms: 'max', 'most_recent' (the largest amax of the "
+    "history, or its newest entry).")
+
+
+def check_granularity(name: Any, valid: tuple[str, ...], help_text: str, *,
+                      owner: str) -> str:
+  """Canonicalises a granularity name of ``valid`` or raises a teaching error
+  (an old spelling: an error naming the one spelling)."""
+  if isinstance(name, str):
+    key = name.strip().lower()
+    if key in RENAMED_GRANULARITIES:
+      raise ValueError(
+          f"{owner}: granularity {name!r} is now spelled "
+          f"{RENAMED_GRANULARITIES[key]!r} (one name per granularity). "
+          f"{help_text}")
+  return checks.choice(name, "granularity", owner, valid, help_text)
+
 #: The scaling modes.
 SCALING_MODES: tuple[str, ...] = ("current", "delayed")
 #: Delayed scaling's defaults: a 16-step history, its maximum, no margin
@@ -83,7 +155,7 @@ _OWNER = "Fp8Config"
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Config(policy_lib.MatmulRecipe):
+class Fp8Config:
   """How float8 matmuls quantize their operands and gradients (a recipe).
 
   The named recipes of the policy grammar are configs: ``m=fp8`` is
@@ -175,7 +247,7 @@ class Fp8Config(policy_lib.MatmulRecipe):
   def __post_init__(self):
     fwd = formats_lib.get_format(self.forward_format, "forward_format").name
     grad = formats_lib.get_format(self.gradient_format, "gradient_format").name
-    granularity = scaling_lib.check_granularity(
+    granularity = check_granularity(
         self.granularity, MATMUL_GRANULARITIES, MATMUL_GRANULARITY_HELP,
         owner=_OWNER)
     scaling = checks.choice(self.scaling, "scaling", _OWNER, SCALING_MODES,
@@ -222,7 +294,7 @@ class Fp8Config(policy_lib.MatmulRecipe):
             "MXFP8 blocks are always 32 elements.")
       return None
     if block_size is None:
-      return scaling_lib.DEFAULT_BLOCK_SIZE
+      return DEFAULT_BLOCK_SIZE
     block_size = checks.integer(block_size, "block_size", _OWNER)
     if block_size < 16 or block_size % 16:
       raise ValueError(
@@ -244,8 +316,8 @@ class Fp8Config(policy_lib.MatmulRecipe):
         history, "history_length", _OWNER, low=1, high=2**20)
     algorithm = checks.choice(
         DEFAULT_AMAX_ALGORITHM if algorithm is None else algorithm,
-        "amax_algorithm", _OWNER, scaling_lib.AMAX_ALGORITHMS,
-        scaling_lib.AMAX_ALGORITHM_HELP)
+        "amax_algorithm", _OWNER, AMAX_ALGORITHMS,
+        AMAX_ALGORITHM_HELP)
     return history, margin, algorithm
 
   @property
@@ -301,7 +373,7 @@ def _canonical_axis_name(name: Any) -> Any:
 
 
 def _base_name(granularity: str, scaling: str) -> str:
-  for name, fields in policy_lib.FP8_RECIPES.items():
+  for name, fields in FP8_RECIPES.items():
     if (fields.get("granularity", "tensor") == granularity
         and fields.get("scaling", "current") == scaling):
       return name
@@ -310,7 +382,7 @@ def _base_name(granularity: str, scaling: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _named(name: str) -> Fp8Config:
-  return Fp8Config(**policy_lib.FP8_RECIPES[name])
+  return Fp8Config(**FP8_RECIPES[name])
 
 
 #: The recipe fields whose values keep their case in the grammar (names of
@@ -380,7 +452,7 @@ SPEC_HELP = (
 
 def _spec_help() -> str:
   return SPEC_HELP.format(
-      names=", ".join(policy_lib.FP8_RECIPES),
+      names=", ".join(FP8_RECIPES),
       fields=", ".join(f.name for f in dataclasses.fields(Fp8Config)
                        if f.name != "compute_dtype"))
 
@@ -414,10 +486,10 @@ def from_spec(text: str) -> Fp8Config:
   compact = "".join(text.split())
   name, paren, rest = compact.partition("(")
   name = name.lower()
-  if name not in policy_lib.FP8_RECIPES or (paren and not rest.endswith(")")):
+  if name not in FP8_RECIPES or (paren and not rest.endswith(")")):
     raise ValueError(f"Malformed float8 recipe {text!r}. {_spec_help()}")
   check_field_separators(compact)
-  fields = dict(policy_lib.FP8_RECIPES[name])
+  fields = dict(FP8_RECIPES[name])
   names = {f.name for f in dataclasses.fields(Fp8Config)} - {"compute_dtype"}
   body = rest[:-1]
   given: dict[str, str] = {}
@@ -455,18 +527,22 @@ def recipe_config(matmul_precision: Any) -> Fp8Config | None:
   if isinstance(matmul_precision, Fp8Config):
     return matmul_precision
   if isinstance(matmul_precision, str) and (
-      matmul_precision in policy_lib.FP8_RECIPES):
+      matmul_precision in FP8_RECIPES):
     return _named(matmul_precision)
   return None
 
 
 def scaling_in_use(policies: Any) -> str | None:
-  """The float8 scaling that ``policies`` need: ``"delayed"`` if any
-  (Policy objects; others ignored) has a delayed recipe, ``"current"`` if
-  any has another float8 recipe, None without float8."""
-  configs = [recipe_config(p.matmul_precision) for p in policies
-             if isinstance(p, policy_lib.Policy)]
-  configs = [c for c in configs if c is not None]
-  if any(c.scaling == "delayed" for c in configs):
+  """The float8 scaling that ``policies`` need: ``"delayed"`` if any has a
+  delayed recipe, ``"current"`` if any has another float8 recipe, None
+  without float8.
+
+  Reads each policy's resolved recipe (``Policy.fp8_recipe``); objects
+  without one (rules' other values) are ignored. For the Flax layer until its
+  float8 route moves.
+  """
+  recipes = [getattr(p, "fp8_recipe", None) for p in policies]
+  recipes = [r for r in recipes if isinstance(r, Fp8Config)]
+  if any(r.scaling == "delayed" for r in recipes):
     return "delayed"
-  return "current" if configs else None
+  return "current" if recipes else None

@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import checks
+from jmp_lite._src.fp8 import config as config_lib
 from jmp_lite._src.fp8 import formats as formats_lib
 
 _F32 = np.dtype(np.float32)
@@ -85,23 +86,14 @@ GIVEN_SCALE_HELP = (
     "that is not usable falls back to current scaling (the scale of the "
     "tensor's own amax)."
 )
-#: The MX block size (OCP Microscaling spec: 32 elements share a scale).
-MX_BLOCK_SIZE = 32
-#: DeepSeek-V3's tile/block size.
-DEFAULT_BLOCK_SIZE = 128
-
+# The granularity vocabulary, block sizes and amax algorithms are the
+# recipe layer's (one set of names: jmp_lite._src.fp8.config).
+MX_BLOCK_SIZE = config_lib.MX_BLOCK_SIZE
+DEFAULT_BLOCK_SIZE = config_lib.DEFAULT_BLOCK_SIZE
 #: The granularities :func:`quantize` knows.
-GRANULARITIES: tuple[str, ...] = ("tensor", "row", "tile", "block", "mxfp8")
-_GRANULARITY_ALIASES = {
-    "tensorwise": "tensor", "per_tensor": "tensor",
-    "rowwise": "row", "axiswise": "row", "per_row": "row",
-    "mx": "mxfp8",
-}
-#: The algorithms :func:`scale_from_history` knows (Transformer Engine's names).
-AMAX_ALGORITHMS: tuple[str, ...] = ("max", "most_recent")
-AMAX_ALGORITHM_HELP = (
-    "Valid amax algorithms: 'max', 'most_recent' (the largest amax of the "
-    "history, or its newest entry).")
+GRANULARITIES = config_lib.GRANULARITIES
+AMAX_ALGORITHMS = config_lib.AMAX_ALGORITHMS
+AMAX_ALGORITHM_HELP = config_lib.AMAX_ALGORITHM_HELP
 
 GRANULARITY_HELP = (
     "Valid granularities are 'tensor' (one scale), 'row' (one scale per row, "
@@ -486,8 +478,8 @@ def check_granularity(name: Any, valid: Sequence[str] = GRANULARITIES,
                       help_text: str = GRANULARITY_HELP, *,
                       owner: str = _OWNER) -> str:
   """Canonicalises a granularity name or raises a teaching error."""
-  return checks.choice(name, "granularity", owner, valid, help_text,
-                       _GRANULARITY_ALIASES)
+  return config_lib.check_granularity(name, tuple(valid), help_text,
+                                      owner=owner)
 
 
 def _normalize_axes(axis, ndim, count, what):
