@@ -773,7 +773,7 @@ def test_mx_native_path_under_vmap_with_an_unbatched_operand():
 
 def test_config_is_canonical_hashable_and_static():
   a = fp8.Fp8Config(forward_format=" E4M3", gradient_format=jnp.float8_e5m2,
-                    granularity="rowwise", compute_dtype=jnp.bfloat16)
+                    granularity=" Row ", compute_dtype=jnp.bfloat16)
   b = fp8.Fp8Config(granularity="row", compute_dtype="bf16")
   assert a == b and hash(a) == hash(b)
   assert a.forward_format == "e4m3" and a.gradient_format == "e5m2"

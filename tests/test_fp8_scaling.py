@@ -578,9 +578,15 @@ def test_quantize_rejects_float8_and_integer_inputs():
     fp8.dequantize(jnp.ones(3))
 
 
-def test_granularity_aliases():
+def test_granularity_has_one_spelling():
   check = scaling.check_granularity
-  assert check("rowwise") == check("axiswise") == check(" Row ") == "row"
-  assert check("Tensorwise") == check("per_tensor") == "tensor"
-  assert check("mx") == "mxfp8"
+  assert check(" Row ") == "row" and check("MXFP8") == "mxfp8"
+  # The spellings accepted before the vocabulary was unified name the one.
+  for old, new in (("rowwise", "row"), ("axiswise", "row"),
+                   ("Tensorwise", "tensor"), ("per_tensor", "tensor"),
+                   ("mx", "mxfp8")):
+    with pytest.raises(ValueError, match=f"{old!r} is now spelled {new!r}"):
+      check(old)
+  with pytest.raises(ValueError, match="'rowwise' is now spelled 'row'"):
+    fp8.Fp8Config(granularity="rowwise")
   assert round_codes([1.0], "e4m3")[0] == 0x38
