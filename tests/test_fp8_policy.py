@@ -415,6 +415,21 @@ def test_delayed_recipes_need_state():
       wrap(mlp, "p=f32,c=bf16,o=f32,m=fp8_delayed")
 
 
+def test_policy_holds_its_recipe_resolved_once():
+  """Policy.fp8_recipe: derived from matmul_precision (not compared, hashed
+  or printed apart from it), carried through copies and pickling."""
+  import pickle  # pylint: disable=import-outside-toplevel
+  policy = jmp_lite.get_policy("mixed_fp8")
+  assert policy.matmul_precision == "fp8" and repr(policy) == (
+      "Policy('p=full,c=bf16,o=full,m=fp8')")
+  assert policy.with_output_dtype("bf16").fp8_recipe is policy.fp8_recipe
+  assert policy.with_matmul_precision(None).fp8_recipe is None
+  again = pickle.loads(pickle.dumps(policy))
+  assert again == policy and again.fp8_recipe == fp8.Fp8Config()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    policy.fp8_recipe = None  # pytype: disable=attribute-error
+
+
 def test_no_recipe_is_parsed_from_text_while_tracing(monkeypatch):
   """Recipes travel as objects: a policy resolves its recipe once, markers
   carry a registry key, and tracing a 4-matmul model under autocast,

@@ -1,11 +1,12 @@
 """Float8 matmuls in the autocast interpreter: the ``dot_general`` rule, the
-default exclusions, delayed scaling's store, and the one entry point that
-``with_policy`` and the Flax policies evaluate a function through.
+default exclusions, the rule table of ``with_policy``'s float8 route, and
+delayed scaling's store (for the Flax policies).
 
-Every route to float8 (``autocast``, ``with_policy``, the linen and NNX
-policies) is the interpreter evaluating the traced program with
-:func:`fp8_dot_rule` for ``dot_general``: the rule reads the recipe in force
-(``ctx.fp8_config``), leaves the excluded matmuls to its fallback rule, and
+``autocast`` and ``with_policy`` (and, until their route moves, the linen and
+NNX policies) make float8 matmuls by the interpreter evaluating the traced
+program with :func:`fp8_dot_rule` for ``dot_general``: the rule reads the
+recipe object in force (``ctx.fp8_config``: the policy's, or the one a
+marker's key stands for; never recipe text), leaves the excluded matmuls to its fallback rule, and
 otherwise calls :func:`jmp_lite._src.fp8.matmul.fp8_dot_general` (float8
 operands, float32 accumulation, result in the compute dtype or, under
 ``with_policy``/Flax, in the dtype the program was traced with). What stays

@@ -414,17 +414,16 @@ def _quantized(x, fmt, recipe, role, block_size, scale):
     return q(x, fmt, "tensor", scale=jnp.ones((), _F32))
   if recipe == "delayed":
     return q(x, fmt, "tensor", scale=scale)
-  if recipe == "tensor":
+  # The operand's granularity under the matmul's, as the float8 matmul
+  # quantizes it (blockwise: DeepSeek-V3's 1 x T tiles for activations and
+  # gradients, T x T blocks for weights, rows x contracting).
+  granularity = fp8_config.MATMUL_OPERANDS[recipe][role == "weight"]
+  if granularity == "tensor":
     return q(x, fmt, "tensor")
-  if recipe == "row":
-    return q(x, fmt, "row", axis=1)
-  if recipe == "mxfp8":
-    return q(x, fmt, "mxfp8", axis=1)
-  # blockwise: DeepSeek-V3's 1 x T tiles for activations and gradients,
-  # T x T blocks for weights (rows x contracting), as the float8 matmul.
-  if role == "weight":
-    return q(x, fmt, "block", axis=(0, 1), block_size=block_size)
-  return q(x, fmt, "tile", axis=1, block_size=block_size)
+  if granularity in ("row", "mxfp8"):
+    return q(x, fmt, granularity, axis=1)
+  axis = (0, 1) if granularity == "block" else 1
+  return q(x, fmt, granularity, axis=axis, block_size=block_size)
 
 
 def _inverse_power_of_two(v: jax.Array) -> jax.Array:

@@ -7,7 +7,9 @@ The stateless core of jmp_lite's float8 support:
 * :mod:`~jmp_lite._src.fp8.scaling`: quantizers per tensor, row, tile, block
   and MX block (current scaling, or a given scale for delayed scaling), and
   the pure amax-history helpers of delayed scaling;
-* :mod:`~jmp_lite._src.fp8.config`: :class:`Fp8Config`, the static recipe;
+* :mod:`~jmp_lite._src.fp8.config`: the recipes as data (a layer below the
+  policy): :class:`Fp8Config`, the named recipes and their text, and the one
+  granularity vocabulary;
 * :mod:`~jmp_lite._src.fp8.matmul`: :func:`fp8_dot_general`, the float8 matmul
   with its float8 backward pass.
 
@@ -20,7 +22,9 @@ Example:
   Array(16., dtype=float32)
 """
 
+from jmp_lite._src.fp8.config import AMAX_ALGORITHMS
 from jmp_lite._src.fp8.config import Fp8Config
+from jmp_lite._src.fp8.config import GRANULARITIES
 from jmp_lite._src.fp8.config import MATMUL_GRANULARITIES
 from jmp_lite._src.fp8.config import SCALING_MODES
 from jmp_lite._src.fp8.formats import decode_e8m0
@@ -34,9 +38,7 @@ from jmp_lite._src.fp8.formats import saturating_cast
 from jmp_lite._src.fp8.matmul import DelayedScales
 from jmp_lite._src.fp8.matmul import fp8_dot_general
 from jmp_lite._src.fp8.matmul import NATIVE_MX_CUSTOM_CALL
-from jmp_lite._src.fp8.scaling import AMAX_ALGORITHMS
 from jmp_lite._src.fp8.scaling import dequantize
-from jmp_lite._src.fp8.scaling import GRANULARITIES
 from jmp_lite._src.fp8.scaling import quantize
 from jmp_lite._src.fp8.scaling import Quantized
 from jmp_lite._src.fp8.scaling import scale_from_amax
