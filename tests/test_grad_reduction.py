@@ -33,6 +33,7 @@ import numpy as np
 import optax
 import pytest
 
+import distributed_loss_scaling_worker as ls_worker
 import distributed_worker as worker
 import jmp_lite
 from jmp_lite._src import parallel  # The float32 pmean inside.
@@ -552,18 +553,17 @@ def _free_port():
     return s.getsockname()[1]
 
 
-@needs_devices
-def test_two_process_distributed_run(tmp_path):
-  """Each process: f32 weight-gradient all-reduces; both end with the params
-  of a single-process run on 4 devices."""
+def _run_two_processes(module, tmp_path):
+  """Runs ``module``'s worker as two ``jax.distributed`` processes; returns
+  what each wrote (skips where gloo is unavailable)."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(
       [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   port = _free_port()
-  outs = [tmp_path / f"process_{i}.npz" for i in range(worker.NUM_PROCESSES)]
+  outs = [tmp_path / f"process_{i}.npz" for i in range(module.NUM_PROCESSES)]
   procs = [
       subprocess.Popen(
-          [sys.executable, str(pathlib.Path(worker.__file__)), str(i),
+          [sys.executable, str(pathlib.Path(module.__file__)), str(i),
            str(port), str(out)],
           cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT, text=True)
@@ -582,12 +582,18 @@ def test_two_process_distributed_run(tmp_path):
       if proc.poll() is None:
         proc.kill()
   codes = [p.returncode for p in procs]
-  if worker.GLOO_UNAVAILABLE in codes:
+  if module.GLOO_UNAVAILABLE in codes:
     pytest.skip("gloo CPU collectives are unavailable in this jaxlib: "
-                + logs[codes.index(worker.GLOO_UNAVAILABLE)][-500:])
+                + logs[codes.index(module.GLOO_UNAVAILABLE)][-500:])
   assert codes == [0, 0], "\n\n".join(log[-3000:] for log in logs)
+  return [np.load(out) for out in outs]
 
-  results = [np.load(out) for out in outs]
+
+@needs_devices
+def test_two_process_distributed_run(tmp_path):
+  """Each process: f32 weight-gradient all-reduces; both end with the params
+  of a single-process run on 4 devices."""
+  results = _run_two_processes(worker, tmp_path)
   for r in results:
     _assert_all(list(r["grouped"]), F32)
     _assert_all(list(r["plain"]), F16)
@@ -601,3 +607,39 @@ def test_two_process_distributed_run(tmp_path):
   np.testing.assert_allclose(results[0]["losses"], reference["losses"], rtol=1e-6)
   for a, b in zip(params[0], reference["params"]):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@needs_devices
+def test_two_process_loss_scaling_run(tmp_path):
+  """Two processes put a fresh loss_scaling state on a global mesh (no NaN in
+  it, so the values agree), train under jit with the batch sharded, and one
+  process alone sees an inf at BAD_STEP: both skip it, back off once, and end
+  with identical params and states (bit for bit), those of a one-process run
+  on 4 local devices (the same scales and skips)."""
+  results = _run_two_processes(ls_worker, tmp_path)
+  assert sorted(bool(r["saw_inf"]) for r in results) == [False, True]
+  for r in results:
+    skipped = list(r["skipped"])
+    assert skipped[ls_worker.BAD_STEP - 1] == 0
+    assert skipped[ls_worker.BAD_STEP:] == [1] * (
+        ls_worker.STEPS - ls_worker.BAD_STEP)
+    scales = list(r["scales"])
+    assert scales[ls_worker.BAD_STEP] == scales[ls_worker.BAD_STEP - 1] / 2
+  keys = sorted(k for k in results[0].files if k.startswith("leaf_"))
+  assert keys and keys == sorted(
+      k for k in results[1].files if k.startswith("leaf_"))
+  for key in keys + ["scales", "skipped"]:
+    assert results[0][key].tobytes() == results[1][key].tobytes(), key
+
+  # The scale trajectory is exact; the values within float16's rounding:
+  # the workers compile with XLA's default passes and this process with
+  # conftest.py's cheap ones, so float16 matmuls round differently (1e-5
+  # here), and Adam's normalised steps carry that through.
+  mesh = Mesh(np.array(jax.devices()[:ls_worker.GLOBAL_DEVICES]), ("data",))
+  with jax.numpy_dtype_promotion("standard"):
+    reference = ls_worker.train(mesh)
+  for key in ("scales", "skipped"):
+    np.testing.assert_array_equal(results[0][key], reference[key])
+  for key in keys:
+    np.testing.assert_allclose(results[0][key], reference[key], rtol=2e-3,
+                               atol=1e-4, err_msg=key)

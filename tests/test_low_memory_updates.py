@@ -306,8 +306,8 @@ def test_kahan_state_and_master_params():
   assert state.master_params is None and state.rng_key is None
   assert state.compensation["w"].dtype == np.int16
   assert state.compensation["w"].shape == (4, 3)
-  assert state.compensation["scale"] is None
-  assert state.compensation["step"] is None
+  assert state.compensation["scale"].shape == (0,)  # no bytes for float32
+  assert state.compensation["step"].shape == (0,)
   master = get_master_params(state, params)
   assert master["w"].dtype == F32
   assert master["scale"] is params["scale"] and master["step"] is params["step"]
@@ -696,14 +696,22 @@ def test_other_compute_dtype_raises(method, dtype):
     ({"w": jnp.ones(3)}, "float32"),
     ({"w": jnp.ones(3), "n": jnp.zeros(2, jnp.int32)}, "float32, int32"),
     ({"n": jnp.zeros(2, jnp.int32)}, "int32"),
-    ({}, "no leaves"),
-], ids=["f32", "f32_int", "int", "empty"])
+], ids=["f32", "f32_int", "int"])
 def test_params_without_half_precision_raise(method, params, found):
   opt = master_weights(optax.sgd(0.1), method=method)
   with pytest.raises(ValueError, match=rf"method='{method}'\) rounds each "
                      rf"float32 update to half-precision params .*got {found}"
                      r"\).*cast_to_param"):
     opt.init(params)
+
+
+@pytest.mark.parametrize("method", LOW_MEMORY)
+def test_params_without_leaves_are_accepted(method):
+  """A tree without leaves has nothing to round and nothing to refuse: it is
+  what optax.tree_map_params hands init (one placeholder for the params)."""
+  opt = master_weights(optax.sgd(0.1), method=method)
+  updates, _ = opt.update({}, opt.init({}), {})
+  assert updates == {}
 
 
 @pytest.mark.parametrize("method", LOW_MEMORY)
@@ -756,3 +764,41 @@ def test_float8_state_in_with_state_dtype_params_raises():
     with_state_dtype(optax.sgd(0.1, momentum=0.9), BF16).init(variables)
   with_state_dtype(optax.sgd(0.1, momentum=0.9), BF16).init(
       variables["params"])
+
+
+# -- states and params that do not fit ------------------------------------------
+
+
+@pytest.mark.parametrize("made,used", [
+    (a, b) for a in ("copy", *LOW_MEMORY) for b in ("copy", *LOW_MEMORY)
+    if a != b])
+def test_a_state_of_another_method_is_refused_naming_both(made, used):
+  params = {"w": jnp.ones((4, 3), BF16), "s": jnp.ones(3)}
+  state = master_weights(optax.sgd(0.1), method=made).init(params)
+  opt = master_weights(optax.sgd(0.1), method=used)
+  with pytest.raises(ValueError, match=rf"method='{used}'\)'s update got a "
+                     rf"state made by method='{made}'.*build the optimizer "
+                     rf"with method='{made}'"):
+    opt.update(params, state, params)
+
+
+@pytest.mark.parametrize("method", ["copy", "kahan"])
+def test_params_of_other_dtypes_than_at_init_are_refused(method):
+  """A Kahan update given float32 params (it raised KeyError: dtype) or a
+  master copy given them: a ValueError naming the param and the fix, before
+  anything is computed, eager and under jit."""
+  params = {"w": jnp.ones((4, 3), BF16), "s": jnp.ones(3)}
+  opt = master_weights(optax.sgd(0.1), method=method)
+  state = opt.init(params)
+  wide = {"w": jnp.ones((4, 3)), "s": jnp.ones(3)}
+  for update in (opt.update, jax.jit(opt.update)):
+    with pytest.raises(ValueError, match=r"\['w'\] is float32\[4, 3\] and the "
+                       r"state keeps a .* for it.*dtypes given to init"):
+      update(wide, state, wide)
+  narrow = {"w": jnp.ones((4, 3), BF16), "s": jnp.ones(3, BF16)}
+  with pytest.raises(ValueError, match=r"\['s'\] is bfloat16\[3\] and the "
+                     r"state keeps nothing for it"):
+    opt.update(narrow, state, narrow)
+  if method == "kahan":
+    with pytest.raises(ValueError, match=r"get_master_params got params"):
+      jmp_lite.get_master_params(state, wide)

@@ -138,15 +138,18 @@ def test_init_makes_a_float32_master_copy_and_inner_state(dtype):
 
 def test_init_copies_only_params_narrower_than_the_master_dtype():
   """A float32 param (a norm scale among bfloat16 weights) needs no float32
-  copy: the state holds None there and no bytes for it."""
+  copy: the state holds an empty array there (no bytes), in the param's
+  dtype and rank, so that every param has a leaf (optax.tree_map_params)."""
   params = {"w": jnp.ones((8, 6), BF16), "scale": jnp.ones(6, F32),
             "step": jnp.zeros((), I32)}
   state = master_weights(optax.sgd(0.1)).init(params)
   assert state.master_params["w"].dtype == F32
-  assert state.master_params["scale"] is None
-  assert state.master_params["step"] is None
-  assert [x.nbytes for x in jax.tree_util.tree_leaves(state.master_params)] == [
-      8 * 6 * 4]
+  assert state.master_params["scale"].shape == (0,)
+  assert state.master_params["scale"].dtype == F32
+  assert state.master_params["step"].shape == (0,)
+  assert state.master_params["step"].dtype == I32
+  assert [x.nbytes for x in jax.tree_util.tree_leaves(state.master_params)
+          if x.nbytes] == [8 * 6 * 4]
   full = get_master_params(state, params)
   assert full["scale"] is params["scale"] and full["step"] is params["step"]
   with pytest.raises(ValueError, match="structure of the params"):
@@ -252,7 +255,7 @@ def test_mixed_params_land_on_the_master_with_only_update_jitted(make_inner):
     updates, state = update(_grads(params, targets), state, params)
     params = _apply(params, updates)
     _assert_params_are_rounded_master(params, state)
-  assert state.master_params["scale"] is None
+  assert state.master_params["scale"].size == 0  # no copy, unchanged
   assert float(params["scale"][0]) != 0.5  # It trained.
 
 
@@ -419,7 +422,7 @@ def test_non_floating_leaves_pass_through(method):
   state = opt.init(params)
   if method != "stochastic_rounding":
     kept = state.master_params if method == "copy" else state.compensation
-    assert kept["steps"] is None
+    assert kept["steps"].size == 0 and kept["steps"].dtype == np.int32
   grads = {"w": jnp.ones(3, BF16), "steps": jnp.zeros(3, jnp.int32)}
   updates, state = opt.update(grads, state, params)
   assert updates["steps"].dtype == I32 and not np.any(updates["steps"])

@@ -103,14 +103,18 @@ class MasterWeightsState(NamedTuple):
       structure: every floating param narrower than the master dtype
       (bfloat16, float16) has its copy there, in the master dtype and with the
       param's sharding; the other params (already in the master dtype, or not
-      floating) need none and hold ``None``. It is authoritative: after each
-      step ``params == master_params.astype(params.dtype)``, bit for bit. Read
-      it, completed with those params, with :func:`get_master_params`.
+      floating) need none and hold an empty array (no bytes) in their own
+      dtype, of shape ``(0,) * max(ndim, 1)``: every param has a leaf, so
+      ``optax.tree_map_params`` maps the params' shardings over the tree. It
+      is authoritative: after each step
+      ``params == master_params.astype(params.dtype)``, bit for bit. Read it,
+      completed with those params, with :func:`get_master_params`.
     compensation: ``method="kahan"``: a tree with the params' structure
       holding, for each bfloat16 or float16 param, what rounding took from it
       (the float32 value minus the param) as an ``int16`` count of 2**-16 of
-      the param's spacing, with the param's sharding; ``None`` for the other
-      params. :func:`get_master_params` adds it back.
+      the param's spacing, with the param's sharding; an empty array, as in
+      ``master_params``, for the other params. :func:`get_master_params`
+      adds it back.
     rng_key: ``method="stochastic_rounding"``: the raw ``uint32`` PRNG key
       (``jax.random.key_data``) made from ``seed``; each update splits it,
       draws its random bits from one half and keeps the other.
@@ -119,8 +123,8 @@ class MasterWeightsState(NamedTuple):
     >>> import jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.master_weights(optax.sgd(0.1))
     >>> state = opt.init({"w": jnp.ones(2, jnp.bfloat16), "scale": jnp.ones(2)})
-    >>> state.master_params["w"].dtype, state.master_params["scale"]
-    (dtype('float32'), None)
+    >>> state.master_params["w"].dtype, state.master_params["scale"].size
+    (dtype('float32'), 0)
     >>> state.compensation, state.rng_key
     (None, None)
   """
@@ -129,6 +133,55 @@ class MasterWeightsState(NamedTuple):
   master_params: Any
   compensation: Any = None
   rng_key: Any = None
+
+
+#: A state made by another method (or not by master_weights at all).
+OTHER_METHOD = (
+    "{owner}(method={method!r})'s update got a state made by "
+    "method={made!r} (it holds {holds}). A state works only with the method "
+    "that made it: build the optimizer with method={made!r} (and restore a "
+    "checkpoint into that optimizer's init), or start from opt.init(params)."
+)
+#: Params whose dtypes differ from those the state was made for.
+OTHER_PARAMS = (
+    "{where} got params that do not fit the master_weights(method="
+    "{method!r}) state: {found}. The state keeps {what} exactly for the params that "
+    "were {narrow} at init. Pass the params in the dtypes given to init (a "
+    "policy's cast_to_param, say), or start from opt.init(params) for "
+    "these params."
+)
+_HOLDS = {"copy": "a master copy", "kahan": "a Kahan compensation",
+          "stochastic_rounding": "a random key"}
+
+
+def _made_by(state: "MasterWeightsState") -> str | None:
+  """The method that made ``state`` (None if it is no such state)."""
+  if not isinstance(state, MasterWeightsState):
+    return None
+  if state.master_params is not None:
+    return "copy"
+  if state.compensation is not None:
+    return "kahan"
+  if state.rng_key is not None:
+    return "stochastic_rounding"
+  return None
+
+
+def _nothing(p: Any) -> jax.Array:
+  """The leaf a param without a master copy or compensation has in the
+  per-param trees: empty (no bytes), in the param's dtype, of the param's
+  rank (at least 1), so the param's sharding applies to it."""
+  return jnp.zeros((0,) * max(np.ndim(p), 1), _dtype_of(p))
+
+
+def _dtype_of(p: Any) -> np.dtype:
+  return np.dtype(p.dtype) if hasattr(p, "dtype") else np.result_type(p)
+
+
+def _holds_value(slot: Any, p: Any) -> bool:
+  """Whether a per-param leaf holds a value for ``p`` (not ``_nothing``)."""
+  return np.shape(slot) == np.shape(p) and (
+      np.size(p) > 0 or np.dtype(slot.dtype) != _dtype_of(p))
 
 
 def _refuse_loss_scaling_inside(inner_state: Any, owner: str) -> None:
@@ -317,22 +370,30 @@ def master_weights(
       )
     if method != "copy":
       _check_rounded_params(params, method, owner)
+    # Every per-param leaf is made from its param by jax.tree.map (so
+    # optax.tree_map_params, which runs init on a placeholder for the whole
+    # params tree, sees a params tree here), one or two ops per param: no
+    # arithmetic runs eagerly at init (each op would compile per shape).
     if method == "copy":
       master = jax.tree.map(
-          lambda p: jnp.asarray(p, master_dtype) if narrower(p) else None,
-          params)
+          lambda p: jnp.asarray(p, master_dtype) if narrower(p)
+          else _nothing_for(p), params)
       state = MasterWeightsState(inner_state=None, master_params=master)
+      inner_params = _inner_params(params, state)
     elif method == "kahan":
       compensation = jax.tree.map(
-          lambda p: jnp.zeros_like(p, _COMPENSATION_DTYPE)
-          if narrower(p) else None, params)
+          lambda p: jnp.zeros_like(p, _COMPENSATION_DTYPE) if _rounded(p)
+          else _nothing_for(p), params)
       state = MasterWeightsState(
           inner_state=None, master_params=None, compensation=compensation)
+      # No compensation yet: params + compensation are the params.
+      inner_params = _as_f32(params)
     else:
       key = jax.random.key_data(jax.random.key(seed))
       state = MasterWeightsState(
           inner_state=None, master_params=None, rng_key=key)
-    inner_state = inner.init(_inner_params(params, state))
+      inner_params = _as_f32(params)
+    inner_state = inner.init(inner_params)
     _refuse_loss_scaling_inside(inner_state, owner)
     return state._replace(inner_state=inner_state)
 
@@ -342,12 +403,25 @@ def master_weights(
           f"{owner}'s update expects the MasterWeightsState made by its init, "
           f"got {type(state).__name__}. Pass the state returned by opt.init."
       )
+    made = _made_by(state)
+    if made != method:
+      raise ValueError(OTHER_METHOD.format(
+          owner=owner, method=method, made=made, holds=_HOLDS.get(
+              made, "none of a master copy, a compensation or a key")))
     if params is None:
       raise ValueError(
           f"{owner}'s update needs the current params, to return the updates "
           "that take them to their new values: call "
           "opt.update(grads, state, params)."
       )
+    if method == "copy":
+      _check_fits(params, state.master_params, narrower,
+                  f"{owner}(method={method!r})'s update", method,
+                  "a master copy", f"narrower than {master_dtype.name}")
+    elif method == "kahan":
+      _check_fits(params, state.compensation, _rounded,
+                  f"{owner}(method={method!r})'s update", method,
+                  "a compensation", "bfloat16 or float16")
     # The inner optimizer sees the float32 params (the master copy, the
     # params, or params + compensation) and gradients in their dtypes.
     inner_params = _inner_params(params, state)
@@ -367,6 +441,43 @@ def master_weights(
     return updates_out, state._replace(inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _nothing_for(p: Any) -> Any:
+  """``_nothing(p)`` for an array or number; other leaves (objects) keep
+  ``None``."""
+  return _nothing(p) if checks.is_array(p) or checks.is_real_number(p) else None
+
+
+def _as_f32(params: Any) -> Any:
+  """The params with their bfloat16/float16 leaves in float32."""
+  return jax.tree.map(lambda p: p.astype(_F32) if _rounded(p) else p, params)
+
+
+def _check_fits(params: Any, slots: Any, keeps: Any, where: str, method: str,
+                what: str, narrow: str) -> None:
+  """The per-param tree ``slots`` must hold a value exactly for the params
+  ``keeps`` selects (host-side, on shapes and dtypes: trace-time)."""
+  leaves, treedef = jax.tree.flatten_with_path(params)
+  try:
+    flat_slots = treedef.flatten_up_to(slots)
+  except (ValueError, TypeError):
+    raise ValueError(OTHER_PARAMS.format(
+        where=where, method=method, what=what, narrow=narrow,
+        found=f"params of structure {treedef}, state made for "
+        f"{jax.tree.structure(slots)}")) from None
+  wrong = [
+      f"{jax.tree_util.keystr(path) or '<root>'} is "
+      f"{_dtype_of(p).name}{list(np.shape(p))} and the state keeps "
+      f"{'nothing' if keeps(p) else what} for it"
+      for (path, p), slot in zip(leaves, flat_slots)
+      if checks.is_array(p) and keeps(p) != _holds(slot, p)
+  ]
+  if wrong:
+    shown = "; ".join(wrong[:3]) + (
+        f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
+    raise ValueError(OTHER_PARAMS.format(
+        where=where, method=method, what=what, narrow=narrow, found=shown))
 
 
 def _shown_paths(entries: list[tuple[str, np.dtype]]) -> str:
@@ -390,10 +501,13 @@ def _check_rounded_params(params: Any, method: str, owner: str) -> None:
         f"got {_shown_paths(others)}. Use method='copy' for those params (it "
         "keeps a float32 copy of any narrower float)."
     )
-  if not narrow:
+  leaves = jax.tree.leaves(params)
+  # No leaves at all (empty params, or optax.tree_map_params' placeholder for
+  # the whole tree): nothing to check.
+  if not narrow and leaves:
     found = sorted({
         np.dtype(x.dtype).name if checks.is_array(x) else type(x).__name__
-        for x in jax.tree.leaves(params)}) or ["no leaves"]
+        for x in leaves})
     raise ValueError(NOTHING_TO_ROUND.format(
         owner=owner, method=method, found=", ".join(found)))
 
@@ -403,14 +517,19 @@ def _inner_params(params: Any, state: MasterWeightsState) -> Any:
   wrapper keeps precision for them, the params themselves elsewhere."""
   if state.master_params is not None:  # A master copy.
     return jax.tree.map(
-        lambda p, m: p if m is None else m, params, state.master_params)
+        lambda p, m: m if _holds(m, p) else p, params, state.master_params)
   if state.compensation is not None:  # Kahan: params + compensation.
     return jax.tree.map(
-        lambda p, c: p if c is None else _compensated(p, c),
+        lambda p, c: _compensated(p, c) if _holds(c, p) and _rounded(p)
+        else p,
         params, state.compensation)
   # Stochastic rounding: the params, in float32.
-  return jax.tree.map(
-      lambda p: p.astype(_F32) if _rounded(p) else p, params)
+  return _as_f32(params)
+
+
+def _holds(slot: Any, p: Any) -> bool:
+  """``_holds_value`` for a per-param leaf that may be None (an object)."""
+  return slot is not None and _holds_value(slot, p)
 
 
 def _rounded(p: Any) -> bool:
@@ -422,11 +541,10 @@ def _copy_write(params, state, inner_updates):
   """The master copy takes the updates; the params become it, rounded."""
 
   def new_master(p, m, u):
-    del p
-    return None if m is None else m + u
+    return m + u if _holds(m, p) else m
 
   def out_update(p, m, new_m, u):
-    if m is None:
+    if not _holds(m, p):
       return u  # No copy: the param trains as under inner alone.
     # Exact in the master dtype (see docs/precision.md), so p + u lands on
     # the rounded master value.
@@ -445,8 +563,8 @@ def _kahan_write(params, state, inner_params, inner_updates):
   next step."""
 
   def write(p, c, x, u):
-    if c is None:
-      return u, None
+    if not _holds(c, p):
+      return u, c
     fmt = _FORMATS[np.dtype(p.dtype)]
     target = x + u
     new_p = _round_half_up(target, fmt)
@@ -614,6 +732,9 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
   if state.rng_key is not None:
     # Stochastic rounding keeps nothing more precise than the params.
     return params
+  if state.compensation is not None:
+    _check_fits(params, state.compensation, _rounded, "get_master_params",
+                "kahan", "a compensation", "bfloat16 or float16")
   try:
     return _inner_params(params, state)
   except ValueError as err:
