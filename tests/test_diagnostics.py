@@ -944,6 +944,18 @@ def test_report_path_must_be_none_or_a_path(path, tmp_path):
   assert out.getvalue() == ""   # checked before printing
 
 
+@pytest.mark.parametrize("title", [3, b"t", ["a"]], ids=["int", "bytes", "list"])
+def test_report_title_must_be_a_str_checked_before_anything_is_written(
+    title, tmp_path):
+  """It was a bare TypeError after the figure file was written."""
+  out, path = io.StringIO(), tmp_path / "grads.png"
+  with pytest.raises(TypeError, match=(
+      r"report: title must be a str .* got " + type(title).__name__ + ": "
+      + re.escape(repr(title)) + r"\. Pass a string")):
+    diagnostics.report({"w": jnp.ones(2)}, path, title=title, file=out)
+  assert out.getvalue() == "" and not path.exists()
+
+
 def test_import_stays_light():
   """jmp_lite and jmp_lite.diagnostics import neither matplotlib nor flax."""
   code = (

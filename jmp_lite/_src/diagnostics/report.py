@@ -548,8 +548,9 @@ def report(
 
   Raises:
     TypeError: if ``file`` is not a text stream (no callable ``write``, or a
-      binary stream) or ``path`` is not None, a str or os.PathLike; checked
-      before anything is printed or drawn.
+      binary stream), ``path`` is not None, a str or os.PathLike, or
+      ``title`` is not None or a str; checked before anything is printed or
+      drawn.
     ValueError: if ``file`` is closed or not writable, or on bad advice
       settings (see :func:`advise`).
 
@@ -565,6 +566,11 @@ def report(
   columns and the figure.
   """
   checks.text_stream(file, "report", hint="; to write a figure give path=")
+  if title is not None and not isinstance(title, str):
+    raise TypeError(
+        f"report: title must be a str (a line printed first, and the "
+        f"figure's title) or None, got {type(title).__name__}: {title!r}. "
+        f"Pass a string, e.g. title=str({title!r}).")
   if path is not None:
     try:
       checks.path(path, "path", "report")
