@@ -31,6 +31,17 @@ X = jnp.asarray(np.random.default_rng(0).standard_normal((16, 32)),
 Y = jnp.arange(16) % 16
 
 
+def amaxes(bits):
+  """The float32 amaxes a stored history (uint32 bit patterns) holds."""
+  return np.asarray(jax.lax.bitcast_convert_type(bits, jnp.float32))
+
+
+def bits(tree, value):
+  """A state like ``tree`` whose every history slot holds ``value``."""
+  return jax.tree.map(lambda h: jax.lax.bitcast_convert_type(
+      jnp.full(h.shape, value, jnp.float32), jnp.uint32), tree)
+
+
 def xent(logits, y):
   return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
@@ -54,7 +65,8 @@ class LM(nn.Module):
   def __call__(self, x):
     x = nn.Dense(32, name="inp")(x)
     x = nn.LayerNorm(name="norm")(x)
-    x, _ = nn.scan(Block, variable_axes={"params": 0},
+    # 'fp8_state' scanned like the params: one history per iteration.
+    x, _ = nn.scan(Block, variable_axes={"params": 0, "fp8_state": 0},
                    split_rngs={"params": True}, length=2)(name="blocks")(x, None)
     x = nn.remat(nn.Dense)(32, name="mid")(x)
     return nn.Dense(16, name="head")(x)
@@ -129,43 +141,40 @@ def test_linen_exported_cuda_step(policy):
 
 def test_linen_init_creates_one_history_per_site():
   _, variables = linen_model(DELAYED)
-  state = variables["fp8_state"]["LM"]
+  state = variables["fp8_state"]
   shapes = jax.tree.map(jnp.shape, state)
+  # One entry per float8 layer, at the layer's own path (the head has none).
   assert shapes == {
-      "inp": {"dot_general_0": {"lhs": (16,), "rhs": (16,)}},
-      "mid": {"dot_general_0": {"lhs": (16,), "rhs": (16,)}},
+      "inp": {"lhs": (16,), "rhs": (16,)},
+      "mid": {"lhs": (16,), "rhs": (16,)},
       # The scan over two layers: one slot per iteration.
-      "scan_0": {"blocks": {"Dense_0": {"dot_general_0": {
-          "lhs": (2, 16), "rhs": (2, 16)}}}},
+      "blocks": {"Dense_0": {"lhs": (2, 16), "rhs": (2, 16)}},
   }
   assert all(not np.any(leaf) for leaf in jax.tree.leaves(state))
-  assert jax.tree.leaves(state)[0].dtype == jnp.float32
-
-
-def _set_all(tree, value):
-  return jax.tree.map(lambda h: jnp.full_like(h, value), tree)
+  # Bit patterns of float32 amaxes: no optimizer can step them.
+  assert {leaf.dtype for leaf in jax.tree.leaves(state)} == {np.dtype("uint32")}
 
 
 def test_linen_apply_rolls_when_mutable_and_reads_otherwise():
   model, variables = linen_model(DELAYED)
   y, updates = model.apply(variables, X, mutable=["fp8_state"])
   assert set(updates) == {"fp8_state"}
-  state = updates["fp8_state"]["LM"]
-  inp = state["inp"]["dot_general_0"]
+  state = jax.tree.map(amaxes, updates["fp8_state"])
+  inp = state["inp"]
   x_bf16 = X.astype(jnp.bfloat16).astype(jnp.float32)
   kernel = variables["params"]["inp"]["kernel"].astype(jnp.bfloat16)
   assert float(inp["lhs"][0]) == float(jnp.max(jnp.abs(x_bf16)))
   assert float(inp["rhs"][0]) == float(jnp.max(jnp.abs(kernel)).astype(
       jnp.float32))
   assert not np.any(inp["lhs"][1:])
-  slots = state["scan_0"]["blocks"]["Dense_0"]["dot_general_0"]["lhs"]
+  slots = state["blocks"]["Dense_0"]["lhs"]
   assert slots[0, 0] != slots[1, 0] and not np.any(slots[:, 1:])
   # The first step had no history: current scaling, exactly.
   current, _ = linen_model("mixed_fp8")
   np.testing.assert_array_equal(y, current.apply(variables, X))
   # Rolling again pushes the new amaxes in front.
   _, again = model.apply({**variables, **updates}, X, mutable=["fp8_state"])
-  rolled = again["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"]
+  rolled = amaxes(again["fp8_state"]["inp"]["lhs"])
   np.testing.assert_array_equal(rolled[:2], [inp["lhs"][0]] * 2)
   # Evaluation reads: no state back. A history whose max is far above the
   # data makes coarser scales, so the output changes; the history of this
@@ -173,7 +182,7 @@ def test_linen_apply_rolls_when_mutable_and_reads_otherwise():
   read = {**variables, **updates}
   assert isinstance(model.apply(read, X), jax.Array)
   np.testing.assert_array_equal(model.apply(read, X), y)
-  huge = {**variables, "fp8_state": _set_all(read["fp8_state"], 1e4)}
+  huge = {**variables, "fp8_state": bits(read["fp8_state"], 1e4)}
   assert not np.array_equal(model.apply(huge, X), y)
 
 
@@ -185,7 +194,8 @@ def test_linen_delayed_margin_and_algorithm(margin):
   _, updates = model.apply(variables, X, mutable=["fp8_state"])
   # most_recent: the large older entries are ignored, so with no margin the
   # scales are current scaling's, exactly.
-  old = jax.tree.map(lambda h: h.at[..., 1:].set(1e6), updates["fp8_state"])
+  big = jax.lax.bitcast_convert_type(jnp.float32(1e6), jnp.uint32)
+  old = jax.tree.map(lambda h: h.at[..., 1:].set(big), updates["fp8_state"])
   out = model.apply({**variables, "fp8_state": old}, X)
   current, _ = linen_model("mixed_fp8")
   # A margin multiplies the (power-of-two) scales by 2**margin: every value
@@ -201,14 +211,14 @@ def test_linen_state_errors():
   with pytest.raises(ValueError, match="'fp8_state' collection.*have none.*"
                      "policy_model.init"):
     model.apply({"params": variables["params"]}, X)
-  partial = {**variables, "fp8_state": {"LM": {}}}
+  partial = {**variables, "fp8_state": {"mid": variables["fp8_state"]["mid"]}}
   with pytest.raises(ValueError, match="no amax history for the matmul at "
-                     "LM/inp/dot_general_0"):
+                     "inp"):
     model.apply(partial, X)
   # Delayed-scaling state handed to an optimizer.
   opt = jmp_lite.loss_scaling(optax.adam(1e-3))
   with pytest.raises(ValueError, match=r"float8 state at \['fp8_state'\]"
-                     r"\['LM'\].*variables\['params'\]"):
+                     r"\['blocks'\].*variables\['params'\]"):
     opt.init(variables)
 
 
@@ -234,13 +244,13 @@ def test_linen_plain_optax_loop_keeps_the_state_intact():
              "params": optax.apply_updates(variables["params"], deltas)},
             opt_state, value)
 
-  amaxes = []
+  seen = []
   for i in range(3):
     x = X * (i + 1)
-    amaxes.append(float(jnp.max(jnp.abs(x.astype(jnp.bfloat16)))))
+    seen.append(float(jnp.max(jnp.abs(x.astype(jnp.bfloat16)))))
     variables, opt_state, _ = step(variables, opt_state, x)
-  history = variables["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"]
-  np.testing.assert_array_equal(history[:4], amaxes[::-1] + [0.0])
+  history = amaxes(variables["fp8_state"]["inp"]["lhs"])
+  np.testing.assert_array_equal(history[:4], seen[::-1] + [0.0])
   assert traces == [1]  # no recompilation on the second step
 
 
@@ -272,7 +282,7 @@ def test_linen_accumulation_history_covers_every_micro_batch(accumulate):
   scales = [1.0, 8.0, 2.0, 0.5]  # the micro-batches' magnitudes
   for s in scales:
     variables, opt_state, _ = step(variables, opt_state, X * s, Y)
-  history = variables["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"]
+  history = amaxes(variables["fp8_state"]["inp"]["lhs"])
   expected = [float(jnp.max(jnp.abs((X * s).astype(jnp.bfloat16))))
               for s in scales[::-1]]
   np.testing.assert_array_equal(history[:k], expected)
@@ -291,18 +301,128 @@ def test_linen_state_checkpoint_round_trip(tmp_path):
                                 model.apply(variables, X))
 
 
-def test_linen_cond_bodies_scale_currently():
-  class WithCond(nn.Module):
+def test_linen_raw_matmul_stays_as_written_unless_opted_in():
+  """Float8 reaches layers through their dot_general hook: a raw `x @ w` in
+  a custom module stays in the compute dtype; the module opts it in with
+  with_policy (current scaling) or by using nn.Dense."""
+
+  class Custom(nn.Module):
+    opt_in: bool = False
+
     @nn.compact
     def __call__(self, x):
       w = self.param("inner", nn.initializers.lecun_normal(), (32, 32))
-      x = jax.lax.cond(x.sum() > 0, lambda x: x @ w, lambda x: x * 2, x)
+      matmul = lambda x, w: x @ w
+      if self.opt_in:
+        matmul = jmp_lite.with_policy(  # its only matmul is no head here
+            matmul, "p=f32,c=bf16,o=f32,m=fp8(include_output_head=true)")
+      x = matmul(x, w).astype(x.dtype)
       return nn.Dense(16, name="head")(nn.Dense(32, name="outer")(x))
 
-  model = jlinen.apply_policy(WithCond(), DELAYED)
+  for opt_in, first in ((False, BF), (True, E4)):
+    model = jlinen.apply_policy(Custom(opt_in), DELAYED)
+    variables = model.init(jax.random.key(0), X)
+    assert set(variables["fp8_state"]) == {"outer"}  # the layer's histories
+    assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [
+        first, E4, BF]
+
+
+def test_linen_layers_and_their_hooks():
+  """DenseGeneral is hooked like Dense; a layer with its own dot_general
+  and nn.Einsum (no hook in Flax) stay as written, visibly."""
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.DenseGeneral((2, 16), name="general")(x).reshape(16, 32)
+      x = nn.Dense(32, dot_general=jax.lax.dot_general, name="own")(x)
+      x = nn.Einsum((32, 32), "bk,kn->bn", name="einsum")(x)
+      return nn.Dense(16, name="head")(x)
+
+  model = jlinen.apply_policy(Net(), "mixed_fp8")
   variables = model.init(jax.random.key(0), X)
-  assert set(variables["fp8_state"]["WithCond"]) == {"outer"}
-  assert jaxpr_dots(lambda v: model.apply(v, X), variables)[:2] == [E4, E4]
+  text = jax.jit(lambda v: model.apply(v, X)).lower(variables).as_text(
+      debug_info=True)
+  assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [
+      E4, BF, BF, BF]
+  for reason in ("has its own dot_general", "has no dot_general hook",
+                 "output head"):
+    assert reason in text, reason
+
+
+def test_linen_scan_must_carry_the_state():
+  class NoState(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x, _ = nn.scan(Block, variable_axes={"params": 0},
+                     split_rngs={"params": True}, length=2)(name="b")(x, None)
+      return nn.Dense(16, name="head")(x)
+
+  model = jlinen.apply_policy(NoState(), DELAYED)
+  with pytest.raises(ValueError, match=r"layer at b/Dense_0.*'fp8_state'.*"
+                     r"variable_axes=\{'params': 0, 'fp8_state': 0\}"):
+    model.init(jax.random.key(0), X)
+  # Current scaling keeps no state: the same model needs nothing more.
+  model = jlinen.apply_policy(NoState(), "mixed_fp8")
+  variables = model.init(jax.random.key(0), X)
+  assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [E4, BF]
+
+
+def test_linen_model_is_traced_once_per_apply():
+  calls = []
+
+  class Counted(LM):
+    def __call__(self, x):
+      calls.append(1)
+      return super().__call__(x)
+
+  for policy in ("mixed_fp8", DELAYED):
+    model = jlinen.apply_policy(Counted(), policy)
+    variables = model.init(jax.random.key(0), X)  # also finds the head
+    calls.clear()
+    jax.jit(lambda v: model.apply(v, X, mutable=["fp8_state"])).lower(
+        variables)
+    assert len(calls) == 1, policy
+
+
+@pytest.mark.standard_promotion
+def test_linen_adamw_on_all_variables_cannot_shrink_histories():
+  """Issue 25 item 8: adamw over the whole variables dict, a layer seeing
+  amax 3.0 every step. The histories are integers (bit patterns), so the
+  loop fails loudly instead of weight-decaying them."""
+
+  class One(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16, name="head")(nn.Dense(16, name="layer")(x))
+
+  model = jlinen.apply_policy(One(), DELAYED)
+  x = jnp.full((16, 16), 3.0)
+  variables = model.init(jax.random.key(0), x)
+  opt = optax.adamw(1e-3, weight_decay=1.0)
+  opt_state = opt.init(variables)
+
+  def loss(variables):
+    out, updates = model.apply(variables, x, mutable=["fp8_state"])
+    return jnp.sum(out), updates
+
+  with pytest.raises(TypeError, match="grad requires real"):
+    jax.grad(loss, has_aux=True)(variables)
+  # The tester's loop, with integer gradients allowed: optax refuses them.
+  grads, updates = jax.grad(loss, has_aux=True, allow_int=True)(variables)
+  with pytest.raises(TypeError):
+    opt.update(grads, opt_state, {**variables, **updates})
+  # The loop of the docs (optimizer on the params only) keeps the amaxes.
+  opt_state = opt.init(variables["params"])
+  for _ in range(3):
+    grads, updates = jax.grad(
+        lambda p: loss({**variables, "params": p}), has_aux=True)(
+            variables["params"])
+    deltas, opt_state = opt.update(grads, opt_state, variables["params"])
+    variables = {**variables, **updates,
+                 "params": optax.apply_updates(variables["params"], deltas)}
+  np.testing.assert_array_equal(
+      amaxes(variables["fp8_state"]["layer"]["lhs"])[:4], [3.0] * 3 + [0.0])
 
 
 @pytest.mark.standard_promotion
@@ -378,18 +498,23 @@ def test_nnx_delayed_state_train_eval_and_optimizers():
   model = nnx_model(DELAYED)
   optimizer = nnx.Optimizer(model, jmp_lite.loss_scaling(
       optax.adam(1e-2), jmp_lite.NoOpLossScale()), wrt=nnx.Param)
-  assert model.fp8_state.get_value() == {}
-  model(X)  # the first call creates the histories (before jitting a step)
+  # Zero histories from the start, one per float8-capable layer (by path);
+  # the head's stays unused.
+  assert all(not np.any(h) for h in jax.tree.leaves(
+      nnx.state(model, jnnx.Fp8State)))
   # The optimizer never sees the state; handing it over is an error.
   assert not any("fp8_state" in jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_flatten_with_path(optimizer.opt_state)[0])
   with pytest.raises(ValueError, match="float8 state at.*fp8_state"):
     nnx.Optimizer(model, jmp_lite.loss_scaling(optax.adam(1e-2)),
                   wrt=nnx.Variable)
-  shapes = jax.tree.map(jnp.shape, model.fp8_state.get_value())
-  assert shapes == {"dot_general_0": {"lhs": (16,), "rhs": (16,)},
-                    "scan_0": {"dot_general_0": {"lhs": (2, 16),
-                                                 "rhs": (2, 16)}}}
+  shapes = {k: jax.tree.map(jnp.shape, v.get_value())
+            for k, v in model.fp8_state.items()}
+  assert shapes == {"inp": {"lhs": (16,), "rhs": (16,)},
+                    "head": {"lhs": (16,), "rhs": (16,)},
+                    # The scanned stack of layers: one slot per iteration.
+                    "layers": {"lhs": (2, 16), "rhs": (2, 16)}}
+  model(X)
   traces = []
 
   @nnx.jit
@@ -411,19 +536,22 @@ def test_nnx_delayed_state_train_eval_and_optimizers():
   losses = [float(step(model, optimizer, X * s, rngs)) for s in (2.0, 3.0)]
   assert all(np.isfinite(losses)) and traces == [1]
   assert int(rngs.dropout.count[...]) == 2  # call arguments' state advances
-  history = model.fp8_state.get_value()["dot_general_0"]["lhs"]
+  history = amaxes(model.fp8_state["inp"].get_value()["lhs"])
   expected = [float(jnp.max(jnp.abs((X * s).astype(jnp.bfloat16))))
               for s in (3.0, 2.0, 1.0)]
   np.testing.assert_array_equal(history[:3], expected)
   # Evaluation freezes the histories, as it freezes BatchNorm's statistics.
   model.eval()
-  frozen = model.fp8_state.get_value()
+  frozen = nnx.state(model, jnnx.Fp8State)
   model(X * 10)
-  jax.tree.map(np.testing.assert_array_equal, model.fp8_state.get_value(),
-               frozen)
+  jax.tree.map(np.testing.assert_array_equal,
+               nnx.state(model, jnnx.Fp8State), frozen)
   model.train()
   model(X * 10)
-  assert float(model.fp8_state.get_value()["dot_general_0"]["lhs"][0]) == (
+  layers = amaxes(model.fp8_state["layers"].get_value()["lhs"])
+  assert layers[0, 0] != layers[1, 0] and np.all(layers[:, :4] > 0)
+  assert not np.any(model.fp8_state["head"].get_value()["lhs"])
+  assert float(amaxes(model.fp8_state["inp"].get_value()["lhs"])[0]) == (
       float(jnp.max(jnp.abs((X * 10).astype(jnp.bfloat16)))))
 
 
@@ -458,7 +586,7 @@ def test_linen_restored_history_of_another_length_is_refused():
       LM(), "p=f32,c=bf16,o=f32,m=fp8_delayed(history_length=4)",
       jlinen.DEFAULT_MODULE_RULES)
   with pytest.raises(ValueError, match=r"16-step amax history for the matmul "
-                     r"at LM/inp/dot_general_0.*history_length=4.*h\[\.\.\., "
+                     r"at (inp|blocks/Dense_0|mid).*history_length=4.*h\[\.\.\., "
                      r":4\]") as info:
     short.apply(variables, X, mutable=["fp8_state"])
   assert "init" in str(info.value)
@@ -466,13 +594,13 @@ def test_linen_restored_history_of_another_length_is_refused():
   sliced = {**variables, "fp8_state": jax.tree.map(
       lambda h: h[..., :4], variables["fp8_state"])}
   _, updates = short.apply(sliced, X, mutable=["fp8_state"])
-  assert updates["fp8_state"]["LM"]["inp"]["dot_general_0"]["lhs"].shape == (4,)
+  assert updates["fp8_state"]["inp"]["lhs"].shape == (4,)
 
 
 def test_linen_site_without_lhs_is_a_teaching_error():
   model, variables = linen_model(DELAYED)
   state = jax.tree.map(lambda x: x, variables["fp8_state"])
-  del state["LM"]["inp"]["dot_general_0"]["lhs"]
+  del state["inp"]["lhs"]
   with pytest.raises(ValueError, match=r"entry for the matmul at "
-                     r"LM/inp/dot_general_0 is not \{'lhs'.*got \['rhs'\]"):
+                     r"inp is not \{'lhs'.*got \['rhs'\]"):
     model.apply({**variables, "fp8_state": state}, X)

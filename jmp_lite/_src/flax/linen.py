@@ -11,18 +11,17 @@ keeps its amax histories in the ``"fp8_state"`` collection.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+import functools
+from typing import Any, Callable, Mapping, NamedTuple
 import warnings
 
 import flax.linen as nn
 from flax import traverse_util
 from flax.core import FrozenDict
-from flax.core import scope as flax_scope
 import jax
-import jax.numpy as jnp
 
 from jmp_lite._src import checks
-from jmp_lite._src.fp8 import config as fp8_config
+from jmp_lite._src.flax import float8 as float8_lib
 from jmp_lite._src.flax import rules as common
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
@@ -79,49 +78,150 @@ DEFAULT_MODULE_RULES = ModuleRules(
 )
 
 
-def _recorder(classes: dict[common.Path, type]) -> Callable[..., Any]:
-  """An interceptor that records the class of every module that runs."""
+#: The linen layers whose product a policy computes through their own
+#: ``dot_general`` field (``nn.Einsum`` has none in Flax 0.12: it stays as
+#: written, a visible fallback).
+_HOOKED = (nn.Dense, nn.DenseGeneral)
+_NO_HOOK = "flax.linen.Einsum has no dot_general hook"
+_OWN_HOOK = "the layer has its own dot_general/dot_general_cls"
 
-  def intercept(next_fun, args, kwargs, context):
-    # Lifted transforms (nn.scan, nn.remat...) also call a '<lambda>' method on
-    # a wrapper whose path is not its real one: skip those.
-    if context.method_name.isidentifier():
-      classes.setdefault(tuple(context.module.path), type(context.module))
-    return next_fun(*args, **kwargs)
 
-  return intercept
+class _Float8:
+  """What one pass of a linen model does with its matmul layers.
+
+  Args:
+    mode: ``"discover"`` (number every product for :func:`head_site`),
+      ``"init"`` (create zero histories), ``"apply"``.
+    resolver: the policies.
+    head: the path of the output head (apply, init), or None.
+  """
+
+  def __init__(self, mode: str, resolver: common.Resolver,
+               head: common.Path | None = None):
+    self.mode = mode
+    self.resolver = resolver
+    self.head = head
+    self.candidates: dict[int, Any] = {}
+    self.sites: list[common.Path] = []
+
+  def wrap(self, module: nn.Module, path: common.Path,
+           call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` with the module's product hooked (or ``call`` unchanged)."""
+    config = float8_lib.recipe(self.resolver.effective(path))
+    if not isinstance(module, _HOOKED):
+      if config is None or not isinstance(module, nn.Einsum):
+        return call
+      return _in_scope(call, float8_lib.fallback(_NO_HOOK))
+    current = module.dot_general
+    if isinstance(current, (float8_lib.Matmul, float8_lib.Recorder)):
+      return call  # hooked already (a lifted transform's inner call)
+    if current is not None or module.dot_general_cls is not None:
+      if config is None or self.mode == "discover":
+        return call
+      return _in_scope(call, float8_lib.fallback(_OWN_HOOK))
+    if self.mode == "discover":
+      hook = float8_lib.Recorder(len(self.sites))
+      self.candidates[hook.index] = config
+      self.sites.append(path)
+    elif config is None:
+      return call
+    else:
+      excluded = None
+      if path == self.head and not config.include_output_head:
+        excluded = "output head (include_output_head=False)"
+      histories = None
+      if config.scaling == "delayed":
+        histories = (functools.partial(_read_histories, module, config,
+                                       self.mode),
+                     _writer(module, self.mode))
+      hook = float8_lib.Matmul(config, common.path_str(path), histories,
+                               excluded)
+
+    # The layer's own field, set for this call and restored after: linen
+    # modules are frozen dataclasses, and Flax reads `dot_general` when
+    # __call__ runs (a lifted transform's clone copies it). A clone bound
+    # to the same scope would be a second module at the same path.
+    def hooked(*args, **kwargs):
+      object.__setattr__(module, "dot_general", hook)
+      try:
+        return call(*args, **kwargs)
+      finally:
+        object.__setattr__(module, "dot_general", current)
+
+    return hooked
+
+
+def _in_scope(call: Callable[..., Any], scope: Any) -> Callable[..., Any]:
+  def scoped(*args, **kwargs):
+    with scope:
+      return call(*args, **kwargs)
+  return scoped
+
+
+def _read_histories(module: nn.Module, config: Any, mode: str) -> Any:
+  """The layer's stored histories (created as zeros by init), checked."""
+  path = common.path_str(module.path)
+  if mode == "init":
+    if not module.is_mutable_collection(checks.FP8_STATE):
+      raise ValueError(float8_lib.STATE_NOT_LIFTED.format(path=path))
+    zeros = float8_lib.zero_histories(config.history_length)
+    for name in ("lhs", "rhs"):
+      module.variable(checks.FP8_STATE, name, lambda z=zeros[name]: z)
+  stored = module.variables.get(checks.FP8_STATE)
+  if not stored:
+    raise ValueError(float8_lib.MISSING_HISTORY.format(path=path))
+  float8_lib.check_histories(stored, path, config)
+  return stored
+
+
+def _writer(module: nn.Module, mode: str) -> Callable[[Any], None] | None:
+  """Stores rolled histories where the collection is mutable (training)."""
+  if mode != "apply" or not module.is_mutable_collection(checks.FP8_STATE):
+    return None
+
+  def write(new):
+    for name, value in new.items():
+      module.put_variable(checks.FP8_STATE, name, value)
+
+  return write
 
 
 def _boundary_interceptor(
-    resolver: common.Resolver, seen: set[common.Path], fp8: bool = False
+    resolver: common.Resolver, seen: set[common.Path],
+    float8: _Float8 | None = None, cast: bool = True,
 ) -> Callable[..., Any]:
   """An interceptor casting inputs and outputs at every policy boundary.
 
-  With ``fp8``, each boundary also marks its region with its policy's float8
-  recipe (or none) for autocast's interpreter.
+  With ``float8``, the matmul layers' products are hooked (:class:`_Float8`);
+  ``cast=False`` only records classes and hooks (init, discovery).
   """
   active: list[common.Path] = []
 
   def intercept(next_fun, args, kwargs, context):
     name = context.method_name
+    # Lifted transforms (nn.scan, nn.remat...) also call a '<lambda>' method
+    # on a wrapper whose path is not its real one: skip those.
     if not name.isidentifier():
       return next_fun(*args, **kwargs)
     module = context.module
     path = tuple(module.path)
     resolver.note(path, type(module))
     seen.add(path)
+    call = next_fun
+    if float8 is not None and name == "__call__":
+      call = float8.wrap(module, path, next_fun)
     # A module's own methods calling each other (``__call__`` -> ``encode``)
     # stay inside it: no cast to the output dtype in the middle.
-    if not common.is_policy_method(name) or path in active:
-      return next_fun(*args, **kwargs)
+    if not cast or not common.is_policy_method(name) or path in active:
+      return call(*args, **kwargs)
     policy = resolver.boundary(path)
     if policy is None:  # Not a boundary: the module runs as written.
-      return next_fun(*args, **kwargs)
+      return call(*args, **kwargs)
     active.append(path)
     try:
       args, kwargs = policy_lib.cast_inputs(policy, (args, kwargs))
-      with common.fp8_region(policy, fp8), policy.matmul_context():
-        return policy_lib.cast_outputs(policy, next_fun(*args, **kwargs))
+      with policy.matmul_context():
+        return policy_lib.cast_outputs(policy, call(*args, **kwargs))
     finally:
       active.pop()
 
@@ -172,6 +272,9 @@ class PolicyModel:
   module: nn.Module
   policy: policy_lib.Policy
   module_rules: ModuleRules
+  # What a call's discovery pass found, per input signature (not config).
+  _cache: dict = dataclasses.field(default_factory=dict, compare=False,
+                                   hash=False, repr=False)
 
   def init(self, rngs: Any, *args: Any, method: Any = None, **kwargs: Any) -> Any:
     """Creates the model's variables, params in their policy's param dtype.
@@ -201,9 +304,14 @@ class PolicyModel:
       dtype('float32')
     """
     classes: dict[common.Path, type] = {}
-    with nn.intercept_methods(_recorder(classes)):
-      variables = self.module.init(rngs, *args, method=method, **kwargs)
     resolver = common.Resolver(self.policy, self.module_rules, classes)
+    fp8 = self._fp8_kind()
+    # The model runs as written (no casts); a delayed recipe's layers create
+    # their zero histories as they run.
+    float8 = _Float8("init", resolver) if fp8 == "delayed" else None
+    with nn.intercept_methods(
+        _boundary_interceptor(resolver, set(), float8, cast=False)):
+      variables = self.module.init(rngs, *args, method=method, **kwargs)
     params = variables.get("params") if isinstance(variables, Mapping) else None
     if params is not None:
       self._warn_unmatched(set(classes) | _owner_paths(params))
@@ -214,9 +322,19 @@ class PolicyModel:
           ),
       )
       variables = _replace_collection(variables, "params", params)
-    if self._fp8_kind() == "delayed":
-      state = self._initial_fp8_state(variables, rngs, args, method, kwargs)
-      variables = _replace_collection(variables, checks.FP8_STATE, state)
+    if fp8 is not None:
+      # Which layer is the output head is known once the whole call is seen:
+      # discover it now (cached for apply with inputs of the same shapes).
+      call_kwargs = {k: v for k, v in kwargs.items()
+                     if k not in ("mutable", "capture_intermediates")}
+      rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
+      found = self._discovery(variables, args, dict(
+          rngs=rngs, method=method, **call_kwargs))
+      if fp8 == "delayed":
+        state = variables.get(checks.FP8_STATE, {})
+        if found.head is not None:
+          state = _drop(state, found.head)
+        variables = _replace_collection(variables, checks.FP8_STATE, state)
     return variables
 
   def apply(
@@ -264,22 +382,17 @@ class PolicyModel:
       (dtype('float32'), dtype('float32'))
     """
     fp8 = self._fp8_kind()
-    fp8_state, flax_mutable, roll = None, mutable, False
-    if fp8 is not None:
-      variables, fp8_state = _pop_collection(variables, checks.FP8_STATE)
-      roll = fp8 == "delayed" and flax_scope.in_filter(mutable,
-                                                        checks.FP8_STATE)
-      flax_mutable = _without(mutable, checks.FP8_STATE)
-      if fp8 == "delayed" and fp8_state is None:
-        raise ValueError(_NO_FP8_STATE)
-    call_kwargs = dict(rngs=rngs, method=method, mutable=flax_mutable,
-                       **kwargs)
-    classes = (
-        self._discover(variables, args, call_kwargs)
-        if self.module_rules.has_class_rules
-        else {}
+    if fp8 == "delayed" and not (isinstance(variables, Mapping)
+                                 and checks.FP8_STATE in variables):
+      raise ValueError(_NO_FP8_STATE)
+    call_kwargs = dict(rngs=rngs, method=method, mutable=mutable, **kwargs)
+    found = (
+        self._discovery(variables, args, call_kwargs)
+        if fp8 is not None or self.module_rules.has_class_rules
+        else _Discovery({}, None)
     )
-    resolver = common.Resolver(self.policy, self.module_rules, classes)
+    resolver = common.Resolver(self.policy, self.module_rules,
+                               dict(found.classes))
     run_variables = variables
     params = variables.get("params") if isinstance(variables, Mapping) else None
     if params is not None:
@@ -292,19 +405,12 @@ class PolicyModel:
       )
       run_variables = _replace_collection(variables, "params", params)
     seen: set[common.Path] = set()
-    interceptor = _boundary_interceptor(resolver, seen, fp8=fp8 is not None)
-    if fp8 is None:
-      with nn.intercept_methods(interceptor), self.policy.matmul_context():
-        out = self.module.apply(run_variables, *args, **call_kwargs)
-    else:
-      float8 = common.fp8_interpreter()
-      store = None if fp8 == "current" else float8.Fp8Store(
-          fp8_state, "roll" if roll else "read")
-      with nn.intercept_methods(interceptor):
-        out = float8.evaluate(self.module.apply, (run_variables, *args),
-                              call_kwargs, self.policy, store=store,
-                              owner="jmp_lite.linen")
-    known = seen | set(classes)
+    float8 = (None if fp8 is None
+              else _Float8("apply", resolver, head=found.head))
+    interceptor = _boundary_interceptor(resolver, seen, float8)
+    with nn.intercept_methods(interceptor), self.policy.matmul_context():
+      out = self.module.apply(run_variables, *args, **call_kwargs)
+    known = seen | set(found.classes)
     if params is not None:
       known |= _owner_paths(params)
     self._warn_unmatched(known)
@@ -312,10 +418,8 @@ class PolicyModel:
     # matches the model itself (e.g. a bare BatchNorm under DEFAULT_MODULE_RULES).
     if mutable is False:
       return policy_lib.cast_outputs(self.policy, out)
-    y, updated = (out, {}) if flax_mutable is False else out
+    y, updated = out
     updated = tree_lib.cast_like(updated, variables)
-    if roll:
-      updated = _replace_collection(updated, checks.FP8_STATE, store.final())
     return policy_lib.cast_outputs(self.policy, y), updated
 
   def module_policies(
@@ -358,50 +462,61 @@ class PolicyModel:
 
   def _fp8_kind(self) -> str | None:
     """``"delayed"``, ``"current"`` or None: the float8 recipes in force."""
-    return fp8_config.scaling_in_use(
+    return float8_lib.scaling_in_use(
         [self.policy, *(o for _, o in self.module_rules)])
 
-  def _initial_fp8_state(self, variables: Any, rngs: Any, args: tuple,
-                         method: Any, kwargs: dict) -> dict:
-    """Zero amax histories for each delayed float8 matmul of one call."""
-    kwargs = {k: v for k, v in kwargs.items()
-              if k not in ("mutable", "capture_intermediates")}
-    rngs = rngs if isinstance(rngs, Mapping) else {"params": rngs}
+  def _discovery(self, variables: Any, args: tuple,
+                 call_kwargs: dict) -> "_Discovery":
+    """The module classes and the output head of one call (cached).
 
-    call_kwargs = dict(rngs=rngs, method=method, mutable=True, **kwargs)
-    float8 = common.fp8_interpreter()
+    One abstract trace of the model as written, cached per method, keyword
+    options and input shapes: ``init`` fills the cache, so ``apply`` on
+    inputs of the same shapes traces the model once.
+    """
+    key = _signature(args, call_kwargs)
+    found = self._cache.get(key) if key is not None else None
+    if found is None:
+      found = self._discover_call(variables, args, call_kwargs)
+      if key is not None:
+        self._cache[key] = found
+    return found
 
-    def trace(variables):
-      store = float8.Fp8Store(None, "create")
-      classes = (self._discover(variables, args, call_kwargs)
-                 if self.module_rules.has_class_rules else {})
-      resolver = common.Resolver(self.policy, self.module_rules, classes)
-      params = variables.get("params")
-      run = variables if params is None else _replace_collection(
-          variables, "params", _map_params(
-              params, lambda owner, leaf: tree_lib.cast_floating(
-                  leaf, resolver.effective(owner).compute_dtype)))
-      with nn.intercept_methods(_boundary_interceptor(resolver, set(), True)):
-        float8.evaluate(self.module.apply, (run, *args), call_kwargs,
-                        self.policy, store=store, owner="jmp_lite.linen")
-      return store.final()
+  def _discover_call(self, variables: Any, args: tuple,
+                     call_kwargs: dict) -> "_Discovery":
+    classes: dict[common.Path, type] = {}
+    resolver = common.Resolver(self.policy, self.module_rules, classes)
+    fp8 = self._fp8_kind() is not None
+    float8 = _Float8("discover", resolver) if fp8 else None
+    # Everything mutable: a model updating its statistics runs as in training.
+    call_kwargs = dict(call_kwargs, mutable=True)
+    leaves, treedef = jax.tree.flatten((variables, args, call_kwargs))
+    dynamic = [i for i, leaf in enumerate(leaves) if checks.is_array(leaf)]
 
-    shapes = jax.eval_shape(trace, variables)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    def run(*values):
+      full = list(leaves)
+      for i, value in zip(dynamic, values):
+        full[i] = value
+      variables, args, kwargs = jax.tree.unflatten(treedef, full)
+      # Only module classes and products matter here, not dtypes: standard
+      # promotion lets the unmodified model run whatever dtypes its params
+      # are stored in.
+      with jax.numpy_dtype_promotion("standard"):
+        with nn.intercept_methods(
+            _boundary_interceptor(resolver, set(), float8, cast=False)):
+          return self.module.apply(variables, *args, **kwargs)
+
+    values = [leaves[i] for i in dynamic]
+    if not fp8:
+      jax.eval_shape(run, *values)
+      return _Discovery(dict(classes), None)
+    closed = jax.make_jaxpr(run)(*values)
+    index = float8_lib.head_site(closed, float8.candidates)
+    head = None if index is None else float8.sites[index]
+    return _Discovery(dict(classes), head)
 
   def _discover(self, variables: Any, args: tuple, call_kwargs: dict) -> dict[common.Path, type]:
     """Traces the model abstractly to learn the class at every module path."""
-    classes: dict[common.Path, type] = {}
-
-    def run():
-      # Only module classes matter here, not dtypes: standard promotion lets
-      # the unmodified model run whatever dtypes its params are stored in.
-      with jax.numpy_dtype_promotion("standard"):
-        with nn.intercept_methods(_recorder(classes)):
-          return self.module.apply(variables, *args, **call_kwargs)
-
-    jax.eval_shape(run)
-    return classes
+    return dict(self._discovery(variables, args, call_kwargs).classes)
 
   def _check_params(self, params: Any, resolver: common.Resolver) -> None:
     common.check_params(
@@ -436,24 +551,40 @@ _NO_FP8_STATE = (
 )
 
 
-def _pop_collection(variables: Any, name: str) -> tuple[Any, Any]:
-  """``(variables without the collection, the collection or None)``."""
-  if not isinstance(variables, Mapping) or name not in variables:
-    return variables, None
-  rest = {k: v for k, v in variables.items() if k != name}
-  if isinstance(variables, FrozenDict):
-    rest = FrozenDict(rest)
-  return rest, variables[name]
+class _Discovery(NamedTuple):
+  """What one abstract trace of a call found."""
+
+  classes: dict  # path -> module class, for class rules
+  head: common.Path | None  # the output head's path
 
 
-def _without(mutable: Any, name: str) -> Any:
-  """A ``mutable`` filter without one collection (False if nothing is left)."""
-  if mutable is False:
-    return False
-  left = flax_scope.subtract_filters(mutable, name)
-  if isinstance(left, (set, frozenset, list, tuple)):
-    return sorted(left) or False
-  return left
+def _signature(args: tuple, call_kwargs: dict) -> Any:
+  """A hashable key for a call's inputs (shapes, dtypes, options), or None
+  where an option is not hashable. Variables, rngs and ``mutable`` are left
+  out: they decide no module's class and no product's place."""
+  kwargs = {k: v for k, v in call_kwargs.items()
+            if k not in ("rngs", "mutable")}
+  leaves, treedef = jax.tree.flatten((args, kwargs))
+  key = [treedef]
+  for leaf in leaves:
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      key.append((tuple(leaf.shape), str(leaf.dtype)))
+    else:
+      key.append(leaf)
+  key = tuple(key)
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
+
+
+def _drop(state: Any, path: common.Path) -> Any:
+  """``state`` without the entry at a module path (and emptied parents)."""
+  flat = traverse_util.flatten_dict(state)
+  kept = {k: v for k, v in flat.items() if tuple(k[:len(path)]) != path}
+  out = traverse_util.unflatten_dict(kept) if kept else {}
+  return FrozenDict(out) if isinstance(state, FrozenDict) else out
 
 
 def _owner_paths(params: Any) -> set[common.Path]:

@@ -15,10 +15,12 @@ import warnings
 
 from flax import nnx
 import jax
+from jax import lax
+import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import checks
-from jmp_lite._src.fp8 import config as fp8_config
+from jmp_lite._src.flax import float8 as float8_lib
 from jmp_lite._src.flax import rules as common
 from jmp_lite._src import policy as policy_lib
 from jmp_lite._src import tree as tree_lib
@@ -84,10 +86,9 @@ def _cast(tree: Any, dtype: np.dtype) -> Any:
   return tree_lib.cast_floating(tree, dtype, is_leaf=_is_nnx_object)
 
 
-def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs,
-                fp8: bool = False, path: common.Path = ()):
+def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs):
   args, kwargs = _cast((args, kwargs), policy.compute_dtype)
-  with common.fp8_region(policy, fp8, path), policy.matmul_context():
+  with policy.matmul_context():
     return _cast(fn(*args, **kwargs), policy.output_dtype)
 
 
@@ -125,16 +126,12 @@ class _Boundary(nnx.Module):
   ``nnx.vmap``) split and merge it like any other submodule.
   """
 
-  def __init__(self, module: nnx.Module, policy: policy_lib.Policy,
-               fp8: bool = False, path: common.Path = ()):
+  def __init__(self, module: nnx.Module, policy: policy_lib.Policy):
     self.module = module
     self.policy = policy
-    self.fp8 = fp8
-    self.path = path
 
   def __call__(self, *args, **kwargs):
-    return _call_under(self.policy, self.module, args, kwargs, self.fp8,
-                       self.path)
+    return _call_under(self.policy, self.module, args, kwargs)
 
   def __getattr__(self, name: str) -> Any:
     # Only reached for names the boundary itself lacks. Private names are
@@ -144,10 +141,10 @@ class _Boundary(nnx.Module):
       raise AttributeError(name)
     attr = getattr(module, name)
     if callable(attr) and common.is_policy_method(name) and hasattr(attr, "__self__"):
-      policy, fp8, path = self.policy, self.fp8, self.path
+      policy = self.policy
 
       def method(*args, **kwargs):
-        return _call_under(policy, attr, args, kwargs, fp8, path)
+        return _call_under(policy, attr, args, kwargs)
 
       return method
     return attr
@@ -244,10 +241,15 @@ class PolicyModule(nnx.Module):
     self.module = module
     self.policy = policy
     self.module_rules = module_rules
-    self._fp8 = fp8_config.scaling_in_use(
+    self._fp8 = float8_lib.scaling_in_use(
         [policy, *(o for _, o in module_rules)])
     if self._fp8 == "delayed":
-      setattr(self, checks.FP8_STATE, Fp8State({}))
+      resolver = _resolver(module, policy, module_rules)
+      setattr(self, checks.FP8_STATE, nnx.Dict({
+          common.path_str(path): Fp8State(float8_lib.zero_histories(
+              config.history_length, _stack_shape(layer)))
+          for path, layer, config in _hooked_layers(module, resolver)
+          if config.scaling == "delayed"}))
       self.use_running_average = False
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -288,15 +290,17 @@ class PolicyModule(nnx.Module):
     resolver = self._resolver()
     graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
     _check_params(params, resolver)
+    head = None
     if self._fp8 is not None:
-      return self._call_fp8(method, graphdef, params, rest, resolver, args,
-                            kwargs)
+      head = _head(self.module, resolver, method, args, kwargs)
     copy = nnx.merge(graphdef, _cast_params(params, resolver), rest)
     if isinstance(method, str):
       fn = getattr(copy, method)
     else:
       fn = lambda *a, **k: method(copy, *a, **k)
     undo = _install_boundaries(copy, _boundaries(copy, resolver))
+    if self._fp8 is not None:
+      undo += _install_hooks(copy, resolver, head, self._histories())
     try:
       out = _call_under(resolver.boundary(()), fn, args, kwargs)
       # The outputs leave in the policy's output dtype even where a rule
@@ -308,54 +312,13 @@ class PolicyModule(nnx.Module):
     nnx.update(self.module, tree_lib.cast_like(changed, rest))
     return out
 
-  def _call_fp8(self, method, graphdef, params, rest, resolver, args, kwargs):
-    """``call_method`` through autocast's interpreter, as a pure function."""
-    float8 = common.fp8_interpreter()
-    # NNX objects among the arguments (an nnx.Rngs) travel as their state.
-    leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_object)
-    objects = {i: x for i, x in enumerate(leaves) if _is_nnx_object(x)}
-    split = {i: nnx.split(x) for i, x in objects.items()}
-
-    def pure(params, rest, leaves, object_states):
-      copy = nnx.merge(graphdef, _cast_params(params, resolver), rest)
-      leaves = list(leaves)
-      merged = {i: nnx.merge(split[i][0], state)
-                for i, state in object_states.items()}
-      for i, obj in merged.items():
-        leaves[i] = obj
-      call_args, call_kwargs = jax.tree.unflatten(treedef, leaves)
-      if isinstance(method, str):
-        fn = getattr(copy, method)
-      else:
-        fn = lambda *a, **k: method(copy, *a, **k)
-      undo = _install_boundaries(copy, _boundaries(copy, resolver, fp8=True))
-      try:
-        out = _call_under(resolver.boundary(()), fn, call_args, call_kwargs,
-                          fp8=True)
-        out = _cast(out, self.policy.output_dtype)
-      finally:
-        _undo(undo)
-      return (out, nnx.state(copy, nnx.Not(nnx.Param)),
-              {i: nnx.state(obj) for i, obj in merged.items()})
-
-    store = None
-    if self._fp8 == "delayed":
-      store = float8.Fp8Store(
-          getattr(self, checks.FP8_STATE).get_value(),
-          "read" if self.use_running_average else "roll",
-          create_missing=True)
-    plain = [None if i in objects else x for i, x in enumerate(leaves)]
-    out, changed, object_states = float8.evaluate(
-        pure, (params, rest, plain, {i: s for i, (_, s) in split.items()}),
-        {}, self.policy, store=store, owner="jmp_lite.nnx")
-    nnx.update(self.module, tree_lib.cast_like(changed, rest))
-    for i, state in object_states.items():
-      nnx.update(objects[i], state)
-    if store is not None:
-      new = store.final()
-      if new:
-        getattr(self, checks.FP8_STATE).set_value(new)
-    return out
+  def _histories(self) -> dict[str, tuple[Fp8State, bool]] | None:
+    """Each delayed layer's ``Fp8State`` by path, and whether to roll it."""
+    if self._fp8 != "delayed":
+      return None
+    roll = not self.use_running_average
+    return {path: (var, roll)
+            for path, var in getattr(self, checks.FP8_STATE).items()}
 
   def module_policies(self) -> dict[str, policy_lib.Policy]:
     """The policy of every submodule, by ``/``-joined path.
@@ -404,14 +367,192 @@ def _compute_dtype(resolver: common.Resolver, variable_path: common.Path) -> np.
   return resolver.effective(variable_path[:-1]).compute_dtype
 
 
-def _boundaries(root: nnx.Module, resolver: common.Resolver,
-                fp8: bool = False) -> dict[int, _Boundary]:
+def _boundaries(root: nnx.Module,
+                resolver: common.Resolver) -> dict[int, _Boundary]:
   """``id(module) -> _Boundary`` for every rule-matched submodule of ``root``."""
   return {
-      id(node): _Boundary(node, resolver.boundary(path), fp8, tuple(path))
+      id(node): _Boundary(node, resolver.boundary(path))
       for path, node in nnx.iter_modules(root)
       if path and resolver.boundary(path) is not None
   }
+
+
+#: Why a layer with a hook of its own stays as written.
+_OWN_HOOK = "the layer has its own dot_general/dot_general_cls/einsum_op"
+
+
+def _hook_field(layer: nnx.Module) -> str | None:
+  """The attribute a policy sets to hook a layer (``dot_general`` of
+  ``Linear``/``LinearGeneral``, ``einsum_op`` of ``Einsum``), None where the
+  user set one of their own (the layer then runs as written)."""
+  if isinstance(layer, nnx.Linear):
+    return "dot_general" if layer.dot_general is lax.dot_general else None
+  if isinstance(layer, nnx.LinearGeneral):
+    own = layer.dot_general is not None or layer.dot_general_cls is not None
+    return None if own else "dot_general"
+  if isinstance(layer, nnx.Einsum):
+    return "einsum_op" if layer.einsum_op is jnp.einsum else None
+  return None
+
+
+def _hooked_layers(root: nnx.Module, resolver: common.Resolver):
+  """``(path, layer, recipe)`` of every hookable layer under a float8 recipe."""
+  for path, layer in nnx.iter_modules(root):
+    if _hook_field(layer) is not None:
+      config = float8_lib.recipe(resolver.effective(tuple(path)))
+      if config is not None:
+        yield tuple(path), layer, config
+
+
+def _stack_shape(layer: nnx.Module) -> tuple[int, ...]:
+  """Leading axes of a layer's kernel beyond its own (``nnx.vmap``-made
+  stacks of layers, scanned over): its histories get the same."""
+  if isinstance(layer, nnx.Linear):
+    own = 2
+  elif isinstance(layer, nnx.LinearGeneral):
+    own = (len(layer.batch_axis) + len(layer.in_features)
+           + len(layer.out_features))
+  else:
+    own = len(layer.kernel_shape)
+  shape = np.shape(layer.kernel.get_value())
+  return tuple(shape[:len(shape) - own])
+
+
+class _Matmul(nnx.Module):
+  """A layer's hook for one call: float8 with the layer's histories.
+
+  An NNX module, so that NNX transforms inside the model (``nnx.scan`` over
+  a stack of layers) split and merge it with the layer, and the histories
+  it holds (the ``PolicyModule``'s ``fp8_state`` entry, shared) follow the
+  layer: one slot per iteration.
+  """
+
+  def __init__(self, config, path: str, excluded: str | None,
+               histories: Fp8State | None, roll: bool, einsum: bool):
+    self.config = config
+    self.path = path
+    self.excluded = excluded
+    self.histories = nnx.data(histories)
+    self.roll = roll
+    self.einsum = einsum
+
+  def _matmul(self) -> float8_lib.Matmul:
+    var, config, path = self.histories, self.config, self.path
+    histories = None
+    if var is not None:
+
+      def read():
+        stored = var.get_value()
+        float8_lib.check_histories(stored, path, config)
+        return stored
+
+      histories = (read, var.set_value if self.roll else None)
+    return float8_lib.Matmul(config, path, histories, self.excluded)
+
+  def __call__(self, *args, **kwargs):
+    if self.einsum:
+      return jnp.einsum(*args, _dot_general=self._matmul(), **kwargs)
+    return self._matmul()(*args, **kwargs)
+
+
+def _install_hooks(copy: nnx.Module, resolver: common.Resolver,
+                   head: str | None, histories: dict | None) -> list:
+  """Hooks every float8 layer of ``copy``; returns undo records."""
+  undo = []
+  for path, layer, config in list(_hooked_layers(copy, resolver)):
+    name = common.path_str(path)
+    excluded = None
+    if name == head and not config.include_output_head:
+      excluded = "output head (include_output_head=False)"
+    var, roll = None, False
+    if config.scaling == "delayed" and histories is not None:
+      var, roll = histories.get(name, (None, False))
+    field = _hook_field(layer)
+    hook = _Matmul(config, name, excluded, var, roll, field == "einsum_op")
+    undo.append((layer, field, getattr(layer, field)))
+    setattr(layer, field, nnx.data(hook))
+  return undo
+
+
+class _Recorder(nnx.Module):
+  """A discovery pass's hook: the product as written, numbered."""
+
+  def __init__(self, index: int, einsum: bool):
+    self.index = index
+    self.einsum = einsum
+
+  def __call__(self, *args, **kwargs):
+    record = float8_lib.Recorder(self.index)
+    if self.einsum:
+      return jnp.einsum(*args, _dot_general=record, **kwargs)
+    return record(*args, **kwargs)
+
+
+#: Output heads found, per model structure, policy, method and inputs.
+_HEADS: dict = {}
+
+
+def _head(module: nnx.Module, resolver: common.Resolver, method: Any,
+          args: tuple, kwargs: dict) -> str | None:
+  """The path of the layer that is the output head of this call, or None.
+
+  One abstract trace of the call with every hookable layer numbered
+  (:func:`float8_lib.head_site`), cached per model structure, policy,
+  method and input shapes.
+  """
+  configs = [c for _, _, c in _hooked_layers(module, resolver)]
+  if all(c.include_output_head for c in configs):
+    return None  # no recipe leaves a head out: nothing to find
+  graphdef, state = nnx.split(module)
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_object)
+  objects = {i: nnx.split(x) for i, x in enumerate(leaves)
+             if _is_nnx_object(x)}
+  signature = tuple(
+      ("nnx", objects[i][0]) if i in objects else
+      (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x
+      for i, x in enumerate(leaves))
+  key = (graphdef, resolver.policy, resolver.rules, method, treedef, signature)
+  try:
+    return _HEADS[key]
+  except (KeyError, TypeError):
+    pass
+  dynamic = [i for i, x in enumerate(leaves)
+             if i not in objects and checks.is_array(x)]
+  layers: list[tuple[str, Any]] = []
+
+  def run(state, values, object_states):
+    copy = nnx.merge(graphdef, state)
+    full = list(leaves)
+    for i, value in zip(dynamic, values):
+      full[i] = value
+    for i, obj_state in object_states.items():
+      full[i] = nnx.merge(objects[i][0], obj_state)
+    call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+    layers.clear()
+    for path, layer in list(nnx.iter_modules(copy)):
+      field = _hook_field(layer)
+      if field is not None:
+        config = float8_lib.recipe(resolver.effective(tuple(path)))
+        setattr(layer, field, nnx.data(_Recorder(len(layers),
+                                                 field == "einsum_op")))
+        layers.append((common.path_str(path), config))
+    fn = (getattr(copy, method) if isinstance(method, str)
+          else lambda *a, **k: method(copy, *a, **k))
+    with jax.numpy_dtype_promotion("standard"):
+      return fn(*call_args, **call_kwargs)
+
+  closed = jax.make_jaxpr(run)(
+      state, [leaves[i] for i in dynamic],
+      {i: s for i, (_, s) in objects.items()})
+  index = float8_lib.head_site(closed, dict(enumerate(c for _, c in layers)))
+  head = None if index is None else layers[index][0]
+  if len(_HEADS) > 256:
+    _HEADS.clear()
+  try:
+    _HEADS[key] = head
+  except TypeError:
+    pass
+  return head
 
 
 def _check_params(params: Any, resolver: common.Resolver) -> None:

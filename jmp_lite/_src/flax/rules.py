@@ -19,13 +19,11 @@ Vocabulary used by both integrations:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fnmatch
 import re
 from typing import Any, ClassVar, Iterable, Sequence, Union
 
-import jax
 import numpy as np
 
 from jmp_lite._src import compat
@@ -180,24 +178,6 @@ class Framework:
         f"{self.public_module}.apply_policy expects a {self.name}.Module "
         f"instance, got {type(module).__name__}: {module!r}.{hint}"
     )
-
-
-def fp8_region(policy: policy_lib.Policy, active: bool,
-               path: Path | None = None) -> contextlib.AbstractContextManager:
-  """The float8 marker of a boundary (when any policy of the model is float8).
-
-  A ``jax.named_scope`` naming the boundary's recipe (or none), read by
-  autocast's interpreter; with ``path``, also a scope named after the
-  boundary's path (NNX, whose modules add no scopes of their own), so that
-  delayed scaling's state is keyed by it.
-  """
-  if not active:
-    return contextlib.nullcontext()
-  stack = contextlib.ExitStack()
-  if path:
-    stack.enter_context(jax.named_scope(path_str(path)))
-  stack.enter_context(jax.named_scope(policy_lib.fp8_marker(policy)))
-  return stack
 
 
 def is_policy_method(name: str) -> bool:
@@ -561,16 +541,3 @@ def check_params(
   if bad:
     path, dtype, owner = bad[0]
     raise narrow_params_error(path, dtype, owner, len(bad), fix=fix)
-
-
-def fp8_interpreter() -> Any:
-  """autocast's float8 evaluation (``jmp_lite._src.autocast.float8``).
-
-  Float8 matmuls have one mechanism, autocast's interpreter with its float8
-  ``dot_general`` rule, which the Flax policies run a model through when a
-  policy names a float8 recipe. It is imported here, on use, so that the
-  Flax layer loads autocast (and the JAX internals autocast reads) only for
-  float8 models: a 16-bit model never does.
-  """
-  from jmp_lite._src.autocast import float8  # pylint: disable=g-import-not-at-top
-  return float8
