@@ -75,6 +75,8 @@ _F32 = np.dtype(np.float32)
 _U32 = np.dtype(np.uint32)
 _U8 = np.dtype(np.uint8)
 _F32_MAX = float(np.finfo(np.float32).max)
+# The smallest amax whose NVFP4 encoding scale 2688 / amax is finite.
+_TINY_AMAX = float(np.nextafter(np.float32(6 * 448 / _F32_MAX), np.float32(1)))
 
 #: The FP4 element type (E2M1: values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives).
 E2M1_DTYPE = np.dtype(jnp.float4_e2m1fn)
@@ -219,6 +221,13 @@ def _blocks(x: jax.Array, size: int) -> jax.Array:
   return x.reshape(x.shape[:-1] + (x.shape[-1] // size, size))
 
 
+def nonfinite_poison(x: jax.Array) -> jax.Array:
+  """A float32 scalar: 0 if ``x`` is finite, NaN if it holds NaN or inf
+  (``sum(x * 0)``). Adding it flags a scale without a NaN constant, which
+  ``jax_debug_nans`` would stop at in a finite run."""
+  return jnp.sum(x.astype(_F32) * jnp.zeros((), _F32))
+
+
 def _finite_part(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``x`` as float32 with NaN and inf replaced by 0, and where it was finite."""
   x = x.astype(_F32)
@@ -234,8 +243,13 @@ def _finite_part(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def nvfp4_tensor_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(S_enc, 1 / S_enc)`` for a finite float32 ``amax``: ``S_enc = 2688 /
   amax`` at most the largest float32, 1 where ``amax == 0``."""
-  encode = jnp.minimum(jnp.asarray(E2M1_MAX * E4M3_MAX, _F32) / amax,
-                       jnp.asarray(_F32_MAX, _F32))
+  # Below _TINY_AMAX, 2688 / amax exceeds the largest float32: the result is
+  # that maximum, computed without the intermediate inf (jax_debug_infs).
+  tiny = jnp.asarray(_TINY_AMAX, _F32)
+  encode = jnp.where(
+      amax >= tiny,
+      jnp.asarray(E2M1_MAX * E4M3_MAX, _F32) / jnp.maximum(amax, tiny),
+      jnp.asarray(_F32_MAX, _F32))
   encode = jnp.where((amax == 0) | (encode == 0), jnp.ones((), _F32), encode)
   return encode, jnp.ones((), _F32) / encode
 
@@ -261,8 +275,7 @@ def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
   magnitude = jnp.abs(xf)
   amax = jnp.max(magnitude) if x.size else jnp.zeros((), _F32)
   encode, decode = nvfp4_tensor_scales(amax)
-  tensor_scale = jnp.where(jnp.all(finite), decode,
-                           jnp.asarray(np.nan, _F32))
+  tensor_scale = decode + nonfinite_poison(x)
   if two_d:
     block_amax = _tile_amax(magnitude)
   else:
@@ -270,8 +283,17 @@ def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
   multiplier = encode * jnp.asarray(np.float32(1.0) / np.float32(E2M1_MAX))
   block_scales = round_e4m3(jnp.minimum(block_amax * multiplier,
                                         jnp.asarray(E4M3_MAX, _F32)))
-  block_encode = jnp.minimum(jnp.ones((), _F32) / (block_scales * decode),
-                             jnp.asarray(_F32_MAX, _F32))
+  # min(1 / (block_scale / S_enc), float32 max); a zero (all-zero block) or
+  # subnormal denominator (flushed to zero by XLA) gives the maximum, without
+  # an intermediate inf.
+  denominator = block_scales * decode
+  usable = denominator >= jnp.asarray(2.0**-126, _F32)
+  block_encode = jnp.where(
+      usable,
+      jnp.minimum(jnp.ones((), _F32) /
+                  jnp.where(usable, denominator, jnp.ones((), _F32)),
+                  jnp.asarray(_F32_MAX, _F32)),
+      jnp.asarray(_F32_MAX, _F32))
   scaled = (_blocks(xf, NVFP4_BLOCK_SIZE) * block_encode[..., None]).reshape(
       x.shape)
   return _quantize_elements(scaled, key), block_scales, tensor_scale
@@ -320,7 +342,9 @@ def decode_e8m0_codes(codes: jax.Array) -> jax.Array:
   """float32 ``2**(code - 127)`` of uint8 E8M0 codes, NaN for 255."""
   k = codes.astype(jnp.int32) - 127
   value = mul_pow2(jnp.ones(codes.shape, _F32), k)
-  return jnp.where(codes == 255, jnp.asarray(np.nan, _F32), value)
+  # Code 255 gives 2**128 = inf above, and inf - inf = NaN: no NaN constant
+  # (jax_debug_nans would stop at one in a finite run).
+  return jnp.where(codes == 255, value - value, value)
 
 
 # ---------------------------------------------------------------------------

@@ -246,8 +246,7 @@ def _quantize(x: jax.Array, config: Fp4Config, *, two_d: bool = False,
   else:
     values, scales = fp4_lib.mxfp4_quantize_f32(
         x, rule=config.mx_scale_rule, key=key)
-    tensor_scale = jnp.where(jnp.any(scales == 255),
-                             jnp.asarray(np.nan, _F32), jnp.ones((), _F32))
+    tensor_scale = jnp.ones((), _F32) + fp4_lib.nonfinite_poison(x)
   return jax.lax.stop_gradient(_Operand(values, scales, tensor_scale))
 
 
