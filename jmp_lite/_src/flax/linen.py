@@ -3,9 +3,10 @@
 
 A linen model is a pure function of its variables, so ``PolicyModel`` wraps
 ``init``/``apply``: params are cast per module, and a
-``flax.linen.intercept_methods`` interceptor casts at every boundary (and, for
-float8 recipes, marks it for autocast's interpreter). Delayed float8 scaling
-keeps its amax histories in the ``"fp8_state"`` collection.
+``flax.linen.intercept_methods`` interceptor casts at every boundary and,
+under float8 recipes, hands ``nn.Dense``/``nn.DenseGeneral`` a float8
+``dot_general`` for the call. Delayed float8 scaling keeps each layer's amax
+histories in the ``"fp8_state"`` collection, at the layer's path.
 """
 
 from __future__ import annotations
@@ -282,10 +283,10 @@ class PolicyModel:
     The model runs as written (no casting) to create its variables; then each
     module's params are cast to the param dtype of its effective policy.
     Other collections (``batch_stats``...) are returned as created. Where a
-    policy has a delayed-scaling float8 recipe, the model is also traced
-    once more (abstractly, under its policy) to create the ``"fp8_state"``
-    collection: zero amax histories for each float8 matmul
-    (``docs/fp8.md``).
+    policy has a float8 recipe, the model is also traced once more
+    (abstractly) to find its output head, cached for ``apply``; a
+    delayed-scaling recipe's layers create the ``"fp8_state"`` collection:
+    zero amax histories for each float8 layer but the head (``docs/fp8.md``).
 
     Args:
       rngs: as for ``flax.linen.Module.init`` (a key or a dict of keys).
@@ -351,10 +352,10 @@ class PolicyModel:
     Params are cast per module to the compute dtype of its effective policy,
     floating inputs and outputs are cast at every boundary, and mutable
     collections come back in the dtypes they came in with. Where a policy
-    has a float8 recipe, the model is traced and its matmuls run in float8
-    (``docs/fp8.md``); a delayed-scaling recipe reads the ``"fp8_state"``
-    collection, and rolls it (returns the new one) when ``mutable`` includes
-    ``"fp8_state"``, as BatchNorm's ``"batch_stats"``.
+    has a float8 recipe, its ``nn.Dense``/``nn.DenseGeneral`` layers compute
+    in float8 (``docs/fp8.md``); a delayed-scaling recipe reads the
+    ``"fp8_state"`` collection, and rolls it (returns the new one) when
+    ``mutable`` includes ``"fp8_state"``, as BatchNorm's ``"batch_stats"``.
 
     Args:
       variables: the variables (from :meth:`init`, or your own with params

@@ -93,24 +93,28 @@ def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs)
 
 
 class Fp8State(nnx.Variable):
-  """The amax histories of delayed float8 scaling, on an NNX ``PolicyModule``.
+  """The amax histories of delayed float8 scaling of one NNX layer.
 
-  Not an ``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never
-  sees it, and ``nnx.grad`` does not differentiate it. Its value is a nested
-  dict of float32 arrays (``docs/fp8.md``), created on the model's first call
-  and rolled on every call in training mode (``model.train()``, the
-  default); ``model.eval()`` freezes it, as it freezes BatchNorm's
-  statistics. Filter it like any variable type: ``nnx.state(model,
-  jnnx.Fp8State)``.
+  ``PolicyModule.fp8_state`` holds one per layer under a delayed recipe,
+  keyed by the layer's path, created with zeros by ``apply_policy``. Not an
+  ``nnx.Param``: ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never sees it,
+  and ``nnx.grad`` does not differentiate it. Its value is ``{"lhs":
+  history, "rhs": history}``, the uint32 bit patterns of float32 amaxes,
+  newest first (integers, so that no optimizer can step them;
+  ``docs/fp8.md``), rolled on every call in training mode
+  (``model.train()``, the default); ``model.eval()`` freezes it, as it
+  freezes BatchNorm's statistics. Filter it like any variable type:
+  ``nnx.state(model, jnnx.Fp8State)``.
 
   Example:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> import jmp_lite.nnx as jnnx
     >>> model = jnnx.apply_policy(nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
     ...                           "p=f32,c=bf16,o=f32,m=fp8_delayed(include_output_head=true)")
     >>> _ = model(jnp.ones((16, 16)))
-    >>> history = model.fp8_state.get_value()["dot_general_0"]["lhs"]
+    >>> bits = model.fp8_state[""].get_value()["lhs"]   # "": the Linear itself
+    >>> history = jax.lax.bitcast_convert_type(bits, jnp.float32)
     >>> history.shape, float(history[0])
     ((16,), 1.0)
   """
@@ -209,11 +213,12 @@ class PolicyModule(nnx.Module):
   ``"module"``; save ``nnx.state(policy_module.module)`` to get checkpoints
   that load into the plain module.
 
-  With a float8 recipe in its policy or rules, a call runs the module as a
-  pure function of its state through autocast's interpreter (its matmuls in
-  float8, ``docs/fp8.md``) and writes the changed state back; with a
-  delayed-scaling recipe it also holds the amax histories as
-  :class:`Fp8State` ``fp8_state``, rolled on each call unless
+  With a float8 recipe in its policy or rules, the matmul layers under it
+  (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``) compute in float8
+  through their own ``dot_general``/``einsum_op`` hook, set on the call's
+  private copy (``docs/fp8.md``); with a delayed-scaling recipe it also
+  holds each such layer's amax histories, an :class:`Fp8State` in the
+  ``nnx.Dict`` ``fp8_state`` keyed by layer path, rolled on each call unless
   ``use_running_average`` (set by ``model.eval()``, cleared by
   ``model.train()``).
 
