@@ -206,7 +206,7 @@ def train_lm(policy: str, data, seed: int, steps: int, batch_size: int,
   rng = np.random.default_rng(seed)
   batches = [rng.integers(0, len(train_tokens) - seq_len - 1, size=batch_size)
              for _ in range(steps)]
-  model(lm_windows(train_tokens, batches[0], seq_len)[0])  # creates Fp8State
+  model(lm_windows(train_tokens, batches[0], seq_len)[0])  # rolls Fp8State once
   losses, step_ms = [], []
   for starts in batches:
     x, y = lm_windows(train_tokens, starts, seq_len)

@@ -108,15 +108,16 @@ def test_fp8_flax_ops_quick(tmp_path):
   # jmp_lite in the plain loop: every history slot is an amax the layer saw
   # (every batch's brightest pixel is 1.0), and its scale is that amax over
   # 448 rounded up to a power of two.
-  for name in ("jmp_plain", "jmp_plain_all"):
+  for name in ("jmp_plain",):
     state = runs[name]["fp8_state"]
     assert state["input_amax_history"] == {"min": 1.0, "max": 1.0, "latest": 1.0}
     assert state["input_scale"] == 2.0**-8
     assert runs[name]["all_fp8_state_finite"] is True
   assert findings["jmp_state_intact"] is True
-  # Adam on jmp_lite's state changes nothing: its gradient is exactly zero.
-  assert findings["jmp_all_variables_loop_identical"] is True
-  assert runs["jmp_plain"]["loss_history"] == runs["jmp_plain_all"]["loss_history"]
+  # Adam on every variable is refused with jmp_lite's state: its histories
+  # are integers, so jax.grad raises (issue 25 item 8: adamw shrank them).
+  assert findings["jmp_all_variables_loop_refused"] is True
+  assert "jmp_plain_all" not in runs
   # The params-only Flax loop never updates its state.
   frozen = runs["flax_plain_params"]["fp8_state"]
   assert frozen["input_scale"] == 1.0 and frozen["input_amax_history"]["max"] == 0
