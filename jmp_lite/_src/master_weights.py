@@ -31,6 +31,7 @@ import optax
 
 from jmp_lite._src import checks
 from jmp_lite._src import dtypes
+from jmp_lite._src import quantized_states as quantized_states_lib
 from jmp_lite._src import tree as tree_lib
 
 # -- shared helpers ----------------------------------------------------------
@@ -752,8 +753,27 @@ def _is_moment(x: Any) -> bool:
   return tree_lib.is_float(x) and np.ndim(x) >= 1
 
 
+#: Why with_state_dtype takes either one dtype or per-role formats.
+DTYPE_OR_FORMATS = (
+    "with_state_dtype takes either dtype (one floating dtype for every "
+    "moment, e.g. jnp.bfloat16) or mu=/nu= (a format per role: 'float32', "
+    "'bfloat16', 'bfloat16_sr', 'e4m3', '8bit', '4bit'), got {got}. E.g. "
+    "with_state_dtype(optax.adam(1e-3), mu='8bit', nu='8bit'); keep=, "
+    "roles=, min_size=, block_size= and seed= go with mu=/nu=."
+)
+
+
 def with_state_dtype(
-    inner: optax.GradientTransformation, dtype: Any
+    inner: optax.GradientTransformation,
+    dtype: Any = None,
+    *,
+    mu: Any = None,
+    nu: Any = None,
+    keep: Any = (),
+    roles: Any = None,
+    min_size: int = quantized_states_lib.MIN_SIZE,
+    block_size: int | None = None,
+    seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
   """Stores an optimizer's moments in ``dtype``; computes in float32.
 
@@ -765,10 +785,31 @@ def with_state_dtype(
   structure. Put it inside :func:`master_weights`. Guide, and what bfloat16
   moments cost in accuracy: ``docs/precision.md``.
 
+  With ``mu=``/``nu=`` instead of ``dtype``, each moment is stored in a
+  format chosen by its role, low-bit ones included (``"e4m3"``, ``"8bit"``,
+  ``"4bit"``, ``"bfloat16_sr"``): the first moments (signed) in ``mu``'s,
+  the second moments (non-negative; their codes never decode to zero) in
+  ``nu``'s; leaves with fewer than ``min_size`` elements and the paths
+  ``keep=`` matches stay in float32. ``update`` decodes the moments to
+  float32, runs ``inner``'s own update and re-encodes them with fresh block
+  scales. Guide: ``docs/precision.md`` ("Low-bit optimizer states").
+
   Args:
     inner: the optax optimizer whose state to store in ``dtype``.
     dtype: a floating dtype, e.g. ``jnp.bfloat16``, ``jnp.float16``,
-      ``jnp.float32``, or a name such as ``"bf16"``.
+      ``jnp.float32``, or a name such as ``"bf16"``: every moment in it.
+    mu: instead of ``dtype``: the format of the signed (first) moments:
+      ``"float32"`` (the default when only ``nu`` is given), ``"bfloat16"``,
+      ``"bfloat16_sr"``, ``"e4m3"``, ``"8bit"`` or ``"4bit"``.
+    nu: the format of the non-negative (second) moments, from the same list.
+    keep: regular expressions matched against state paths; matching leaves
+      stay in float32 (e.g. ``("embed",)``).
+    roles: ``{pattern: "mu" | "nu" | "keep"}`` overriding the role read from
+      the optax state's field names.
+    min_size: leaves with fewer elements (global shape) stay in float32.
+    block_size: block size of the block formats (a power of two from 32 to
+      4096; default 256, 128 for ``"4bit"``).
+    seed: the seed of ``"bfloat16_sr"``'s random bits.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with ``inner``'s state
@@ -789,8 +830,27 @@ def with_state_dtype(
     >>> updates, state = opt.update({"w": jnp.ones(3)}, state)
     >>> updates["w"].dtype, state[0].mu["w"].dtype
     (dtype('float32'), dtype(bfloat16))
+    >>> opt = jmp_lite.with_state_dtype(optax.adam(1e-3), mu="8bit", nu="4bit")
+    >>> state = opt.init({"w": jnp.ones((64, 256))})
+    >>> state.inner_state[0].mu["w"].shape, state.inner_state[0].nu["w"].shape
+    ((64, 260), (64, 136))
   """
   owner = "with_state_dtype"
+  if mu is not None or nu is not None:
+    if dtype is not None:
+      raise ValueError(DTYPE_OR_FORMATS.format(
+          got=f"dtype={dtype!r} and mu={mu!r}, nu={nu!r}"))
+    return quantized_states_lib.quantized_states(
+        inner, mu="float32" if mu is None else mu,
+        nu="float32" if nu is None else nu, keep=keep, roles=roles,
+        min_size=min_size, block_size=block_size, seed=seed, owner=owner)
+  extras = {"keep": keep != (), "roles": roles is not None,
+            "min_size": min_size != quantized_states_lib.MIN_SIZE,
+            "block_size": block_size is not None, "seed": seed != 0}
+  if any(extras.values()):
+    raise ValueError(DTYPE_OR_FORMATS.format(
+        got=f"dtype={dtype!r} with "
+        + ", ".join(k + "=" for k, v in extras.items() if v)))
   inner = checks.optax_transformation(inner, owner)
   store_dtype = dtypes.floating_dtype(
       dtype, f"{owner}'s dtype", policy=False,
