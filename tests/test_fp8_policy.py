@@ -17,7 +17,6 @@ import pytest
 import jmp_lite
 from jmp_lite import fp8
 from jmp_lite._src import markers
-from jmp_lite._src import policy as policy_lib
 from jmp_lite._src.fp8 import config as recipes_lib
 
 RECIPES = tuple(recipes_lib.FP8_RECIPES)
@@ -473,7 +472,8 @@ def test_markers_scope_recipes_and_reach_bodies():
 
   def region(policy, fn):
     def wrapped(*args):
-      with jax.named_scope(policy_lib.fp8_marker(policy)):
+      with jax.named_scope(markers.fp8_marker(
+          None if policy is None else policy.fp8_recipe)):
         return fn(*args)
     return wrapped
 

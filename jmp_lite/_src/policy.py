@@ -18,7 +18,6 @@ import jax
 import numpy as np
 
 from jmp_lite._src import dtypes
-from jmp_lite._src import markers
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.fp8 import config as recipes_lib
 
@@ -344,12 +343,6 @@ def cast_inputs(policy: Policy, tree: T) -> T:
 def cast_outputs(policy: Policy, tree: T) -> T:
   """``policy.cast_to_output(tree)`` for the library's own routes."""
   return tree_lib.cast_floating(tree, policy.output_dtype)
-
-
-def fp8_marker(policy: Policy | None) -> str:
-  """The named scope marking a float8 region with ``policy``'s recipe (see
-  ``jmp_lite._src.markers``); for the Flax layer until it moves."""
-  return markers.fp8_marker(None if policy is None else policy.fp8_recipe)
 
 
 def _looks_fp8(token: str) -> bool:

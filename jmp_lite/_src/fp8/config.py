@@ -530,19 +530,3 @@ def recipe_config(matmul_precision: Any) -> Fp8Config | None:
       matmul_precision in FP8_RECIPES):
     return _named(matmul_precision)
   return None
-
-
-def scaling_in_use(policies: Any) -> str | None:
-  """The float8 scaling that ``policies`` need: ``"delayed"`` if any has a
-  delayed recipe, ``"current"`` if any has another float8 recipe, None
-  without float8.
-
-  Reads each policy's resolved recipe (``Policy.fp8_recipe``); objects
-  without one (rules' other values) are ignored. For the Flax layer until its
-  float8 route moves.
-  """
-  recipes = [getattr(p, "fp8_recipe", None) for p in policies]
-  recipes = [r for r in recipes if isinstance(r, Fp8Config)]
-  if any(r.scaling == "delayed" for r in recipes):
-    return "delayed"
-  return "current" if recipes else None
