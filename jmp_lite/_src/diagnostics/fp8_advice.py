@@ -1,5 +1,6 @@
-"""Host-side float8 advice: per layer, the cheapest granularity that keeps
-the float8 losses small, or to keep the layer out of float8.
+"""Host-side float8 and FP4 advice: per layer, the cheapest granularity (or
+FP4 recipe) that keeps the quantization losses small, or to keep the layer
+out of float8 (FP4), with the layers ranked by their error.
 
 :class:`Fp8Advice` and :func:`advise_fp8`. They read the statistics of
 :mod:`jmp_lite._src.diagnostics.fp8_stats` on the host. Guide:
@@ -15,6 +16,9 @@ import jax
 
 from jmp_lite._src import checks
 from jmp_lite._src.diagnostics.fp8_stats import combine_fp8_stats
+from jmp_lite._src.diagnostics.fp8_stats import E2M1_UNIT_ROUNDOFF
+from jmp_lite._src.diagnostics.fp8_stats import FP4_FORMAT
+from jmp_lite._src.diagnostics.fp8_stats import FP4_STAT_RECIPES
 from jmp_lite._src.diagnostics.fp8_stats import Fp8Stats
 from jmp_lite._src.diagnostics.fp8_stats import GRANULARITIES
 from jmp_lite._src.diagnostics.fp8_stats import ROLES
@@ -32,10 +36,16 @@ from jmp_lite._src.fp8 import scaling as fp8_scaling
 DEFAULT_MAX_FLUSHED = 0.01
 #: The default share of entries :func:`advise_fp8` lets a recipe clip: none.
 DEFAULT_MAX_CLIPPED = 0.0
+#: The default limits for FP4 statistics: no limit on clipping and flushing
+#: (NVFP4 clips a block's largest entry whenever its E4M3 scale rounds
+#: down, and every FP4 block flushes its entries below 1/24 of its largest:
+#: the row error counts what both cost), the mean row error at E2M1's unit
+#: roundoff (25%).
+FP4_DEFAULT_LIMITS = (1.0, 1.0, E2M1_UNIT_ROUNDOFF)
 
 _NAMES = {"tensor": "per tensor", "row": "per row", "blockwise": "blockwise",
           "mxfp8": "MXFP8", "delayed": "with the given delayed scales",
-          "cast": "without scaling"}
+          "cast": "without scaling", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
 _PLURAL = {"activation": "activations", "weight": "weights",
            "gradient": "gradients"}
 
@@ -51,7 +61,9 @@ class Fp8Advice:
     granularity: ``{layer: granularity}``, the cheapest float8 granularity
       that keeps every measured role of the layer within the limits:
       ``"tensor"``, ``"row"``, ``"blockwise"`` or ``"mxfp8"`` (the order
-      they are tried in), or ``None``: keep the layer out of float8.
+      they are tried in), or ``None``: keep the layer out of float8. For FP4
+      statistics, the first FP4 recipe that fits (``"nvfp4"``,
+      ``"mxfp4"``) or ``None``: keep the layer in the compute dtype (bf16).
     keep_out: the layers whose granularity is ``None``, in order.
     delayed: ``{layer: fits}`` for the layers measured with a delayed scale
       (``fp8_stats(..., scale=...)``): whether those scales keep every role
@@ -62,6 +74,10 @@ class Fp8Advice:
     stats: ``{layer: {role: Fp8Stats}}``, the measurements, grouped.
     reasons: one sentence per decision that is not per tensor, per layer
       kept out, per delayed scale that does not fit, and per warning.
+    ranking: the layers from the largest quantization error to the
+      smallest: each layer's largest mean row error over its roles, under
+      the first granularity (recipe) tried. The candidates for a keep-list
+      (FP4: which layers to keep in bf16) come first.
 
   Example:
     >>> import jax.numpy as jnp
@@ -79,27 +95,40 @@ class Fp8Advice:
   max_error: Mapping[str, float]
   stats: Mapping[str, Mapping[str, Fp8Stats]]
   reasons: tuple[str, ...]
+  ranking: tuple[str, ...] = ()
 
   def __str__(self) -> str:
     if not self.stats:
       return "\n".join(f"- {r}" for r in self.reasons)
-    lines = ["| layer | float8 granularity | roles measured |",
-             "|---|---|---|"]
+    fp4 = _is_fp4(self.stats)
+    lines = [f"| layer | {'FP4 recipe' if fp4 else 'float8 granularity'} | "
+             "roles measured |", "|---|---|---|"]
     for layer, choice in self.granularity.items():
-      verdict = "keep out of float8" if choice is None else choice
+      verdict = ("keep in the compute dtype" if fp4 else
+                 "keep out of float8") if choice is None else choice
       if layer in self.delayed:
         verdict += ("; delayed scales fit" if self.delayed[layer]
                     else "; delayed scales do not fit")
       lines.append(f"| {layer} | {verdict} | "
                    f"{', '.join(self.stats[layer])} |")
     lines += ["", _measurements(self.stats), ""]
+    measured = {f for roles in self.stats.values() for st in roles.values()
+                for f in st.formats}
     limits = ", ".join(f"{fmt} {100 * v:g}%"
-                       for fmt, v in self.max_error.items())
+                       for fmt, v in self.max_error.items()
+                       if fmt in measured)
     lines.append(
         f"Limits: clipped <= {_format_percent(self.max_clipped)}%, flushed <= "
         f"{_format_percent(self.max_flushed)}%, mean row error <= {limits}.")
     lines += [f"- {r}" for r in self.reasons]
+    if self.ranking:
+      lines.append("- Largest error first: " + ", ".join(self.ranking) + ".")
     return "\n".join(lines)
+
+
+def _is_fp4(stats: Mapping[str, Mapping[str, Fp8Stats]]) -> bool:
+  return any(s.formats == (FP4_FORMAT,) for roles in stats.values()
+             for s in roles.values())
 
 
 def _percent(share: float) -> str:
@@ -114,7 +143,7 @@ def _cell(s: Fp8Stats, fmt: str, recipe: str) -> str:
   clipped = s.fraction("clipped", recipe, fmt)
   flushed = _percent(s.fraction("flushed", recipe, fmt))
   error = _error(s.error(recipe, fmt))
-  if recipe in ("cast", "delayed"):
+  if recipe in ("cast", "delayed") + FP4_STAT_RECIPES:
     return f"{_percent(clipped)} / {flushed} / {error}"
   cell = f"{flushed} / {error}"
   return cell + (f" (clipped {_percent(clipped)})" if clipped else "")
@@ -122,10 +151,13 @@ def _cell(s: Fp8Stats, fmt: str, recipe: str) -> str:
 
 def _measurements(stats: Mapping[str, Mapping[str, Fp8Stats]]) -> str:
   recipes = ("cast",) + GRANULARITIES
-  if any("delayed" in s.recipes for roles in stats.values()
+  if _is_fp4(stats):
+    recipes = FP4_STAT_RECIPES
+  elif any("delayed" in s.recipes for roles in stats.values()
          for s in roles.values()):
     recipes += ("delayed",)
-  titles = [f"{r}: clipped / flushed / error %" if r in ("cast", "delayed")
+  titles = [f"{r}: clipped / flushed / error %"
+            if r in ("cast", "delayed") + FP4_STAT_RECIPES
             else f"{r}: flushed / error %" for r in recipes]
   lines = ["| layer | role | format | entries | max abs | "
            + " | ".join(titles) + " |",
@@ -186,13 +218,38 @@ def _named(stats: Any) -> list[tuple[str, Fp8Stats]]:
   return out
 
 
-def _granularities(granularities: Any) -> tuple[str, ...]:
+#: What ``granularities`` holds for FP4 statistics.
+FP4_LADDER_HELP = (
+    "For FP4 statistics (fp8_stats(..., fmt='e2m1')) granularities names "
+    "the FP4 recipes to try, in order: 'nvfp4', 'mxfp4' (default "
+    "('nvfp4', 'mxfp4'): NVFP4 first, the more accurate at the same FP4 "
+    "rate)."
+)
+
+
+def _granularities(granularities: Any, fp4: bool) -> tuple[str, ...]:
   if isinstance(granularities, str) or not isinstance(granularities,
                                                       (tuple, list)):
     raise TypeError(
         "advise_fp8: granularities must be a tuple of granularity names, "
         f"cheapest first, got {type(granularities).__name__}: "
         f"{granularities!r}; e.g. ('tensor', 'row', 'blockwise').")
+  if fp4:
+    if tuple(granularities) == GRANULARITIES:
+      return FP4_STAT_RECIPES
+    names = []
+    for g in granularities:
+      name = g.strip().lower() if isinstance(g, str) else g
+      if name not in FP4_STAT_RECIPES:
+        raise ValueError(
+            f"advise_fp8: {g!r} is not an FP4 recipe. {FP4_LADDER_HELP}")
+      names.append(name)
+    names = tuple(names)
+    if not names or len(set(names)) != len(names):
+      raise ValueError(
+          "advise_fp8: granularities must name at least one FP4 recipe, "
+          f"each once, got {granularities!r}. {FP4_LADDER_HELP}")
+    return names
   names = tuple(fp8_scaling.check_granularity(
       g, GRANULARITIES, fp8_config.MATMUL_GRANULARITY_HELP)
                 for g in granularities)
@@ -203,23 +260,27 @@ def _granularities(granularities: Any) -> tuple[str, ...]:
   return names
 
 
-def _max_error(max_error: Any) -> dict[str, float]:
+def _max_error(max_error: Any, fp4: bool) -> dict[str, float]:
   if max_error is None:
+    if fp4:
+      return {FP4_FORMAT: E2M1_UNIT_ROUNDOFF}
     return {name: fp8_formats.get_format(name).unit_roundoff
             for name in fp8_formats.FORMAT_NAMES}
   value = checks.at_least(
       max_error, "max_error", "advise_fp8", 0,
       "it is the largest mean relative row error allowed, e.g. 0.0625 "
-      "(None: each format's unit roundoff, 2**-4 for e4m3, 2**-3 for e5m2)")
-  return {name: value for name in fp8_formats.FORMAT_NAMES}
+      "(None: each format's unit roundoff, 2**-4 for e4m3, 2**-3 for e5m2, "
+      "2**-2 for FP4's e2m1)")
+  return {name: value for name in ((FP4_FORMAT,) if fp4
+                                   else fp8_formats.FORMAT_NAMES)}
 
 
 def advise_fp8(stats: Any, *, by: Any = None,
-               max_clipped: float = DEFAULT_MAX_CLIPPED,
-               max_flushed: float = DEFAULT_MAX_FLUSHED,
+               max_clipped: float | None = None,
+               max_flushed: float | None = None,
                max_error: float | None = None,
                granularities: Sequence[str] = GRANULARITIES) -> Fp8Advice:
-  """Per layer: the cheapest float8 granularity, or keep it out of float8.
+  """Per layer: the cheapest float8 granularity (or FP4 recipe), or keep it out.
 
   The leaves are grouped into layers (``by``, as in :func:`group_stats`),
   each role's statistics combined within a layer. A granularity *fits* a
@@ -229,7 +290,13 @@ def advise_fp8(stats: Any, *, by: Any = None,
   of ``granularities`` — by default ``"tensor"``, ``"row"``,
   ``"blockwise"``, ``"mxfp8"``, the float8 matmul's cost order — that fits
   every role measured, or ``None`` (keep it in the compute dtype) when none
-  does.
+  does. The layers are also ranked by their error (:attr:`Fp8Advice.\
+ranking`), the largest first: the candidates for a keep-list.
+
+  FP4 statistics (``fp8_stats(..., fmt="e2m1")``) are advised the same way,
+  with the FP4 recipes as the ladder (``"nvfp4"``, then ``"mxfp4"``) and
+  ``None`` meaning: keep the layer in the compute dtype (bf16). A tree
+  mixing float8 and FP4 statistics is refused (advise each on its own).
 
   Args:
     stats: a tree of :class:`Fp8Stats` (from :func:`fp8_stats`), e.g.
@@ -237,14 +304,18 @@ def advise_fp8(stats: Any, *, by: Any = None,
     by: how leaf paths map to layers: ``None`` (each leaf is a layer), an
       int or a function from a path to the layer's name, as in
       :func:`group_stats`.
-    max_clipped: the share of entries a recipe may clip, in [0, 1]
-      (default 0: current scaling never clips; clipping means a stale
-      scale).
+    max_clipped: the share of entries a recipe may clip, in [0, 1]. None
+      (default): 0 for float8 (current scaling never clips; clipping means
+      a stale scale), no limit for FP4 (NVFP4 clips a block's largest entry
+      when its E4M3 scale rounds down; the row error counts it).
     max_flushed: the share of entries a granularity may flush to zero, in
-      [0, 1] (default 1%).
+      [0, 1]. None (default): 1% for float8, no limit for FP4 (every FP4
+      block flushes its entries below 1/24 of its largest; the row error
+      counts it).
     max_error: the largest mean relative row error; None (default): each
-      format's unit roundoff (6.25% for e4m3, 12.5% for e5m2), the most
-      rounding alone can cost a row in the format's normal range.
+      format's unit roundoff (6.25% for e4m3, 12.5% for e5m2, 25% for
+      FP4's e2m1), the most rounding alone can cost a row in the format's
+      normal range.
     granularities: the granularities to try, cheapest first (e.g. without
       ``"mxfp8"`` on GPUs without MXFP8 tensor cores, where it brings no
       speedup).
@@ -256,8 +327,8 @@ def advise_fp8(stats: Any, *, by: Any = None,
     TypeError: for statistics that are traced (call it outside ``jit``) or
       not :class:`Fp8Stats`, or non-numeric limits.
     ValueError: for limits out of range, an unknown or repeated
-      granularity, or a layer whose statistics of one role measured
-      different things.
+      granularity (FP4 recipe), statistics mixing float8 and FP4, or a
+      layer whose statistics of one role measured different things.
 
   Example:
     >>> import jax.numpy as jnp
@@ -270,18 +341,33 @@ def advise_fp8(stats: Any, *, by: Any = None,
   See ``docs/diagnostics.md`` (Float8) for the limits, the cost order and
   how to capture each role.
   """
-  max_clipped = checks.share(max_clipped, "max_clipped", "advise_fp8",
-                             zero_allowed=True)
-  max_flushed = checks.share(max_flushed, "max_flushed", "advise_fp8",
-                             zero_allowed=True)
-  errors = _max_error(max_error)
-  ladder = _granularities(granularities)
   key = _group_key(by)
   named = _named(stats)
   if not checks.is_concrete([leaf for _, leaf in named]):
     raise TypeError(
         "advise_fp8 reads statistics on the host; call it outside jax.jit, "
         "on the statistics the jitted step returned.")
+  fp4_leaves = [name for name, leaf in named
+                if leaf.formats == (FP4_FORMAT,)]
+  fp4 = bool(fp4_leaves)
+  if fp4 and len(fp4_leaves) != len(named):
+    other = next(name for name, leaf in named
+                 if leaf.formats != (FP4_FORMAT,))
+    raise ValueError(
+        f"advise_fp8: these statistics mix FP4 ({fp4_leaves[0]!r}) and "
+        f"float8 ({other!r}) measurements, whose recipes differ. Advise "
+        "each on its own: advise_fp8(fp4_stats), advise_fp8(fp8_stats).")
+  default_clipped, default_flushed = (
+      FP4_DEFAULT_LIMITS[:2] if fp4 else (DEFAULT_MAX_CLIPPED,
+                                          DEFAULT_MAX_FLUSHED))
+  max_clipped = checks.share(
+      default_clipped if max_clipped is None else max_clipped,
+      "max_clipped", "advise_fp8", zero_allowed=True)
+  max_flushed = checks.share(
+      default_flushed if max_flushed is None else max_flushed,
+      "max_flushed", "advise_fp8", zero_allowed=True)
+  errors = _max_error(max_error, fp4)
+  ladder = _granularities(granularities, fp4)
   grouped: dict[str, dict[str, list[Fp8Stats]]] = {}
   for name, leaf in named:
     layer = key(name)
@@ -316,8 +402,9 @@ def advise_fp8(stats: Any, *, by: Any = None,
       choice[layer] = None
     if choice[layer] is None:
       reasons.append(
-          f"Keep {layer} out of float8 (in the compute dtype): even "
-          f"{_NAMES[ladder[-1]]}, {_describe(failed[-1][1])}.")
+          f"Keep {layer} out of {'FP4' if fp4 else 'float8'} (in the "
+          f"compute dtype): even {_NAMES[ladder[-1]]}, "
+          f"{_describe(failed[-1][1])}.")
     elif failed:
       why = "; ".join(f"{_NAMES[g]}, {_describe(p)}" for g, p in failed)
       reasons.append(f"{layer}: {choice[layer]}, because {why}.")
@@ -335,8 +422,13 @@ def advise_fp8(stats: Any, *, by: Any = None,
       if int(s.nonfinite):
         reasons.append(
             f"{layer}: {int(s.nonfinite)} of its {_PLURAL[role]} are inf/NaN "
-            "(measured as zeros): fix those first; in a float8 matmul they "
-            "make the result non-finite whatever the granularity.")
+            f"(measured as zeros): fix those first; in a "
+            f"{'FP4' if fp4 else 'float8'} matmul they make the result "
+            "non-finite whatever the granularity.")
+  worst = {layer: max(s.error(ladder[0], s.formats[0])
+                      for s in roles.values())
+           for layer, roles in layers.items()}
+  ranking = tuple(sorted(worst, key=lambda layer: -worst[layer]))
   return Fp8Advice(
       granularity=choice,
       keep_out=tuple(layer for layer, g in choice.items() if g is None),
@@ -346,4 +438,5 @@ def advise_fp8(stats: Any, *, by: Any = None,
       max_error=errors,
       stats=layers,
       reasons=tuple(reasons),
+      ranking=ranking,
   )

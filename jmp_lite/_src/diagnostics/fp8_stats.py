@@ -1,9 +1,10 @@
-"""Jit-side float8 statistics: what each float8 scaling recipe would clip,
-flush to zero and round away, per leaf of any pytree.
+"""Jit-side float8 and FP4 statistics: what each float8 scaling recipe, and
+each FP4 recipe (NVFP4, MXFP4), would clip, flush to zero and round away,
+per leaf of any pytree.
 
 :class:`Fp8Stats` and :func:`fp8_stats`. Every recipe runs the quantizers of
-:mod:`jmp_lite._src.fp8` themselves (the ones the float8 matmul runs), so the
-counts are what the float8 matmul would do to the values. The host side (the
+:mod:`jmp_lite._src.fp8` themselves (the ones the float8 and FP4 matmuls
+run), so the counts are what those matmuls would do to the values. The host side (the
 advice per layer) is :mod:`jmp_lite._src.diagnostics.fp8_advice`. Guide:
 ``docs/diagnostics.md`` (Float8).
 """
@@ -23,6 +24,8 @@ from jmp_lite._src import checks
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.fp8 import config as fp8_config
 from jmp_lite._src.fp8 import formats as fp8_formats
+from jmp_lite._src.fp8 import fp4 as fp4_lib
+from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
 from jmp_lite._src.fp8 import scaling as fp8_scaling
 
 #: The roles a tensor plays in a float8 matmul, as :func:`fp8_stats` names them.
@@ -41,6 +44,25 @@ GRANULARITIES: tuple[str, ...] = fp8_config.MATMUL_GRANULARITIES
 #: matmul granularities with current scaling, and ``"delayed"`` (a given
 #: per-tensor scale) when a scale is given.
 RECIPES: tuple[str, ...] = ("cast",) + GRANULARITIES + ("delayed",)
+
+#: The FP4 element format's name, as ``fmt=`` takes it (E2M1).
+FP4_FORMAT = "e2m1"
+_FP4_NAMES = ("e2m1", "fp4", "float4_e2m1fn")
+#: What :func:`fp8_stats` measures with ``fmt="e2m1"``: each FP4 recipe as
+#: the FP4 matmul quantizes an operand of the role.
+FP4_STAT_RECIPES: tuple[str, ...] = fp4_matmul_lib.FP4_RECIPES
+#: E2M1's unit roundoff (1 mantissa bit): the most rounding alone costs a
+#: value between two normal E2M1 values.
+E2M1_UNIT_ROUNDOFF = 2.0**-2
+
+#: Why FP4 is measured on its own.
+FP4_FORMAT_HELP = (
+    "fmt='e2m1' measures the FP4 recipes ('nvfp4', 'mxfp4': E2M1 elements "
+    "with their block scales, as fp4_dot_general quantizes each operand), "
+    "whose recipes differ from float8's; measure float8 formats and FP4 in "
+    "separate calls (e.g. fp8_stats(x, role) and fp8_stats(x, role, "
+    "fmt='e2m1')). FP4 has no delayed scaling: leave scale=None."
+)
 
 #: What ``role`` means, for :func:`fp8_stats`' error messages.
 ROLE_HELP = (
@@ -76,7 +98,7 @@ _COUNTS = ("clipped", "flushed")
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Stats:
-  """What float8 would do to one array, per recipe (a pytree of arrays).
+  """What float8 or FP4 would do to one array, per recipe (a pytree of arrays).
 
   The array is viewed as a matrix of *rows* (every axis that is not
   contracted) by the contracting axes, as the float8 matmul views an operand.
@@ -92,7 +114,8 @@ class Fp8Stats:
     rows: int32, the rows with a nonzero finite entry of at least 2**-126:
       the rows the error is averaged over.
     clipped: int32 ``(formats, recipes)``, finite entries with ``|x / scale|``
-      above the format's max (448 for e4m3, 57344 for e5m2): saturated to it.
+      above the format's max (448 for e4m3, 57344 for e5m2, 6 for e2m1):
+      saturated to it.
     flushed: int32 ``(formats, recipes)``, nonzero finite entries that
       quantize to zero.
     error_sum: float32 ``(formats, recipes)``, the sum over rows of each
@@ -100,10 +123,12 @@ class Fp8Stats:
       ||x||``.
     error_max: float32 ``(formats, recipes)``, the largest such row error.
     role: static, ``"activation"``, ``"weight"`` or ``"gradient"``.
-    formats: static, the format names measured, e.g. ``("e4m3",)``.
+    formats: static, the format names measured, e.g. ``("e4m3",)``, or
+      ``("e2m1",)`` for FP4.
     recipes: static, the recipes measured: ``"cast"`` (a saturating cast,
       no scaling), ``"tensor"``, ``"row"``, ``"blockwise"``, ``"mxfp8"``
-      (current scaling) and ``"delayed"`` (a given per-tensor scale).
+      (current scaling) and ``"delayed"`` (a given per-tensor scale); for
+      FP4, ``"nvfp4"`` and ``"mxfp4"``.
     block_size: static, the tile/block edge of ``"blockwise"``.
 
   See ``docs/diagnostics.md`` (Float8) for each recipe and count.
@@ -142,7 +167,7 @@ class Fp8Stats:
             f"Fp8Stats: these statistics hold the formats {self.formats}; "
             "say which with fmt=, e.g. fmt='e4m3'.")
       return 0, self.recipes.index(recipe)
-    name = fp8_formats.get_format(fmt, "fmt").name
+    name = _format_name(fmt)
     if name not in self.formats:
       raise ValueError(
           f"Fp8Stats: format {name!r} was not measured (measured: "
@@ -211,6 +236,36 @@ class Fp8Stats:
       value = self.error_max[i, j]
       return float(value) if checks.is_concrete(value) else value
     return _ratio(self.error_sum[i, j], self.rows)
+
+  def snr(self, recipe: str, fmt: Any = None) -> Any:
+    """The signal-to-noise ratio of a recipe in dB, ``-20 log10(error)``.
+
+    The mean relative row error of :meth:`error` as a ratio of norms, in
+    decibels: FP4 papers report quantization quality this way (NVFP4 keeps
+    random normal data at about 20 dB, MXFP4 at about 19 dB).
+
+    Args:
+      recipe: one of :attr:`recipes`.
+      fmt: the format; may be left out when one format was measured.
+
+    Returns:
+      A Python float for concrete statistics (``inf`` when the error is 0),
+      a float32 array under ``jit``.
+
+    Raises:
+      ValueError: for a recipe or format not measured.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jmp_lite import diagnostics
+      >>> s = diagnostics.fp8_stats(jnp.array([[3.0, 5.0], [17.0, 0.0]]), "activation")
+      >>> round(s.snr("row"), 1)
+      30.6
+    """
+    error = self.error(recipe, fmt)
+    if isinstance(error, float):
+      return float("inf") if error == 0 else -20.0 * float(np.log10(error))
+    return -20.0 * jnp.log10(error)
 
   def summary(self) -> dict[str, dict[str, dict[str, float]]]:
     """Every figure as Python floats (host only).
@@ -303,6 +358,24 @@ def _role(role: Any) -> str:
   return key
 
 
+def _format_name(fmt: Any) -> str:
+  """The canonical name of a float8 format or of FP4's E2M1."""
+  if isinstance(fmt, str) and fmt.strip().lower() in _FP4_NAMES:
+    return FP4_FORMAT
+  if (not isinstance(fmt, (str, bool, int, float)) and fmt is not None
+      and not isinstance(fmt, fp8_formats.Fp8Format)):
+    try:
+      if np.dtype(fmt) == fp4_lib.E2M1_DTYPE:
+        return FP4_FORMAT
+    except TypeError:
+      pass
+  try:
+    return fp8_formats.get_format(fmt, "fmt").name
+  except (TypeError, ValueError) as err:
+    raise type(err)(
+        f"{err} For FP4, fmt='e2m1' (or jnp.float4_e2m1fn).") from None
+
+
 def _formats(fmt: Any, role: str) -> tuple[str, ...]:
   if fmt is None:
     return (_ROLE_FORMAT[role],)
@@ -313,9 +386,13 @@ def _formats(fmt: Any, role: str) -> tuple[str, ...]:
         f"{type(fmt).__name__}. {fp8_formats.FORMAT_HELP}")
   names = []
   for f in many:
-    name = fp8_formats.get_format(f, "fmt").name
+    name = _format_name(f)
     if name not in names:
       names.append(name)
+  if FP4_FORMAT in names and len(names) > 1:
+    raise ValueError(
+        f"fp8_stats: fmt={fmt!r} mixes FP4 with float8 formats. "
+        f"{FP4_FORMAT_HELP}")
   return tuple(names)
 
 
@@ -426,6 +503,31 @@ def _quantized(x, fmt, recipe, role, block_size, scale):
   return q(x, fmt, granularity, axis=axis, block_size=block_size)
 
 
+def _fp4_quantized(x: jax.Array, recipe: str,
+                   role: str) -> tuple[jax.Array, jax.Array]:
+  """FP4 of a float32 ``(rows, K)`` matrix as ``fp4_dot_general`` quantizes
+  an operand of ``role`` by default (weights: NVFP4's 16x16 tiles;
+  gradients: stochastic rounding with a key derived from the values, as
+  ``key=None`` does): float32 ``(values, per-entry dequantization scale)``
+  of ``x``'s shape."""
+  rows, k = x.shape
+  config = fp4_matmul_lib.Fp4Config(recipe)
+  size = config.block_size
+  two_d = role == "weight" and config.two_d_weights
+  key = fp4_matmul_lib.data_key(x) if role == "gradient" else None
+  padded = jnp.pad(x, ((0, -rows % size if two_d else 0), (0, -k % size)))
+  if recipe == "nvfp4":
+    values, scales, tensor_scale = fp4_lib.nvfp4_quantize_f32(
+        padded, two_d=two_d, key=key)
+    scales = scales * tensor_scale
+  else:
+    values, codes = fp4_lib.mxfp4_quantize_f32(
+        padded, rule=config.mx_scale_rule, key=key)
+    scales = fp4_lib.decode_e8m0_codes(codes)
+  per_entry = jnp.repeat(scales, size, axis=-1)
+  return values[:rows, :k], per_entry[:rows, :k]
+
+
 def _inverse_power_of_two(v: jax.Array) -> jax.Array:
   """``2**-floor(log2(v))`` for normal float32 ``v > 0``, the exponent
   clamped to [-126, 126] so that the result is a normal float32 too."""
@@ -466,18 +568,22 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
 
   clipped, flushed, error_sum, error_max = [], [], [], []
   for name in formats:
-    fmt = fp8_formats.get_format(name)
     counts = {c: [] for c in ("clipped", "flushed", "error_sum", "error_max")}
     for recipe in recipes:
-      q = _quantized(x, fmt, recipe, role, block_size, scale)
-      per_entry = _scale_per_entry(q)
-      top = jnp.asarray(fmt.max, _F32)
-      if recipe == "delayed":   # any scale: the quantizer's own division
-        over = (magnitude / per_entry) > top
-      else:                     # powers of two: the product is exact
-        over = magnitude > top * per_entry
+      if name == FP4_FORMAT:
+        values, per_entry = _fp4_quantized(x32, recipe, role)
+        over = magnitude > jnp.asarray(fp4_lib.E2M1_MAX, _F32) * per_entry
+      else:
+        fmt = fp8_formats.get_format(name)
+        q = _quantized(x, fmt, recipe, role, block_size, scale)
+        per_entry = _scale_per_entry(q)
+        top = jnp.asarray(fmt.max, _F32)
+        if recipe == "delayed":   # any scale: the quantizer's own division
+          over = (magnitude / per_entry) > top
+        else:                     # powers of two: the product is exact
+          over = magnitude > top * per_entry
+        values = q.values.astype(_F32)
       counts["clipped"].append(jnp.sum(over, dtype=jnp.int32))
-      values = q.values.astype(_F32)
       counts["flushed"].append(jnp.sum(nonzero & (values == 0),
                                        dtype=jnp.int32))
       err2 = jnp.sum(jnp.square((x32 - values * per_entry) * inv), axis=1)
@@ -501,7 +607,7 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
 
 def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
               scale: Any = None, block_size: int | None = None) -> Any:
-  """What float8 would clip, flush and round in each leaf, per recipe; jit-safe.
+  """What float8 or FP4 would clip, flush and round in each leaf; jit-safe.
 
   Each floating leaf becomes an :class:`Fp8Stats`, every other leaf ``None``.
   For each format, the leaf is quantized as the float8 matmul quantizes an
@@ -509,8 +615,11 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   (``"cast"``), with current scaling per tensor, per row, blockwise and
   MXFP8, and with ``scale`` when given (``"delayed"``) — and the entries
   clipped at the format's max, the nonzero entries flushed to zero and each
-  row's relative error are counted. No host sync: call it inside a jitted
-  step and return the result.
+  row's relative error are counted. With ``fmt="e2m1"`` the recipes are
+  FP4's instead, ``"nvfp4"`` and ``"mxfp4"``, each quantizing the leaf as
+  :func:`jmp_lite.fp4.fp4_dot_general` quantizes an operand of that role
+  (weights in NVFP4's 16x16 tiles, gradients rounded stochastically). No
+  host sync: call it inside a jitted step and return the result.
 
   Args:
     tree: any pytree: params (``role="weight"``), a matmul's inputs
@@ -521,7 +630,7 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
       every axis but the last for weights) and the blockwise shape (1 x 128
       tiles; 128 x 128 blocks for weights).
     fmt: a format (``"e4m3"``, ``"e5m2"``) or a tuple of formats to measure;
-      None: the role's.
+      ``"e2m1"`` measures the FP4 recipes (on its own); None: the role's.
     axis: the contracting axes, an int or a tuple of ints, for every leaf of
       rank >= 1 (a scalar is one entry); None: the role's. Rows, tiles and
       MX blocks run along them.
@@ -538,8 +647,8 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
     TypeError: for a role, format, axis or scale of the wrong type.
     ValueError: for an unknown role or format, an axis out of range for a
       leaf, a block size that is not a positive multiple of 16, a scale that
-      is not positive and finite or does not fit ``tree``, or a scale with
-      several formats.
+      is not positive and finite or does not fit ``tree``, a scale with
+      several formats or with FP4, or FP4 mixed with float8 formats.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -549,14 +658,19 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
     >>> s.fraction("clipped", "cast"), s.fraction("flushed", "tensor"), s.fraction("flushed", "row")
     (0.5, 0.5, 0.0)
 
-  See ``docs/diagnostics.md`` (Float8) for the recipes, the counts, how to
-  capture a model's matmul inputs and gradients, and the advice.
+  See ``docs/diagnostics.md`` (Float8; FP4) for the recipes, the counts,
+  how to capture a model's matmul inputs and gradients, and the advice.
   """
   role = _role(role)
   formats = _formats(fmt, role)
   axis = _axis(axis)
   block_size = _block_size(block_size)
   recipes = RECIPES if scale is not None else RECIPES[:-1]
+  if formats == (FP4_FORMAT,):
+    if scale is not None:
+      raise ValueError(
+          f"fp8_stats: scale= was given with fmt='e2m1'. {FP4_FORMAT_HELP}")
+    recipes = FP4_STAT_RECIPES
   if scale is not None and len(formats) > 1:
     raise ValueError(
         f"fp8_stats: a delayed scale belongs to one format, got scale= with "
