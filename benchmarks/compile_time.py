@@ -9,7 +9,8 @@ unrolled, and at 48 blocks under ``jax.lax.scan`` over stacked blocks. Routes,
 in three families, each against the hand-cast step of its own family:
 
 * plain JAX (``models/jax_models.py``'s ``apply_lm``): ``hand`` (params and
-  inputs cast to bfloat16 by hand, ``policy.cast_to_compute``),
+  inputs cast to bfloat16 by hand, ``policy.cast_to_compute``), ``float32``
+  (no cast at all: the control for what XLA does with a float32 program),
   ``with_policy`` and ``autocast`` with ``mixed_bfloat16``, ``with_policy_fp8``
   and ``autocast_fp8`` with ``mixed_fp8``;
 * linen (a linen twin of ``CharLM``): ``linen_hand`` (params cast to bfloat16
@@ -57,6 +58,7 @@ TITLE = "Trace, lowering and compile time of every precision route (issue 27)"
 #: Route -> (family, what it is).
 ROUTES = {
     "hand": ("jax", "params and inputs cast to bfloat16 by hand"),
+    "float32": ("jax", "no cast at all: float32 params and compute (control)"),
     "with_policy": ("jax", "with_policy(apply_lm, 'mixed_bfloat16')"),
     "autocast": ("jax", "autocast(loss, 'mixed_bfloat16')"),
     "with_policy_fp8": ("jax", "with_policy(apply_lm, 'mixed_fp8')"),
@@ -112,7 +114,9 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
   def f32_loss(p, b):
     return wl.cross_entropy(apply(p, b["x"]), b["y"])
 
-  if route == "hand":
+  if route == "float32":
+    loss = f32_loss
+  elif route == "hand":
     def loss(p, b):
       p, x = policy.cast_to_compute((p, b["x"]))
       return wl.cross_entropy(apply(p, x), b["y"])
