@@ -313,7 +313,10 @@ class PolicyModule(nnx.Module):
       out = _cast(out, self.policy.output_dtype)
     finally:
       _undo(undo)
-    changed = nnx.state(copy, nnx.Not(nnx.Param))
+    # The hooks' attributes (restored above) are no state of the module.
+    changed = nnx.state(copy, nnx.All(
+        nnx.Not(nnx.Param), *(nnx.Not(nnx.PathContains(field))
+                              for field in _HOOK_FIELDS)))
     nnx.update(self.module, tree_lib.cast_like(changed, rest))
     return out
 
@@ -382,8 +385,8 @@ def _boundaries(root: nnx.Module,
   }
 
 
-#: Why a layer with a hook of its own stays as written.
-_OWN_HOOK = "the layer has its own dot_general/dot_general_cls/einsum_op"
+#: The attributes through which a policy hooks a layer's product.
+_HOOK_FIELDS = ("dot_general", "einsum_op")
 
 
 def _hook_field(layer: nnx.Module) -> str | None:
