@@ -129,6 +129,26 @@ def test_close_to_the_exact_product():
     assert err < 0.25, err
 
 
+def test_late_switch_runs_the_forward_in_high_precision_only():
+  """quantize_forward=False: the forward product is the plain float32-
+  accumulated dot of the operands as given; both gradients are the FP4
+  backward pass's, bit for bit."""
+  x = jnp.asarray(_random((32, 64), 10), jnp.bfloat16)
+  w = jnp.asarray(_random((64, 32), 11), jnp.bfloat16)
+  g = jnp.asarray(_random((32, 32), 12), jnp.bfloat16)
+  key = jax.random.key(3)
+  fp4_y, *fp4_grads = _value_and_grads(fp4.Fp4Config(), x, w, g, key=key)
+  y, *grads = _value_and_grads(fp4.Fp4Config(quantize_forward=False), x, w,
+                               g, key=key)
+  exact = jax.lax.dot_general(x, w, MATMUL, preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(y, np.asarray(exact.astype(jnp.bfloat16)))
+  assert not np.array_equal(y, fp4_y)
+  for a, b in zip(grads, fp4_grads):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(TypeError, match="quantize_forward must be True or False"):
+    fp4.Fp4Config(quantize_forward="no")
+
+
 # ---------------------------------------------------------------------------
 # Shapes: padding, batch dimensions, dtypes.
 # ---------------------------------------------------------------------------

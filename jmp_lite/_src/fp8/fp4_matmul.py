@@ -134,6 +134,11 @@ class Fp4Config:
       NVFP4.
     native: on CUDA, multiply with ``jax.nn.scaled_matmul`` (a block-scaled
       GEMM on Blackwell); False always uses the exact emulation.
+    quantize_forward: quantize the forward product's operands. False runs
+      the forward product on the operands as given (e.g. bfloat16) with
+      float32 accumulation while the backward pass stays FP4: the NVFP4
+      paper's late switch (its appendix D: the forward pass in bf16 for the
+      last part of training). A changed config is one recompile.
 
   Raises:
     TypeError: for a non-string recipe or rule, or a non-bool switch.
@@ -154,6 +159,7 @@ class Fp4Config:
   two_d_weights: bool | None = None
   mx_scale_rule: str | None = None
   native: bool = True
+  quantize_forward: bool = True
 
   def __post_init__(self):
     if not isinstance(self.recipe, str):
@@ -164,7 +170,7 @@ class Fp4Config:
     if recipe not in FP4_RECIPES:
       raise ValueError(
           f"Fp4Config: unknown recipe {self.recipe!r}. {FP4_RECIPE_HELP}")
-    for name in ("rht", "stochastic_rounding", "native"):
+    for name in ("rht", "stochastic_rounding", "native", "quantize_forward"):
       _check_flag(getattr(self, name), name)
     two_d = self.two_d_weights
     if two_d is not None:
@@ -186,7 +192,7 @@ class Fp4Config:
     object.__setattr__(self, "recipe", recipe)
     object.__setattr__(self, "two_d_weights", two_d)
     object.__setattr__(self, "mx_scale_rule", rule)
-    for name in ("rht", "stochastic_rounding", "native"):
+    for name in ("rht", "stochastic_rounding", "native", "quantize_forward"):
       object.__setattr__(self, name, bool(getattr(self, name)))
 
   @property
@@ -347,6 +353,10 @@ class _Static(NamedTuple):
 
 
 def _forward(a, b, config):
+  if not config.quantize_forward:   # the late switch: high precision
+    if a.dtype != b.dtype:
+      a, b = a.astype(_F32), b.astype(_F32)
+    return jax.lax.dot_general(a, b, _DN, preferred_element_type=_F32)
   qa = _quantize(a, config)
   qb = _quantize(b, config, two_d=config.two_d_weights)
   return _product(qa, qb, config, a.shape[1], b.shape[1])
