@@ -14,7 +14,6 @@ dtype names in :mod:`jmp_lite._src.dtypes`.
 
 from __future__ import annotations
 
-import io
 import math
 import numbers
 import os
@@ -86,14 +85,11 @@ def _shown(x: Any) -> str:
 
 def real_scalar(x: Any, what: str, owner: str) -> None:
   """A real scalar: a number or a 0-d array (tracers too), not a bool."""
-  if is_bool(x):
-    raise TypeError(f"{owner}: {what} must be a number, got a bool ({x!r}).")
-  if _is_complex(x):
-    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
-  if not (is_real_number(x) or is_array(x)):
+  if is_bool(x) or _is_complex(x) or not (is_real_number(x) or is_array(x)):
+    shown = f"a bool ({x!r})" if is_bool(x) else _shown(x)
     raise TypeError(
-        f"{owner}: {what} must be a number or a scalar array, got "
-        f"{_shown(x)}. Pass e.g. 2.0**15."
+        f"{owner}: {what} must be a number, got {shown}. Pass a real number "
+        "or a scalar array, e.g. 2.0**15."
     )
   if np.ndim(x) != 0:
     raise ValueError(
@@ -110,9 +106,8 @@ def static_number(x: Any, what: str, owner: str) -> float:
         f"{owner}: {what} is static configuration and cannot be a traced "
         "value; pass a Python number."
     )
-  if _is_complex(x):
-    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
-  if is_bool(x) or not (is_real_number(x) or (is_array(x) and np.ndim(x) == 0)):
+  if is_bool(x) or _is_complex(x) or not (
+      is_real_number(x) or (is_array(x) and np.ndim(x) == 0)):
     raise TypeError(f"{owner}: {what} must be a real number, got {_shown(x)}.")
   value = float(x)
   if not math.isfinite(value):
@@ -166,14 +161,12 @@ FP8_MARGIN_RANGE = (
 def fp8_margin(x: Any, owner: str, what: str = "margin") -> int:
   """A float8 scale's margin: a whole number in ``[0, FP8_MARGIN_MAX]``,
   returned as an int (a whole float such as ``1.0`` is accepted)."""
-  if is_bool(x) or not (is_real_number(x) or (
+  if is_bool(x) or _is_complex(x) or not (is_real_number(x) or (
       is_array(x) and np.ndim(x) == 0 and is_concrete(x)
       and np.issubdtype(np.asarray(x).dtype, np.number))):
     raise TypeError(
         f"{owner}: {what} must be a whole number from 0 to {FP8_MARGIN_MAX}, "
         f"got {_shown(x)}. {FP8_MARGIN_RANGE}")
-  if _is_complex(x):
-    raise TypeError(f"{owner}: {what} must be real, got {x!r}.")
   value = float(x)
   if not (math.isfinite(value) and value.is_integer()
           and 0 <= value <= FP8_MARGIN_MAX):
@@ -205,32 +198,34 @@ def flag(x: Any, what: str, owner: str) -> bool:
   return bool(x)
 
 
-def at_least(x: Any, what: str, owner: str, low: float, meaning: str) -> float:
-  """A finite real number >= ``low``; ``meaning`` says what it is for."""
+def number(x: Any, what: str, owner: str, *, low: float,
+           high: float = math.inf, low_open: bool = False,
+           meaning: str = "") -> float:
+  """A finite real number in ``[low, high]`` (``(low, high]`` with
+  ``low_open``); ``meaning`` says what it is for."""
   if is_bool(x) or not is_real_number(x):
     raise TypeError(
-        f"{owner}: {what} must be a number >= {low:g}, got {_shown(x)}.")
+        f"{owner}: {what} must be a number, got {_shown(x)}.")
   value = float(x)
-  if not (math.isfinite(value) and value >= low):
+  above = value > low if low_open else value >= low
+  if not (math.isfinite(value) and above and value <= high):
+    bounds = (f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+              if math.isfinite(high) else f"{'>' if low_open else '>='} {low:g}")
     raise ValueError(
-        f"{owner}: {what} must be a finite number >= {low:g}, got {value}; "
-        f"{meaning}.")
+        f"{owner}: {what} must be a finite number {bounds}, got "
+        f"{x!r}{'; ' + meaning if meaning else ''}.")
   return value
+
+
+def at_least(x: Any, what: str, owner: str, low: float, meaning: str) -> float:
+  """A finite real number >= ``low``; ``meaning`` says what it is for."""
+  return number(x, what, owner, low=low, meaning=meaning)
 
 
 def share(x: Any, what: str, owner: str, *, zero_allowed: bool) -> float:
   """A share of entries: a number in [0, 1] (or (0, 1])."""
-  if isinstance(x, bool) or not isinstance(x, numbers.Real):
-    raise TypeError(f"{owner}: {what} must be a number, got {x!r}.")
-  value = float(x)
-  ok = (0 <= value <= 1) if zero_allowed else (0 < value <= 1)
-  if not ok:
-    interval = "[0, 1]" if zero_allowed else "(0, 1]"
-    raise ValueError(
-        f"{owner}: {what} is a share of entries and must lie in {interval}, "
-        f"got {value}; e.g. 0.01 for 1%."
-    )
-  return value
+  return number(x, what, owner, low=0, high=1, low_open=not zero_allowed,
+                meaning=f"{what} is a share of entries, e.g. 0.01 for 1%")
 
 
 # -- arrays ------------------------------------------------------------------------
@@ -238,12 +233,11 @@ def share(x: Any, what: str, owner: str, *, zero_allowed: bool) -> float:
 
 def float_array(x: Any, what: str, *, float8: bool = False) -> jax.Array:
   """A floating array (float32, bfloat16, float16; float8 only if allowed),
-  returned as a ``jax.Array``; bools, integers and objects are refused."""
-  if isinstance(x, (bool, np.bool_)):
-    raise TypeError(f"{what} must be a floating array, got a bool: {x!r}.")
+  returned as a ``jax.Array``; None, bools, integers and objects are
+  refused with a TypeError naming ``what``."""
   try:
     x = jax.numpy.asarray(x)
-  except TypeError:
+  except (TypeError, ValueError):  # None, strings, objects
     raise TypeError(
         f"{what} must be a floating array, got {_shown(x)}.") from None
   dtype = np.dtype(x.dtype)
@@ -323,20 +317,16 @@ def predicate(pred: Any, what: str) -> jax.Array:
   """A scalar boolean (array or Python/numpy bool), returned as an array."""
   if isinstance(pred, (bool, np.bool_)):
     return jax.numpy.asarray(pred)
-  if not is_array(pred):
+  if not is_bool(pred):
     raise TypeError(
         f"{what} must be a scalar boolean array (e.g. the result of "
-        f"jmp_lite.all_finite), got {_shown(pred)}."
+        f"jmp_lite.all_finite), got {_shown(pred)}. Compare explicitly, e.g. "
+        "`x > 0`, or use jmp_lite.all_finite(...)."
     )
   if np.ndim(pred) != 0:
     raise ValueError(
         f"{what} must be a scalar (shape ()), got shape {np.shape(pred)}. "
         "Reduce it first, e.g. with jnp.all(...) or jmp_lite.all_finite(...)."
-    )
-  if pred.dtype != np.bool_:
-    raise TypeError(
-        f"{what} must have dtype bool, got {pred.dtype}. Compare explicitly, "
-        "e.g. `x > 0`, or use jmp_lite.all_finite(...)."
     )
   return pred
 
@@ -423,42 +413,3 @@ def path(value: Any, what: str, owner: str) -> None:
         f"{owner}: {what} must be a file path (a str or os.PathLike such as "
         f"'grads.png'), got {_shown(value)}."
     )
-
-
-def positive_number(value: Any, what: str, owner: str) -> float:
-  """A finite number > 0."""
-  if is_bool(value) or not is_real_number(value):
-    raise TypeError(f"{owner}: {what} must be a positive number, got "
-                    f"{_shown(value)}.")
-  number = float(value)
-  if not (math.isfinite(number) and number > 0):
-    raise ValueError(f"{owner}: {what} must be a positive, finite number, got "
-                     f"{value!r}.")
-  return number
-
-
-#: What ``print(..., file=)`` needs.
-TEXT_STREAM = ("file must be a writable text stream, such as sys.stdout or "
-               "open('out.txt', 'w')")
-
-
-def text_stream(file: Any, owner: str, hint: str = "") -> None:
-  """``file`` for ``print``: None or a writable, open text stream."""
-  if file is None:
-    return
-  if not callable(getattr(file, "write", None)):
-    raise TypeError(
-        f"{owner}: {TEXT_STREAM}{hint}. Got {type(file).__name__}: {file!r}.")
-  if isinstance(file, (io.RawIOBase, io.BufferedIOBase)):
-    raise TypeError(
-        f"{owner}: {TEXT_STREAM}{hint}. Got a binary stream "
-        f"({type(file).__name__}): open the file in text mode ('w', not "
-        "'wb').")
-  if getattr(file, "closed", False):
-    raise ValueError(
-        f"{owner}: {TEXT_STREAM}{hint}. Got a closed {type(file).__name__}.")
-  writable = getattr(file, "writable", None)
-  if callable(writable) and not writable():
-    raise ValueError(
-        f"{owner}: {TEXT_STREAM}{hint}. Got a {type(file).__name__} that is "
-        "not writable (opened for reading?).")

@@ -477,7 +477,8 @@ def plot_histograms(
     ValueError: if ``dpi`` is not positive and finite.
   """
   checks.path(path, "path", "plot_histograms")
-  checks.positive_number(dpi, "dpi (dots per inch)", "plot_histograms")
+  checks.number(dpi, "dpi (dots per inch)", "plot_histograms", low=0,
+                low_open=True)
   from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
 
   rows = [("gradient", n, s) for n, s in
@@ -547,12 +548,12 @@ def report(
     The :class:`Advice`.
 
   Raises:
-    TypeError: if ``file`` is not a text stream (no callable ``write``, or a
-      binary stream), ``path`` is not None, a str or os.PathLike, or
-      ``title`` is not None or a str; checked before anything is printed or
-      drawn.
-    ValueError: if ``file`` is closed or not writable, or on bad advice
-      settings (see :func:`advise`).
+    TypeError: if ``path`` is not None, a str or os.PathLike, or ``title``
+      is not None or a str (checked before anything is printed or drawn);
+      as ``print`` raises, if ``file`` is a binary stream.
+    ValueError: on bad advice settings (see :func:`advise`); as ``print``
+      raises, if ``file`` is closed or not writable (the tables are printed
+      before the figure is drawn, so nothing is written then).
 
   Example:
     >>> import io, jax.numpy as jnp
@@ -565,7 +566,6 @@ def report(
   See ``docs/diagnostics.md`` (the report and the plot) for the table's
   columns and the figure.
   """
-  checks.text_stream(file, "report", hint="; to write a figure give path=")
   if title is not None and not isinstance(title, str):
     raise TypeError(
         f"report: title must be a str (a line printed first, and the "
@@ -590,9 +590,11 @@ def report(
   if activation_stats is not None:
     parts.append("Activations:\n\n" + format_table(activation_stats, by=by))
   parts.append(str(advice))
+  # Printed before the figure is drawn: a file that print cannot write to
+  # (closed, binary, read-only) fails before anything is written.
+  print("\n\n".join(parts), file=file)
   if path is not None:
     plot_histograms(grad_stats, path, activation_stats=activation_stats, by=by,
                     title=title)
-    parts.append(f"Wrote {path}")
-  print("\n\n".join(parts), file=file)
+    print(f"\nWrote {path}", file=file)
   return advice
