@@ -196,6 +196,50 @@ def test_get_master_params_of_stochastic_rounding_is_the_params():
   assert_bit_identical(get_master_params(state, params), params)
 
 
+def _step_memory(method, bits=None):
+  """XLA's peak and temporaries of a compiled train step (a bf16 MLP, Adam,
+  the state donated), in bytes."""
+  def loss_fn(p, x):
+    h = jax.nn.relu(x @ p["w1"])
+    return jnp.mean(jnp.square((h @ p["w2"]).astype(F32)))
+
+  params = {"w1": jnp.zeros((256, 512), BF16), "w2": jnp.zeros((512, 256), BF16)}
+  x = jnp.zeros((64, 256), BF16)
+  opt = master_weights(optax.adam(1e-3), method=method)
+
+  def step(state, x):
+    p, s = state
+    updates, s = opt.update(jax.grad(loss_fn)(p, x), s, p)
+    return _apply(p, updates), s
+
+  state = (params, jax.eval_shape(opt.init, params))
+  stats = jax.jit(step, donate_argnums=0).lower(state, x).compile(
+      ).memory_analysis()
+  if stats is None:
+    pytest.skip("this backend gives no memory analysis")
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  return peak, stats.temp_size_in_bytes
+
+
+@standard_promotion
+def test_stochastic_rounding_step_peaks_below_the_master_copy(monkeypatch):
+  """The point of stochastic rounding is memory: its compiled step's peak is
+  no higher than the master copy's, and its random bits are fused into the
+  update (temporaries within 1% of the copy's). With jax.random's bits, a
+  temporary of 4 bytes per parameter, both fail: the check can fail."""
+  copy_peak, copy_temp = _step_memory("copy")
+  sr_peak, sr_temp = _step_memory(SR)
+  assert sr_peak <= copy_peak, (sr_peak, copy_peak)
+  assert sr_temp <= 1.01 * copy_temp, (sr_temp, copy_temp)
+  from jmp_lite._src import state_codes  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(
+      state_codes, "counter_bits",
+      lambda key, shape: jax.random.bits(key, shape, jnp.uint32))
+  old_peak, old_temp = _step_memory(SR)
+  assert old_peak > copy_peak and old_temp > 1.5 * copy_temp
+
+
 # -- Kahan compensation ----------------------------------------------------------
 
 
@@ -499,10 +543,9 @@ def _mesh():
 def test_shards_draw_different_bits_and_results_do_not_depend_on_sharding():
   """Every element of a (64, 32) param at 1.0, one update of a quarter of the
   spacing below: each of the 8 shards rounds a different set of elements
-  (jax_threefry_partitionable: the bits depend on the element's index, not on
-  which device holds it), the result equals the unsharded run bit for bit,
-  and the compiled step moves nothing between devices."""
-  assert jax.config.jax_threefry_partitionable
+  (the bits are a hash of the element's global index, not of which device
+  holds it), the result equals the unsharded run bit for bit, and the
+  compiled step moves nothing between devices."""
   mesh = _mesh()
   sharding = NamedSharding(mesh, P("data", "model"))
   opt = master_weights(optax.sgd(2.0**-10), method=SR, seed=3)

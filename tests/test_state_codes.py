@@ -209,3 +209,48 @@ def test_short_rows_use_a_smaller_block(fmt):
     x = _random(shape, seed=11)
     _check_against_reference(x, fmt, False)
     _check_against_reference(np.abs(x), fmt, True)
+
+
+# -- random bits of stochastic rounding -------------------------------------------
+
+
+def test_counter_bits_are_uniform_independent_and_keyed():
+  """Each of the 32 bit positions is set in half the elements (5 sigma over
+  2**16), neighbours along either axis are uncorrelated, the same key gives
+  the same bits (raw key data or typed key alike), another key other bits,
+  and the bits depend on the whole index (no two rows or columns alike)."""
+  key = jax.random.key(3)
+  shape = (256, 256)
+  bits = np.asarray(sc.counter_bits(key, shape))
+  assert bits.dtype == np.uint32 and bits.shape == shape
+  n = bits.size
+  ones = np.array([np.mean((bits >> i) & 1) for i in range(32)])
+  assert np.all(np.abs(ones - 0.5) < 5 * 0.5 / np.sqrt(n)), ones
+  u = np.asarray(sc.uniform_from_bits(jnp.asarray(bits)), np.float64)
+  assert u.min() >= 0 and u.max() < 1
+  assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
+  for a, b in ((u[:, 1:], u[:, :-1]), (u[1:], u[:-1])):
+    corr = np.corrcoef(a.ravel(), b.ravel())[0, 1]
+    assert abs(corr) < 5 / np.sqrt(a.size), corr
+  np.testing.assert_array_equal(
+      bits, sc.counter_bits(jax.random.key_data(key), shape))
+  other = np.asarray(sc.counter_bits(jax.random.key(4), shape))
+  assert np.mean(bits == other) < 1e-3
+  assert len({row.tobytes() for row in bits}) == shape[0]
+  assert len({col.tobytes() for col in bits.T}) == shape[1]
+  # Scalars and 1-D leaves: the same hash, fewer axes.
+  assert sc.counter_bits(key, ()).shape == ()
+  assert len(np.unique(np.asarray(sc.counter_bits(key, (4096,))))) > 4090
+
+
+def test_counter_bits_are_fused_into_their_consumer():
+  """No array of the bits' size is materialized: the compiled rounding of a
+  float32 leaf to bfloat16 needs no temporary of 4 bytes per element (jax's
+  threefry bits are one on XLA:CPU)."""
+  x = jnp.zeros((512, 512), jnp.float32)
+  sr = sc.FORMATS["bfloat16_sr"]
+  stats = jax.jit(lambda v, k: sc.encode(v, sr, False, k)).lower(
+      x, jax.random.key(0)).compile().memory_analysis()
+  if stats is None:
+    pytest.skip("this backend gives no memory analysis")
+  assert stats.temp_size_in_bytes < x.size, stats.temp_size_in_bytes

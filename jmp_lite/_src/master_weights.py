@@ -32,6 +32,7 @@ import optax
 from jmp_lite._src import checks
 from jmp_lite._src import dtypes
 from jmp_lite._src import quantized_states as quantized_states_lib
+from jmp_lite._src import state_codes
 from jmp_lite._src import tree as tree_lib
 
 # -- shared helpers ----------------------------------------------------------
@@ -589,9 +590,9 @@ def _stochastic_write(params, state, inner_params, inner_updates):
     if not _rounded(p):
       out.append(u)
       continue
-    # One stream per leaf; within a leaf, jax.random's bits depend on the
-    # element's index only (jax_threefry_partitionable), so each shard of a
-    # sharded param draws its own bits and no result depends on the sharding.
+    # One stream per leaf; within a leaf, the bits depend on the element's
+    # global index only, so each shard of a sharded param draws its own bits
+    # and no result depends on the sharding.
     bits_key = jax.random.fold_in(step_key, index)
     new_p = _round_stochastically(x + u, _FORMATS[np.dtype(p.dtype)],
                                   bits_key)
@@ -607,9 +608,10 @@ def _stochastic_write(params, state, inner_params, inner_updates):
 # grid, exact in float32 (dtypes.spacing_exponent says how).
 
 
-def _spacing(x: jax.Array, fmt: tuple[int, int],
-             toward_zero: jax.Array | None = None) -> jax.Array:
-  """The spacing of the format's values around float32 ``x``.
+def _spacing_exponent(x: jax.Array, fmt: tuple[int, int],
+                      toward_zero: jax.Array | None = None) -> jax.Array:
+  """``k`` (int32) with ``2**k`` the spacing of the format's values around
+  float32 ``x``.
 
   Between 2**e and 2**(e + 1) (in magnitude) it is 2**(max(e, emin) - bits).
   With ``toward_zero`` (where True), for an ``x`` that is itself a normal
@@ -624,8 +626,16 @@ def _spacing(x: jax.Array, fmt: tuple[int, int],
   # Not below float32's smallest normal: the spacing of bfloat16's subnormals
   # (2**-133) is itself subnormal, and flushed to zero where the hardware
   # flushes subnormals (XLA:CPU). Below 2**-119 bfloat16 params are rounded on
-  # the coarser grid of 2**-126.
-  return dtypes.pow2(jnp.maximum(k, -126))
+  # the coarser grid of 2**-126. At most 2**121 (inf and NaN), so 2**-k is a
+  # normal float32 too.
+  return jnp.maximum(k, -126)
+
+
+# Dividing by a spacing is multiplying by its inverse power of two, exactly
+# (both are normal float32 numbers). Multiplications keep every rounding step
+# a cheap elementwise operation, which XLA fuses into each consumer instead of
+# materializing a float32 temporary of the param's size (it does not
+# duplicate a division, which it deems expensive).
 
 
 def _round_half_up(x: jax.Array, fmt: tuple[int, int]) -> jax.Array:
@@ -635,30 +645,33 @@ def _round_half_up(x: jax.Array, fmt: tuple[int, int]) -> jax.Array:
   result, lies in [-spacing/2, spacing/2): an int16 count of 2**-16 of the
   spacing holds it.
   """
-  s = _spacing(x, fmt)
-  return jnp.where(jnp.isfinite(x), jnp.floor(x / s + 0.5) * s, x)
+  k = _spacing_exponent(x, fmt)
+  rounded = jnp.floor(x * dtypes.pow2(-k) + 0.5) * dtypes.pow2(k)
+  return jnp.where(jnp.isfinite(x), rounded, x)
 
 
 def _round_stochastically(x: jax.Array, fmt: tuple[int, int],
                           key: jax.Array) -> jax.Array:
   """``x`` rounded to its neighbour below or above in the format, the one
   above with probability (x - below) / spacing: unbiased."""
-  s = _spacing(x, fmt)
-  q = x / s
+  k = _spacing_exponent(x, fmt)
+  q = x * dtypes.pow2(-k)
   below = jnp.floor(q)
   # u has 23 random bits; q - below has at most 16 (bfloat16) or 13 (float16)
-  # fraction bits, so P(u < q - below) is exactly q - below.
-  u = jax.random.uniform(key, x.shape, jnp.float32)
-  rounded = (below + (u < q - below).astype(jnp.float32)) * s
+  # fraction bits, so P(u < q - below) is exactly q - below. The bits are a
+  # keyed hash of each element's index, fused into this update by XLA (no
+  # temporary of the param's size; state_codes.counter_bits says why).
+  u = state_codes.uniform_from_bits(state_codes.counter_bits(key, x.shape))
+  rounded = (below + (u < q - below).astype(jnp.float32)) * dtypes.pow2(k)
   return jnp.where(jnp.isfinite(x), rounded, x)
 
 
-def _side_spacing(p: jax.Array, error: jax.Array,
-                  fmt: tuple[int, int]) -> jax.Array:
-  """The spacing on the side of ``p`` (a value of the format) where
-  ``p + error`` lies."""
+def _side_spacing_exponent(p: jax.Array, error: jax.Array,
+                           fmt: tuple[int, int]) -> jax.Array:
+  """The exponent of the spacing on the side of ``p`` (a value of the
+  format) where ``p + error`` lies."""
   toward_zero = ((error < 0) & (p > 0)) | ((error > 0) & (p < 0))
-  return _spacing(p, fmt, toward_zero)
+  return _spacing_exponent(p, fmt, toward_zero)
 
 
 def _compensation(error: jax.Array, p: jax.Array,
@@ -666,7 +679,8 @@ def _compensation(error: jax.Array, p: jax.Array,
   """``error`` (|error| <= half the spacing at ``p``) as an int16 count of
   2**-16 of the spacing on its side of ``p``: exact for bfloat16 params,
   whose float32 neighbourhood has 16 more significand bits."""
-  units = jnp.round(error / _side_spacing(p, error, fmt) * _COMPENSATION_UNITS)
+  inverse = dtypes.pow2(-_side_spacing_exponent(p, error, fmt))
+  units = jnp.round(error * inverse * _COMPENSATION_UNITS)
   units = jnp.where(jnp.isfinite(units), units, 0.0)
   # Within int16 by construction (ties round up); the clip only guards the
   # float16 subnormals, where the error is not a whole number of units.
@@ -678,7 +692,8 @@ def _compensated(p: jax.Array, c: jax.Array) -> jax.Array:
   fmt = _FORMATS[np.dtype(p.dtype)]
   wide = p.astype(_F32)
   units = c.astype(_F32)
-  return wide + units / _COMPENSATION_UNITS * _side_spacing(wide, units, fmt)
+  k = _side_spacing_exponent(wide, units, fmt)
+  return wide + units * (1.0 / _COMPENSATION_UNITS) * dtypes.pow2(k)
 
 
 def get_master_params(opt_state: Any, params: Any) -> Any:

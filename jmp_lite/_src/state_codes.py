@@ -407,11 +407,73 @@ def unpack(stored: jax.Array, fmt: StateFormat) -> tuple[jax.Array, jax.Array]:
 # -- one moment ------------------------------------------------------------------
 
 
+# -- random bits for stochastic rounding -----------------------------------------
+#
+# Stochastic rounding needs one uniform random number per element, drawn in
+# the same fused loop as the rounding: jax.random.bits over a whole leaf is a
+# temporary of 4 bytes per element on XLA:CPU (threefry's 20 rounds are not
+# fused into the update), more than the master copy stochastic rounding
+# replaces. These bits are a keyed hash of the element's global index instead
+# (a counter-based generator, like threefry and philox, but a few integer
+# operations per element), so XLA fuses them into the update and nothing of
+# the leaf's size is materialized.
+
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads the key words apart.
+
+
+def _mix32(h: jax.Array) -> jax.Array:
+  """A bijection of uint32 with full avalanche (Wellons' "lowbias32")."""
+  h = h ^ lax.shift_right_logical(h, jnp.uint32(16))
+  h = h * jnp.uint32(0x7FEB352D)
+  h = h ^ lax.shift_right_logical(h, jnp.uint32(15))
+  h = h * jnp.uint32(0x846CA68B)
+  return h ^ lax.shift_right_logical(h, jnp.uint32(16))
+
+
+def counter_bits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """32 random bits per element of ``shape``, a keyed hash of its index.
+
+  ``h = mix(k0 ^ c)``, then ``h = mix(h + i_d)`` for the element's index
+  ``i_d`` along each axis ``d`` in turn, then ``mix(h ^ k1)``, with
+  ``(k0, k1)`` the key's two ``uint32`` words and ``mix`` a bijection of
+  ``uint32``. For a fixed element the bits are a bijection of ``k0``, so a
+  uniformly random key gives exactly uniform bits (stochastic rounding stays
+  unbiased); the index is the element's global one (``lax.broadcasted_iota``
+  under sharding), so each shard draws its own bits and no result depends on
+  the sharding; the same key gives the same bits. Every operation is
+  elementwise: XLA fuses the bits into their consumer.
+
+  Args:
+    key: a typed PRNG key or its raw ``uint32`` data (threefry: 2 words).
+    shape: the shape of the bits.
+
+  Returns:
+    A ``uint32`` array of ``shape``.
+  """
+  data = key
+  if jnp.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
+    data = jax.random.key_data(key)
+  data = jnp.asarray(data, jnp.uint32).reshape(-1)
+  k0, k1 = data[0], data[-1]
+  h = _mix32(k0 ^ jnp.uint32(_GOLDEN))
+  h = jnp.broadcast_to(h, shape)
+  for axis in range(len(shape)):
+    h = _mix32(h + lax.broadcasted_iota(jnp.uint32, shape, axis))
+  return _mix32(h ^ k1)
+
+
+def uniform_from_bits(bits: jax.Array) -> jax.Array:
+  """Float32 in [0, 1) from the top 23 of 32 random bits: exact multiples of
+  2**-23, so ``u < f`` holds with probability exactly ``f`` for any ``f``
+  with at most 23 fraction bits."""
+  top = lax.shift_right_logical(bits, jnp.uint32(9))
+  return top.astype(jnp.float32) * jnp.float32(2.0**-23)
+
+
 def _stochastic_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
   """``x`` rounded to bfloat16 up or down at random, unbiased: 16 random
   bits added below bfloat16's last bit, then truncated. NaN stays NaN."""
-  noise = lax.shift_right_logical(
-      jax.random.bits(key, x.shape, jnp.uint32), jnp.uint32(16))
+  noise = lax.shift_right_logical(counter_bits(key, x.shape), jnp.uint32(16))
   bits = lax.bitcast_convert_type(x, jnp.uint32) + noise
   bits = bits & jnp.uint32(0xFFFF0000)
   rounded = lax.bitcast_convert_type(bits, jnp.float32)
