@@ -260,3 +260,135 @@ def test_state_restored_into_another_format():
   with pytest.raises(ValueError, match="random key is missing"):
     quantized_states(optax.adam(1e-3), mu="bf16_sr").update(
         _grads(params, 0), state, params)
+
+
+# -- FSDP, checkpoints, accumulation, the public door ----------------------------
+
+
+def test_fsdp_update_gathers_no_state_leaf():
+  """Under jax.jit with params and state sharded FSDP-style over 8 devices
+  (leading axis), the compiled update of 8-bit/4-bit states inside
+  master_weights(stochastic rounding) moves nothing between devices: no
+  all-gather (of a state leaf or anything else), all-to-all or permute. Each
+  block lies on one device; decode, the inner update and encode are
+  elementwise or a max within a block."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (see conftest.py)")
+  mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
+  params = _params(jnp.bfloat16)
+  specs = {"w": P("fsdp"), "e": P("fsdp"), "b": P()}
+  shard = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+  p = jax.device_put(params, shard)
+  opt = jmp_lite.master_weights(
+      jmp_lite.with_state_dtype(optax.adam(1e-2), mu="8bit", nu="4bit"),
+      method="stochastic_rounding")
+  state_specs = optax.tree_map_params(
+      opt, lambda _, s: s, jax.eval_shape(opt.init, p), shard,
+      transform_non_params=lambda _: NamedSharding(mesh, P()))
+  state = jax.jit(opt.init, out_shardings=state_specs)(p)
+  step = jax.jit(opt.update, out_shardings=(shard, state_specs))
+  grads = jax.device_put(_grads(params, 0), shard)
+  hlo = step.lower(grads, state, p).compile().as_text()
+  for collective in ("all-gather", "all-to-all", "collective-permute",
+                     "reduce-scatter"):
+    assert collective not in hlo, collective
+  _, new_state = step(grads, state, p)
+  mu = optax.tree.get(new_state, "mu")["w"]
+  assert mu.dtype == jnp.uint8 and mu.sharding.spec == P("fsdp")
+  assert len({s.data.shape for s in mu.addressable_shards}) == 1
+  assert mu.addressable_shards[0].data.shape[0] == 64 // 8
+
+
+def _train(opt, params, start, stop, state=None):
+  state = opt.init(params) if state is None else state
+  step = jax.jit(opt.update)
+  for i in range(start, stop):
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), _grads(params, i),
+                         params)
+    updates, state = step(grads, state, params)
+    params = jax.tree.map(lambda p, u: (p.astype(u.dtype) + u).astype(p.dtype),
+                          params, updates)
+  return params, state
+
+
+def _low_bit_optimizer():
+  return jmp_lite.loss_scaling(
+      jmp_lite.master_weights(
+          jmp_lite.with_state_dtype(optax.adam(1e-2), mu="bf16_sr",
+                                    nu="4bit", seed=5),
+          method="stochastic_rounding", seed=6),
+      jmp_lite.DynamicLossScale(jnp.float32(1.0)))
+
+
+def test_orbax_round_trip_and_resume_bit_identical(tmp_path):
+  """The state (codes, scales, keys) saved with orbax and restored into a
+  jax.eval_shape(opt.init) target: the same arrays, and training resumed
+  from it lands bit for bit where the uninterrupted run does."""
+  from helpers import orbax_round_trip  # pylint: disable=g-import-not-at-top
+  params = _params(jnp.bfloat16)
+  opt = _low_bit_optimizer()
+  straight = _train(opt, params, 0, 4)
+  half = _train(opt, params, 0, 2)
+  restored = orbax_round_trip(half, tmp_path / "ckpt")
+  jax.tree.map(np.testing.assert_array_equal, restored, half)
+  target = jax.eval_shape(opt.init, params)
+  assert jax.tree.structure(restored[1]) == jax.tree.structure(target)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), restored[1]) == (
+      jax.tree.map(lambda x: (x.shape, x.dtype), target))
+  resumed = _train(opt, restored[0], 2, 4, state=restored[1])
+  jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+
+
+def test_accumulation_steps_the_mean_once_and_keeps_states_between():
+  """loss_scaling(..., accumulation_steps=2) around low-bit states: the
+  mini-steps leave the stored moments untouched (codes and scales), the
+  window's step is the step of the mean gradient, and the accumulator stays
+  float32. optax.MultiSteps inside keeps its accumulated gradients float32
+  (a field with no moment role)."""
+  params = _params()
+  inner = lambda: jmp_lite.with_state_dtype(optax.adam(1e-2), mu="8bit",
+                                            nu="8bit")
+  acc = jmp_lite.loss_scaling(inner(), jmp_lite.NoOpLossScale(),
+                              accumulation_steps=2)
+  state = acc.init(params)
+  update = jax.jit(acc.update)
+  before = optax.tree.get(state, "nu")
+  updates, state = update(_grads(params, 0), state, params)
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  jax.tree.map(np.testing.assert_array_equal, optax.tree.get(state, "nu"),
+               before)
+  updates, state = update(_grads(params, 1), state, params)
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, _grads(params, 0),
+                      _grads(params, 1))
+  plain = inner()
+  expected, expected_state = jax.jit(plain.update)(mean, plain.init(params),
+                                                   params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
+                                                       atol=1e-9),
+               updates, expected)
+  jax.tree.map(np.testing.assert_array_equal, optax.tree.get(state, "mu"),
+               optax.tree.get(expected_state, "mu"))
+  multi = jmp_lite.with_state_dtype(optax.MultiSteps(optax.adam(1e-2), 2),
+                                    mu="8bit", nu="8bit")
+  state = multi.init(params)
+  assert optax.tree.get(state, "acc_grads")["w"].dtype == jnp.float32
+  assert optax.tree.get(state, "mu")["w"].dtype == jnp.uint8
+
+
+def test_with_state_dtype_door_and_its_errors():
+  """with_state_dtype(inner, mu=, nu=) is quantized_states; a dtype with
+  mu=/nu=, or low-bit options with a dtype, is refused naming the fix."""
+  params = _params()
+  door = jmp_lite.with_state_dtype(optax.adam(1e-2), mu="8bit", nu="4bit")
+  direct = quantized_states(optax.adam(1e-2), mu="8bit", nu="4bit")
+  jax.tree.map(np.testing.assert_array_equal, _run(door, params),
+               _run(direct, params))
+  only_nu = jmp_lite.with_state_dtype(optax.adam(1e-2), nu="8bit")
+  state = only_nu.init(params)
+  assert state.inner_state[0].mu["w"].dtype == jnp.float32
+  assert state.inner_state[0].nu["w"].dtype == jnp.uint8
+  with pytest.raises(ValueError, match=r"either dtype.*got dtype=.*mu='8bit'"):
+    jmp_lite.with_state_dtype(optax.adam(1e-2), jnp.bfloat16, mu="8bit")
+  with pytest.raises(ValueError, match=r"dtype=.* with keep=, block_size="):
+    jmp_lite.with_state_dtype(optax.adam(1e-2), jnp.bfloat16, keep=("e",),
+                              block_size=64)
