@@ -488,8 +488,8 @@ def test_scales_are_applied_so_that_a_representable_result_is_right():
                                 scales=fp8.DelayedScales(None, 1.0)),
 ], ids=["lhs", "rhs", "scales.lhs"])
 def test_none_arguments_are_named(call):
-  name = {0: "lhs", 1: "rhs", 2: "scales.lhs"}
-  with pytest.raises(TypeError, match=r"(lhs|rhs|scales\.lhs) is None"):
+  with pytest.raises(TypeError, match=r"(lhs|rhs|scales\.lhs) must be a "
+                     r"floating array, got NoneType"):
     call()
 
 

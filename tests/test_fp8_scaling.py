@@ -394,20 +394,15 @@ def test_scale_from_history():
 
 
 def test_history_helpers_errors():
-  with pytest.raises(ValueError, match=r"shape \(\)"):
-    fp8.update_amax_history(jnp.zeros((4,)), jnp.zeros((2,)))
-  with pytest.raises(ValueError, match="leading history axis"):
-    fp8.update_amax_history(jnp.zeros(()), jnp.float32(1.0))
+  # (Shapes are the callers' own: jnp reports a history that does not fit.)
   with pytest.raises(TypeError, match="int32"):
     fp8.update_amax_history(jnp.zeros((4,), jnp.int32), jnp.float32(1.0))
   with pytest.raises(ValueError, match="'mean'.*'max', 'most_recent'"):
     fp8.scale_from_history(jnp.zeros(4), algorithm="mean")
-  with pytest.raises(TypeError, match="margin must be a real number.*str"):
+  with pytest.raises(TypeError, match="margin must be a whole number.*str"):
     fp8.scale_from_history(jnp.zeros(4), margin="1")
-  with pytest.raises(ValueError, match="margin must be finite"):
+  with pytest.raises(ValueError, match="margin=inf is not a whole number"):
     fp8.scale_from_amax(jnp.float32(1.0), margin=float("inf"))
-  with pytest.raises(ValueError, match=r"previous_scale.*\(3,\)"):
-    fp8.scale_from_history(jnp.zeros(4), previous_scale=jnp.ones(3))
 
 
 # ---------------------------------------------------------------------------
@@ -541,28 +536,32 @@ def test_quantized_is_a_pytree_with_static_block_shape():
     (dict(granularity=3), TypeError, "granularity must be a string"),
     (dict(fmt="e6m1"), ValueError, "'e6m1'.*'e4m3'"),
     (dict(axis=0), ValueError, "'tensor' takes no axis"),
-    (dict(granularity="row", axis=2), ValueError, "axis 2 is out of range"),
-    (dict(granularity="row", axis=(0, 0)), ValueError, "repeats"),
-    (dict(granularity="tile", axis=(0, 1)), ValueError, "one axis"),
-    (dict(granularity="block", axis=1), ValueError, "two axes"),
+    # (NumPy reports axes out of range or repeated.)
+    (dict(granularity="row", axis=2), ValueError, "axis 2 is out of bounds"),
+    (dict(granularity="row", axis=(0, 0)), ValueError, "repeated axis"),
+    (dict(granularity="tile", axis=(0, 1)), ValueError, "along 1 axis"),
+    (dict(granularity="block", axis=1), ValueError, "along 2 axis"),
     (dict(granularity="tile", block_size=0), ValueError,
      "block_size must be an int >= 1, got 0"),
     (dict(granularity="tile", block_size=2.5), TypeError, "float: 2.5"),
     (dict(granularity="row", block_size=32), ValueError,
      "block_size=32 with granularity 'row'"),
     (dict(granularity="mxfp8", block_size=16), ValueError, "32 elements"),
+    (dict(granularity="mxfp8", block_size=32), None, None),
     (dict(granularity="mxfp8", power_of_two=False), ValueError, "E8M0"),
     (dict(granularity="mxfp8", scale=jnp.ones(())), ValueError,
      "no precomputed scale"),
     (dict(scale=jnp.ones((2,))), ValueError, r"shape \(\).*got \(2,\)"),
     (dict(granularity="row", scale=jnp.ones((4,))), ValueError,
      r"shape \(4, 1\)"),
-    (dict(power_of_two=1), TypeError, "power_of_two must be a bool"),
 ])
 def test_quantize_errors(kwargs, error, pattern):
   kwargs = dict(kwargs)
   args = (jnp.ones((4, 8)), kwargs.pop("fmt", "e4m3"),
           kwargs.pop("granularity", "tensor"))
+  if error is None:
+    fp8.quantize(*args, **kwargs)
+    return
   with pytest.raises(error, match=pattern):
     fp8.quantize(*args, **kwargs)
 
@@ -572,10 +571,8 @@ def test_quantize_rejects_float8_and_integer_inputs():
     fp8.quantize(jnp.ones(4, jnp.float8_e4m3fn))
   with pytest.raises(TypeError, match="int32"):
     fp8.quantize(jnp.arange(4))
-  with pytest.raises(ValueError, match="rank >= 2"):
+  with pytest.raises(ValueError, match="axis -2 is out of bounds"):
     fp8.quantize(jnp.ones(4), granularity="block")
-  with pytest.raises(TypeError, match="Quantized"):
-    fp8.dequantize(jnp.ones(3))
 
 
 def test_granularity_has_one_spelling():

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import checks
+from jmp_lite._src import compat
 from jmp_lite._src import dtypes
 
 _F32 = np.dtype(np.float32)
@@ -72,17 +73,23 @@ class Fp8Format:
     return 2.0 ** -(self.mantissa_bits + 1)
 
 
-E4M3 = Fp8Format("e4m3", np.dtype(jnp.float8_e4m3fn), 448.0, 3, 2.0**-6,
-                 2.0**-9)
-E5M2 = Fp8Format("e5m2", np.dtype(jnp.float8_e5m2), 57344.0, 2, 2.0**-14,
-                 2.0**-16)
+def _format(name: str, dtype: Any) -> Fp8Format:
+  info = jnp.finfo(dtype)
+  return Fp8Format(name, np.dtype(dtype), float(info.max), int(info.nmant),
+                   float(info.smallest_normal), float(info.smallest_subnormal))
+
+
+E4M3 = _format("e4m3", jnp.float8_e4m3fn)
+E5M2 = _format("e5m2", jnp.float8_e5m2)
 
 #: The canonical format names, in the order error messages list them.
 FORMAT_NAMES: tuple[str, ...] = ("e4m3", "e5m2")
-_BY_NAME = {"e4m3": E4M3, "e5m2": E5M2,
-            # The names of the JAX/numpy element types also work.
-            "e4m3fn": E4M3, "float8_e4m3fn": E4M3, "float8_e5m2": E5M2}
+_BY_NAME = {"e4m3": E4M3, "e5m2": E5M2}
 _BY_DTYPE = {E4M3.dtype: E4M3, E5M2.dtype: E5M2}
+#: Names accepted before one spelling per format: each raises an error naming
+#: the one spelling (for one release). The dtypes themselves still work.
+RENAMED_FORMATS: dict[str, str] = {
+    "e4m3fn": "e4m3", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 
 FORMAT_HELP = (
     "Valid float8 formats are 'e4m3' (float8_e4m3fn, max 448: forward "
@@ -96,9 +103,9 @@ def get_format(fmt: Any, what: str = "format") -> Fp8Format:
   """Looks up a float8 format by name or dtype.
 
   Args:
-    fmt: ``"e4m3"``/``"e5m2"`` (case and surrounding whitespace ignored; the
-      dtype names ``"float8_e4m3fn"``/``"float8_e5m2"`` also work), the dtype
-      ``jnp.float8_e4m3fn``/``jnp.float8_e5m2``, or an :class:`Fp8Format`.
+    fmt: ``"e4m3"``/``"e5m2"`` (case and surrounding whitespace ignored),
+      the dtype ``jnp.float8_e4m3fn``/``jnp.float8_e5m2``, or an
+      :class:`Fp8Format`.
     what: how to name the argument in error messages.
 
   Returns:
@@ -116,27 +123,24 @@ def get_format(fmt: Any, what: str = "format") -> Fp8Format:
   if isinstance(fmt, Fp8Format):
     return fmt
   if isinstance(fmt, str):
-    try:
-      return _BY_NAME[fmt.strip().lower()]
-    except KeyError:
-      raise ValueError(
-          f"Unknown float8 {what} {fmt!r}. {FORMAT_HELP}") from None
-  if isinstance(fmt, (bool, int, float)) or fmt is None:
-    raise TypeError(
-        f"The float8 {what} must be a name or a float8 dtype, got "
-        f"{type(fmt).__name__}: {fmt!r}. {FORMAT_HELP}")
-  try:
-    dtype = np.dtype(fmt)
-  except TypeError:
-    raise TypeError(
-        f"The float8 {what} must be a name or a float8 dtype, got "
-        f"{type(fmt).__name__}: {fmt!r}. {FORMAT_HELP}") from None
-  try:
-    return _BY_DTYPE[dtype]
-  except KeyError:
-    raise ValueError(
-        f"Unsupported float8 {what} dtype {dtype.name}. {FORMAT_HELP}"
-    ) from None
+    key = fmt.strip().lower()
+    found, shown = _BY_NAME.get(key), repr(fmt)
+    if key in RENAMED_FORMATS:
+      shown += f" (now spelled {RENAMED_FORMATS[key]!r})"
+  else:
+    try:  # np.dtype(None) would be float64; bools and numbers are no dtype.
+      dtype = None if fmt is None or isinstance(fmt, (bool, int, float)) else (
+          np.dtype(fmt))
+    except TypeError:
+      dtype = None
+    if dtype is None:
+      raise TypeError(
+          f"The float8 {what} must be a name or a float8 dtype, got "
+          f"{type(fmt).__name__}: {fmt!r}. {FORMAT_HELP}")
+    found, shown = _BY_DTYPE.get(dtype), f"dtype {dtype.name}"
+  if found is None:
+    raise ValueError(f"Unknown float8 {what} {shown}. {FORMAT_HELP}")
+  return found
 
 
 def saturating_cast(x: Any, fmt: Any = "e4m3") -> jax.Array:
@@ -170,9 +174,6 @@ quantize`) divide by a scale first, and map infinite inputs to NaN instead,
     Array([448, -448], dtype=float8_e4m3fn)
   """
   fmt = get_format(fmt)
-  if x is None:
-    raise TypeError(
-        "x is None: it must be a floating array. Pass the array itself.")
   x = checks.float_array(x, "x", float8=True)
   if np.dtype(x.dtype).itemsize == 1:
     x = x.astype(_F32)
@@ -182,23 +183,28 @@ quantize`) divide by a scale first, and map infinite inputs to NaN instead,
   return encode(jnp.clip(x, -hi, hi), fmt)
 
 
-def encode(x: jax.Array, fmt: Fp8Format) -> jax.Array:
+def encode(x: jax.Array, fmt: Fp8Format,
+           grid_rounding: bool | None = None) -> jax.Array:
   """``x`` (within ``±fmt.max``, or NaN) in ``fmt``'s dtype, rounded to
-  nearest, ties to even.
+  nearest, ties to even: the float32 -> float8 cast.
 
-  The rounding is done here, in float32 arithmetic on the format's grid (a
-  multiplication by a power of two, a round, a multiplication back: all
-  exact), and the cast that follows only re-encodes a representable value.
-  A bare float32 -> float8 cast is not relied on to round: jaxlib 0.10.0's
-  XLA:CPU rounds it twice (through a narrower float), so values just above a
-  midpoint came out one code low.
+  Where the jaxlib rounds that cast twice (``compat.FLOAT8_CAST_ROUNDS_TWICE``:
+  jaxlib 0.10.0's XLA:CPU goes through a narrower float, so values just above
+  a midpoint came out one code low), the rounding is done here first, in
+  float32 arithmetic on the format's grid (a multiplication by a power of
+  two, a round, a multiplication back: all exact), and the cast only
+  re-encodes a representable value. Both give the same bits.
   """
   x = x.astype(_F32)
-  # The spacing of the format's values around x is 2**k (see dtypes).
-  k = dtypes.spacing_exponent(x, fmt.mantissa_bits,
-                              int(np.log2(fmt.min_normal)))
-  rounded = jnp.round(x * dtypes.pow2(-k)) * dtypes.pow2(k)
-  return jnp.where(jnp.isnan(x), x, rounded).astype(fmt.dtype)
+  if grid_rounding is None:
+    grid_rounding = compat.FLOAT8_CAST_ROUNDS_TWICE
+  if grid_rounding:
+    # The spacing of the format's values around x is 2**k (see dtypes).
+    k = dtypes.spacing_exponent(x, fmt.mantissa_bits,
+                                int(np.log2(fmt.min_normal)))
+    rounded = jnp.round(x * dtypes.pow2(-k)) * dtypes.pow2(k)
+    x = jnp.where(jnp.isnan(x), x, rounded)
+  return x.astype(fmt.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -252,9 +258,6 @@ def encode_e8m0(scale: Any) -> jax.Array:
     >>> formats.decode_e8m0(formats.encode_e8m0(jnp.array([0.3, 4.0])))
     Array([0.5, 4. ], dtype=float32)
   """
-  if scale is None:
-    raise TypeError(
-        "scale is None: it must be a floating array. Pass the array itself.")
   scale = checks.float_array(scale, "scale", float8=True)
   return jax.lax.bitcast_convert_type(e8m0_codes(scale), E8M0_DTYPE)
 

@@ -702,8 +702,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
         f"fp8_dot_general does not support out_sharding (got "
         f"{out_sharding!r}): leave it None and constrain the result's "
         "sharding with jax.lax.with_sharding_constraint instead.")
-  lhs = scaling_lib.array_argument(lhs, "lhs")
-  rhs = scaling_lib.array_argument(rhs, "rhs")
+  lhs = checks.float_array(lhs, "lhs")
+  rhs = checks.float_array(rhs, "rhs")
   del precision
   (lc, rc), (lb, rb) = _check_dimension_numbers(dimension_numbers, lhs.shape,
                                                 rhs.shape)

@@ -59,6 +59,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.lib.array_utils import normalize_axis_tuple
 
 from jmp_lite._src import checks
 from jmp_lite._src.fp8 import config as config_lib
@@ -66,19 +67,10 @@ from jmp_lite._src.fp8 import formats as formats_lib
 
 _F32 = np.dtype(np.float32)
 #: The smallest scale current scaling produces: the smallest normal float32.
-MIN_SCALE = 2.0**-126
+MIN_SCALE = checks.SCALE_MIN
 #: The largest scale it produces: 2**126, so that its reciprocal is a normal
 #: float32 too (only reached with a margin and an amax near float32's max).
-MAX_SCALE = 2.0**126
-#: The largest margin (headroom in powers of two) of delayed scaling.
-MAX_MARGIN = 64
-
-MARGIN_HELP = (
-    "margin is the headroom of delayed scaling in powers of two: an integer "
-    f"from 0 to {MAX_MARGIN} (scales are multiplied by 2**margin; Transformer "
-    "Engine's default is 0, and a margin beyond a few units only throws "
-    "away float8 precision)."
-)
+MAX_SCALE = checks.SCALE_MAX
 GIVEN_SCALE_HELP = (
     "A dequantization scale must be a positive, finite, normal float32 "
     "(at least 2**-126): x is quantized as x / scale. Compute delayed scales "
@@ -141,27 +133,6 @@ class Quantized:
 _OWNER = "jmp_lite.fp8"
 
 
-def _check_margin(margin: Any) -> int:
-  """The margin as an int in [0, MAX_MARGIN] (a whole float is accepted)."""
-  if margin is None:
-    raise TypeError(f"{_OWNER}: margin must be an integer, got None. "
-                    f"{MARGIN_HELP}")
-  value = checks.static_number(margin, "margin", _OWNER)
-  if not value.is_integer() or not 0 <= value <= MAX_MARGIN:
-    raise ValueError(f"{_OWNER}: margin={margin!r} is out of range. "
-                     f"{MARGIN_HELP}")
-  return int(value)
-
-
-def array_argument(x: Any, what: str, *, float8: bool = False) -> jax.Array:
-  """``checks.float_array``, with a TypeError naming ``what`` for None."""
-  if x is None:
-    raise TypeError(
-        f"{what} is None: it must be a floating array (float32, bfloat16 or "
-        "float16). Pass the array itself.")
-  return checks.float_array(x, what, float8=float8)
-
-
 def check_given_scale(scale: Any, what: str) -> jax.Array:
   """A user-given dequantization scale, as a float32 array.
 
@@ -170,7 +141,7 @@ def check_given_scale(scale: Any, what: str) -> jax.Array:
   would wait for the device) is checked where it is used, by
   :func:`usable_scale`.
   """
-  value = array_argument(scale, what)
+  value = checks.float_array(scale, what)
   if not isinstance(scale, jax.Array):
     host = np.asarray(scale, np.float64)
     bad = ~(np.isfinite(host) & (host >= MIN_SCALE))
@@ -216,9 +187,8 @@ def scale_from_amax(amax: Any, fmt: Any = "e4m3", *, margin: float = 0,
     Array([1., 2., 1.], dtype=float32)
   """
   fmt = formats_lib.get_format(fmt)
-  margin = _check_margin(margin)
-  power_of_two = checks.flag(power_of_two, "power_of_two", _OWNER)
-  amax = array_argument(amax, "amax").astype(_F32)
+  margin = checks.fp8_margin(margin, _OWNER)
+  amax = checks.float_array(amax, "amax").astype(_F32)
   return _scale_from_amax(amax, fmt, margin, power_of_two)
 
 
@@ -253,7 +223,6 @@ def update_amax_history(history: Any, amax: Any) -> jax.Array:
 
   Raises:
     TypeError: if either is not floating.
-    ValueError: if the shapes do not fit.
 
   Example:
     >>> import jax.numpy as jnp
@@ -261,17 +230,8 @@ def update_amax_history(history: Any, amax: Any) -> jax.Array:
     >>> fp8.update_amax_history(jnp.array([3.0, 2.0, 1.0]), jnp.float32(4.0))
     Array([4., 3., 2.], dtype=float32)
   """
-  history = array_argument(history, "history")
-  amax = array_argument(amax, "amax")
-  if history.ndim < 1 or history.shape[0] < 1:
-    raise ValueError(
-        f"history must have a leading history axis of length >= 1, got shape "
-        f"{history.shape}. Create it with e.g. jnp.zeros((16,), jnp.float32).")
-  if tuple(history.shape[1:]) != tuple(amax.shape):
-    raise ValueError(
-        f"history has shape {history.shape}, so amax must have shape "
-        f"{history.shape[1:]}, got {amax.shape}. A history holds N amaxes of "
-        "the amax's shape along its leading axis.")
+  history = checks.float_array(history, "history")
+  amax = checks.float_array(amax, "amax")
   new = amax.astype(history.dtype)[None]
   return jnp.concatenate([new, history[:-1]], axis=0)
 
@@ -311,25 +271,16 @@ def scale_from_history(history: Any, fmt: Any = "e4m3", *, margin: float = 0,
     Array(0.25, dtype=float32)
   """
   fmt = formats_lib.get_format(fmt)
-  margin = _check_margin(margin)
-  power_of_two = checks.flag(power_of_two, "power_of_two", _OWNER)
+  margin = checks.fp8_margin(margin, _OWNER)
   algorithm = checks.choice(algorithm, "amax algorithm", _OWNER,
                             AMAX_ALGORITHMS, AMAX_ALGORITHM_HELP)
-  history = array_argument(history, "history").astype(_F32)
-  if history.ndim < 1 or history.shape[0] < 1:
-    raise ValueError(
-        f"history must have a leading history axis of length >= 1, got shape "
-        f"{history.shape}.")
+  history = checks.float_array(history, "history").astype(_F32)
   amax = history[0] if algorithm == "most_recent" else jnp.max(history, axis=0)
   scale = _scale_from_amax(amax, fmt, margin, power_of_two)
   if previous_scale is None:
     fallback = jnp.ones_like(scale)
   else:
     fallback = check_given_scale(previous_scale, "previous_scale")
-    if fallback.shape not in ((), scale.shape):
-      raise ValueError(
-          f"previous_scale must be a scalar or have shape {scale.shape}, got "
-          f"{fallback.shape}.")
     # A traced previous scale that is not usable: 1, as without one.
     fallback = usable_scale(fallback, jnp.ones_like(fallback))
   usable = jnp.isfinite(amax) & (amax > 0)
@@ -482,37 +433,16 @@ def check_granularity(name: Any, valid: Sequence[str] = GRANULARITIES,
                                       owner=owner)
 
 
-def _normalize_axes(axis, ndim, count, what):
-  """``axis`` as a tuple of distinct non-negative ints (``count`` of them)."""
-  axes = axis if isinstance(axis, (tuple, list)) else (axis,)
-  if not axes or any(isinstance(a, bool) or not isinstance(
-      a, (int, np.integer)) for a in axes):
-    raise TypeError(f"axis for {what} must be {count}, got {axis!r}.")
-  out = []
-  for a in axes:
-    if not -ndim <= a < ndim:
-      raise ValueError(
-          f"axis {a} is out of range for an array of rank {ndim} ({what}).")
-    out.append(int(a) % ndim)
-  if len(set(out)) != len(out):
-    raise ValueError(f"axis {axis!r} repeats an axis ({what}).")
-  return tuple(out)
-
-
 def _check_block_size(block_size, granularity):
-  if granularity in ("tensor", "row"):
-    if block_size is not None:
+  fixed = {"tensor": None, "row": None, "mxfp8": MX_BLOCK_SIZE}
+  if granularity in fixed:
+    if block_size not in (None, fixed[granularity]):
       raise ValueError(
-          f"block_size applies to 'tile', 'block' and 'mxfp8' only, got "
-          f"block_size={block_size!r} with granularity {granularity!r}. Leave "
-          "it None.")
-    return None
-  if granularity == "mxfp8":
-    if block_size not in (None, MX_BLOCK_SIZE):
-      raise ValueError(
-          f"MXFP8 blocks are {MX_BLOCK_SIZE} elements (OCP Microscaling "
-          f"spec), got block_size={block_size!r}. Leave it None.")
-    return MX_BLOCK_SIZE
+          f"block_size sets the size of 'tile' and 'block' granularities "
+          f"only, got block_size={block_size!r} with granularity "
+          f"{granularity!r} (MXFP8 blocks are {MX_BLOCK_SIZE} elements, the "
+          "OCP Microscaling spec's). Leave it None.")
+    return fixed[granularity]
   if block_size is None:
     return DEFAULT_BLOCK_SIZE
   return checks.integer(block_size, "block_size", _OWNER, low=1)
@@ -571,8 +501,7 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
   """
   fmt = formats_lib.get_format(fmt)
   granularity = check_granularity(granularity)
-  power_of_two = checks.flag(power_of_two, "power_of_two", _OWNER)
-  x = array_argument(x, "x")
+  x = checks.float_array(x, "x")
   block_size = _check_block_size(block_size, granularity)
   ndim = x.ndim
   if granularity == "tensor":
@@ -582,23 +511,14 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
           "granularity='row' for one scale per row.")
     block_shape, scale_shape = tuple(max(n, 1) for n in x.shape), ()
   else:
-    need = {"row": 1, "tile": 1, "mxfp8": 1, "block": 2}[granularity]
-    if ndim < need:
-      raise ValueError(
-          f"granularity {granularity!r} needs an array of rank >= {need}, "
-          f"got shape {x.shape}.")
     default = (-2, -1) if granularity == "block" else -1
-    axes = _normalize_axes(default if axis is None else axis, ndim,
-                           "two distinct axes" if need == 2 else
-                           ("an int or a tuple of ints" if granularity == "row"
-                            else "one int"), granularity)
-    if granularity in ("tile", "mxfp8") and len(axes) != 1:
+    # NumPy reports an axis out of range or repeated.
+    axes = normalize_axis_tuple(default if axis is None else axis, ndim)
+    need = {"tile": 1, "mxfp8": 1, "block": 2}.get(granularity, len(axes))
+    if len(axes) != need:
       raise ValueError(
-          f"granularity {granularity!r} blocks along one axis, got "
+          f"granularity {granularity!r} blocks along {need} axis/axes, got "
           f"axis={axis!r}.")
-    if granularity == "block" and len(axes) != 2:
-      raise ValueError(
-          f"granularity 'block' blocks over two axes, got axis={axis!r}.")
     if granularity == "row":
       block_shape = tuple(max(n, 1) if i in axes else 1
                           for i, n in enumerate(x.shape))
@@ -650,10 +570,6 @@ def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
     >>> fp8.dequantize(fp8.quantize(jnp.array([3.0, -7.0]), "e5m2"))
     Array([ 3., -7.], dtype=float32)
   """
-  if not isinstance(q, Quantized):
-    raise TypeError(
-        f"dequantize takes a Quantized (from quantize), got "
-        f"{type(q).__name__}.")
   scale = q.scale
   if np.dtype(scale.dtype) == formats_lib.E8M0_DTYPE:
     scale = formats_lib.decode_e8m0(scale)
