@@ -18,7 +18,10 @@ stay in bf16 and its head is kept out of float8: no matmul would run in
 float8), PyTorch's ``mxfp8``, and PyTorch's float8 modes without torchao.
 MXFP8 has tensor cores on Blackwell only: elsewhere XLA runs its fallback
 (both operands dequantized, one dot), and the case records which path the
-compiled program took.
+compiled program took. The FP4 modes ``nvfp4`` and ``mxfp4`` (``jmp_lite.fp4``)
+need Blackwell's FP4 tensor cores: on any other GPU (an H100) the suite says so
+and skips them; where FP4 could run they are skipped, with that reason, until
+a policy's ``m=`` takes an FP4 recipe (``fp4_problem``).
 
 A case (workload, library, mode) compiles its step from shapes, runs warm-up
 steps, times ``--gpu-steps`` steps one by one and reads the peak device
@@ -58,7 +61,12 @@ from benchmarks import workloads as wl
 from benchmarks import wrapper_overhead
 from models import results as output
 
-MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8")
+MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4")
+#: The FP4 modes (``jmp_lite.fp4``): tensor cores on Blackwell only.
+FP4_MODES = ("nvfp4", "mxfp4")
+#: Compute capabilities with FP4 tensor cores (Blackwell: B200/GB200/B300 10.x,
+#: RTX 50xx / RTX PRO 12.x).
+FP4_COMPUTE_CAPABILITIES = ("10.", "12.")
 #: The float8 modes: jmp_lite's recipe (the policy's ``m=`` key) and torchao's.
 FP8_MODES = {"fp8": "fp8", "fp8_rowwise": "fp8_rowwise", "mxfp8": "mxfp8"}
 TORCHAO_RECIPES = {"fp8": "tensorwise", "fp8_rowwise": "rowwise"}
@@ -75,7 +83,12 @@ MODE_DESCRIPTIONS = {
                            "(per-row scales, e4m3 gradients)",
             "mxfp8": "p=f32,c=bf16,o=f32,m=mxfp8 through with_policy (1x32 blocks, "
                      "E8M0 scales; tensor cores on Blackwell only, XLA's "
-                     "dequantize-and-dot fallback elsewhere)"},
+                     "dequantize-and-dot fallback elsewhere)",
+            "nvfp4": "NVFP4 (jmp_lite.fp4: 1x16 E2M1 blocks, E4M3 scales, tensor "
+                     "scale, 16x16 weight tiles, RHT, stochastic rounding); "
+                     "Blackwell only",
+            "mxfp4": "MXFP4 (jmp_lite.fp4: 1x32 E2M1 blocks, E8M0 scales); "
+                     "Blackwell only"},
     "torch": {"f32": "TF32 off (matmuls and cuDNN)", "tf32": "TF32 on",
               "bf16": "torch.autocast bfloat16",
               "f16": "torch.autocast float16 + GradScaler(2**15)",
@@ -83,11 +96,14 @@ MODE_DESCRIPTIONS = {
                      "under torch.autocast bfloat16 (eager)",
               "fp8_rowwise": "torchao convert_to_float8_training, recipe 'rowwise', "
                              "under torch.autocast bfloat16 (eager)",
-              "mxfp8": "not run (torchao's MX training is a prototype)"},
+              "mxfp8": "not run (torchao's MX training is a prototype)",
+              "nvfp4": "not run (torchao's NVFP4 training is a prototype)",
+              "mxfp4": "not run (torchao's MXFP4 training is a prototype)"},
 }
 MATMUL_PRECISION = {"f32": "highest", "tf32": "tensorfloat32"}
 PEAK_KIND = {"f32": "f32", "tf32": "tf32", "bf16": "half", "f16": "half",
-             "fp8": "fp8", "fp8_rowwise": "fp8", "mxfp8": "fp8"}
+             "fp8": "fp8", "fp8_rowwise": "fp8", "mxfp8": "fp8",
+             "nvfp4": "fp4", "mxfp4": "fp4"}
 #: Published dense (no sparsity) peaks, TFLOP/s, matched on device_kind (the
 #: A100 has no float8: its float8 modes get no MFU).
 PEAK_TFLOPS = (
@@ -343,11 +359,37 @@ def fp8_info(mode: str, flops: dict[str, Any], optimized_hlo: str) -> dict[str, 
   return info
 
 
-def skip_reason(workload: str, library: str, mode: str, torchao: str | None) -> str | None:
+def fp4_problem(dry_run: bool) -> str:
+  """Why the FP4 modes are skipped on this machine.
+
+  FP4 matmuls run on Blackwell's tensor cores only: on any other GPU (an H100:
+  compute capability 9.0) the suite says so and skips them. Where FP4 could
+  run (Blackwell, or the CPU dry run), they are skipped until a policy's
+  ``m=`` takes an FP4 recipe (issue 29 item 1), so that the FP4 rows measure
+  the same routes as every other mode.
+  """
+  if not dry_run:
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", None))
+    if not capability.startswith(FP4_COMPUTE_CAPABILITIES):
+      return (f"FP4 tensor cores are Blackwell only (compute capability 10.x or "
+              f"12.x); this GPU, {device.device_kind}, has {capability}: skipped")
+  return ("not run yet: jmp_lite's policy routes (with_policy, autocast, linen, "
+          "NNX) do not take FP4 recipes (m=nvfp4/m=mxfp4, issue 29 item 1); the FP4 "
+          "matmul is measured by tests/test_fp4_matmul.py and examples/fp4_parity.py")
+
+
+def skip_reason(workload: str, library: str, mode: str, torchao: str | None,
+                fp4: str | None = None) -> str | None:
   """Why the case (workload, library, mode) is not run, or ``None``.
 
-  ``torchao``: why torchao cannot run (``None`` when it can).
+  ``torchao``: why torchao cannot run (``None`` when it can); ``fp4``: why the
+  FP4 modes cannot run (:func:`fp4_problem`).
   """
+  if mode in FP4_MODES:
+    if library == "torch":
+      return MODE_DESCRIPTIONS["torch"][mode]
+    return fp4
   if mode not in FP8_MODES:
     return None
   if workload == "resnet":
@@ -449,6 +491,10 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
       torchao = torchao_problem()
       if torchao:
         print(f"[gpu] PyTorch float8 modes skipped: {torchao}", flush=True)
+  fp4 = (fp4_problem(args.dry_run) if any(m in FP4_MODES for m in args.gpu_modes)
+         else None)
+  if fp4:
+    print(f"[gpu] FP4 modes skipped: {fp4}", flush=True)
   results = []
   for workload in wl.make_workloads(size, [n for n in wl.NAMES if n in args.gpu_workloads]):
     print(f"[gpu] {workload.name}: {workload.description}", flush=True)
@@ -461,7 +507,7 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
       entry[library] = {}
       for mode in args.gpu_modes:
         left = deadline - time.perf_counter()
-        reason = skip_reason(workload.name, library, mode, torchao)
+        reason = skip_reason(workload.name, library, mode, torchao, fp4)
         if reason:
           case = {"status": SKIPPED, "reason": reason}
         elif left <= 0 or (left < MIN_CASE_S and not in_process):

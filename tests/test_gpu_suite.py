@@ -26,8 +26,9 @@ import pytest
 from helpers import ROOT
 from helpers import example_env
 
-MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8")
+MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4")
 FP8_MODES = ("fp8", "fp8_rowwise", "mxfp8")
+FP4_MODES = ("nvfp4", "mxfp4")
 WORKLOADS = ("mlp", "resnet", "transformer")
 # The figures computed from the measured ones when a report is written.
 DERIVED = {"examples_per_s", "tokens_per_s", "tflops", "peak_tflops", "mfu",
@@ -76,6 +77,8 @@ def split(tmp_path_factory):
 
 def _skipped(entry, library, mode, report):
   """Why the case must be skipped (a phrase of its reason), or None."""
+  if mode in FP4_MODES:   # the dry run: FP4 could run, the routes lack it
+    return "prototype" if library == "torch" else "do not take FP4 recipes"
   if mode not in FP8_MODES:
     return None
   if entry["workload"] == "resnet":
@@ -155,6 +158,27 @@ def test_every_jax_case_ran_with_consistent_figures(split):
     mx = cases["mxfp8"]["fp8"]
     assert mx["fp8_flop_share"] is None and mx["native_gemm"] is False
     assert mx["mx_path"].startswith("emulation (cpu"), mx
+
+
+def test_fp4_modes_skip_off_blackwell_and_say_why(monkeypatch):
+  """An H100 (compute capability 9.0) says FP4 is Blackwell only and skips;
+  a Blackwell GPU gets the routes' reason; so does the dry run."""
+  from benchmarks import gpu_suite
+
+  class Device:
+    device_kind = "NVIDIA H100 80GB HBM3"
+    compute_capability = "9.0"
+
+  monkeypatch.setattr(gpu_suite.jax, "devices", lambda *a: [Device()])
+  reason = gpu_suite.fp4_problem(dry_run=False)
+  assert "Blackwell only" in reason and "H100" in reason and "9.0" in reason
+  Device.device_kind, Device.compute_capability = "NVIDIA B200", "10.0"
+  assert "do not take FP4 recipes" in gpu_suite.fp4_problem(dry_run=False)
+  assert "do not take FP4 recipes" in gpu_suite.fp4_problem(dry_run=True)
+  for mode in FP4_MODES:
+    assert gpu_suite.skip_reason("mlp", "jax", mode, None, reason) == reason
+    assert "prototype" in gpu_suite.skip_reason("mlp", "torch", mode, None, reason)
+  assert gpu_suite.skip_reason("mlp", "jax", "bf16", None, reason) is None
 
 
 def test_markdown_lists_the_float8_cases(split):
