@@ -391,7 +391,7 @@ def test_matmul_errors():
     fp4.fp4_dot_general(x, w, MATMUL, preferred_element_type=jnp.float4_e2m1fn)
   with pytest.raises(TypeError, match="config must be an Fp4Config"):
     fp4.fp4_dot_general(x, w, MATMUL, config="nvfp4")
-  with pytest.raises(ValueError, match="contracting sizes differ"):
+  with pytest.raises(TypeError, match="contracting dimensions to have the same"):
     fp4.fp4_dot_general(x, w, (((0,), (0,)), ((), ())))
   with pytest.raises(TypeError, match="PRNG key"):
     fp4.fp4_dot_general(x, w, MATMUL, key=0)

@@ -108,12 +108,6 @@ _DEFAULT_CONFIG = Fp8Config()
 #: The target of the custom call ``jax.nn.scaled_matmul`` lowers to on CUDA.
 NATIVE_MX_CUSTOM_CALL = "__op$block_scaled_dot"
 
-DIMENSION_NUMBERS_HELP = (
-    "dimension_numbers must be ((lhs_contracting, rhs_contracting), "
-    "(lhs_batch, rhs_batch)), four tuples of non-negative axis indices, as "
-    "for jax.lax.dot_general; e.g. (((1,), (0,)), ((), ())) for a matrix "
-    "product, (((2,), (1,)), ((0,), (0,))) for a batched one."
-)
 DELAYED_SCALES_HELP = (
     "With Fp8Config(scaling='delayed') the matmul needs "
     "scales=DelayedScales(lhs=..., rhs=..., grad=...): float32 scalars, the "
@@ -161,53 +155,16 @@ class DelayedScales(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _axes(value: Any) -> tuple[int, ...]:
-  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-    return (int(value),)
-  out = tuple(value)
-  if any(isinstance(a, bool) or not isinstance(a, (int, np.integer))
-         for a in out):
-    raise TypeError
-  return tuple(int(a) for a in out)
-
-
 def _check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):
-  """Normalised ``((lc, rc), (lb, rb))``, or a ValueError naming the problem."""
-  try:
-    (lc, rc), (lb, rb) = dimension_numbers
-    lc, rc, lb, rb = _axes(lc), _axes(rc), _axes(lb), _axes(rb)
-  except (TypeError, ValueError):
-    raise ValueError(
-        f"Malformed dimension_numbers {dimension_numbers!r}. "
-        f"{DIMENSION_NUMBERS_HELP}") from None
-  problem = None
-  if len(lc) != len(rc):
-    problem = "lhs and rhs have different numbers of contracting axes"
-  elif len(lb) != len(rb):
-    problem = "lhs and rhs have different numbers of batch axes"
-  for side, axes, shape in (("lhs", lc + lb, lhs_shape),
-                            ("rhs", rc + rb, rhs_shape)):
-    if problem is None and any(not 0 <= a < len(shape) for a in axes):
-      problem = f"an {side} axis is out of range for shape {tuple(shape)}"
-    if problem is None and len(set(axes)) != len(axes):
-      problem = f"an {side} axis appears twice"
-  if problem is None:
-    for a, b in zip(lc, rc):
-      if lhs_shape[a] != rhs_shape[b]:
-        problem = (f"contracting sizes differ: lhs axis {a} has "
-                   f"{lhs_shape[a]}, rhs axis {b} has {rhs_shape[b]}")
-        break
-  if problem is None:
-    for a, b in zip(lb, rb):
-      if lhs_shape[a] != rhs_shape[b]:
-        problem = (f"batch sizes differ: lhs axis {a} has {lhs_shape[a]}, "
-                   f"rhs axis {b} has {rhs_shape[b]}")
-        break
-  if problem is not None:
-    raise ValueError(
-        f"Invalid dimension_numbers {dimension_numbers!r} for lhs shape "
-        f"{tuple(lhs_shape)} and rhs shape {tuple(rhs_shape)}: {problem}. "
-        f"{DIMENSION_NUMBERS_HELP}")
+  """Normalised ``((lc, rc), (lb, rb))``; ``lax.dot_general``'s own shape
+  rule reports dimension numbers that do not fit the shapes."""
+  avals = [jax.ShapeDtypeStruct(tuple(shape), _F32)
+           for shape in (lhs_shape, rhs_shape)]
+  jax.eval_shape(functools.partial(
+      jax.lax.dot_general, dimension_numbers=dimension_numbers), *avals)
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = (tuple(int(a) for a in np.atleast_1d(np.asarray(axes, np.int64)))
+                    for axes in (lc, rc, lb, rb))
   return (lc, rc), (lb, rb)
 
 
@@ -674,9 +631,10 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
 
   Raises:
     TypeError: for non-floating, float8 or None operands, a config that is
-      not an ``Fp8Config``, or missing delayed-scaling scales.
-    ValueError: for malformed or inconsistent dimension numbers, scales given
-      to current scaling, a Python/NumPy scale that is zero, negative,
+      not an ``Fp8Config``, or missing delayed-scaling scales; as
+      ``jax.lax.dot_general`` raises, for dimension numbers that do not fit
+      the operands.
+    ValueError: for scales given to current scaling, a Python/NumPy scale that is zero, negative,
       subnormal or not finite, a ``config.axis_name`` that is not bound
       here, or an out_sharding.
 
