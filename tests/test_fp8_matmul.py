@@ -630,7 +630,7 @@ def test_axis_name_makes_current_scaling_global(kind):
 
 @pytest.mark.parametrize("kind", ["pmap", "shard_map"])
 def test_axis_name_makes_delayed_amaxes_global(kind):
-  from jmp_lite._src.autocast import float8 as autocast_fp8  # pylint: disable=import-outside-toplevel
+  from jmp_lite._src.flax import float8 as flax_fp8  # pylint: disable=import-outside-toplevel
   config = fp8.Fp8Config(scaling="delayed", axis_name="data")
 
   def fn(x, w):
@@ -640,11 +640,9 @@ def test_axis_name_makes_delayed_amaxes_global(kind):
         fp8.DelayedScales(jnp.float32(1.0), jnp.float32(1.0)))
     amaxes = vjp(jnp.ones_like(_))[2]
     # ...and the state the policies keep (one history per operand).
-    zeros = jnp.zeros((4,), jnp.float32)
-    store = autocast_fp8.Fp8Store({"dot": {"lhs": zeros, "rhs": zeros}},
-                                  "roll")
-    scales = autocast_fp8.Site(store, ("dot",)).delayed_scales(x, w, config)
-    return amaxes.lhs, scales.lhs, store.outputs["dot"]["lhs"]
+    scales, new = flax_fp8.delayed_scales(flax_fp8.zero_histories(4), x, w,
+                                          config)
+    return amaxes.lhs, scales.lhs, flax_fp8.decode(new["lhs"])
 
   amax, scale, history = _per_replica(fn, kind, _XB, _WB)
   np.testing.assert_array_equal(np.asarray(amax), np.full(_N_DEV, 3000.0))

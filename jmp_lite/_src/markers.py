@@ -70,12 +70,6 @@ def marked_recipe(stack: str, default: Any) -> Any:
   return _RECIPES[int(stack[start + len(_FP8_OPEN):end])]
 
 
-def without_markers(stack: str) -> tuple[str, ...]:
-  """The named scopes of a name stack, float8 markers left out."""
-  return tuple(part for part in stack.split("/")
-               if part and not part.startswith(_FP8_OPEN))
-
-
 def in_island(stack: str) -> bool:
   """Whether a name stack lies inside a float32 island."""
   return ISLAND_SCOPE in stack

@@ -43,13 +43,9 @@ region the interpreter carries (the policy's recipe object, handed over by
 ``autocast``/``with_policy``; a higher-order equation hands the recipe in
 force at it down to its bodies). The output head -- a ``dot_general`` from
 which no other one is reachable, at the top level of the traced program or in
-a non-loop body of it -- runs with no recipe. Delayed scaling's amax
-histories are threaded through an :class:`~jmp_lite._src.autocast.float8.Fp8Store`:
-every ``dot_general`` and ``scan`` equation gets a key from its name stack
-and its position; ``jit``/``closed_call`` bodies are then inlined and
-``remat`` bodies return their histories, ``scan`` bodies get per-iteration
-slots (scanned inputs and outputs), and the bodies of ``cond``, ``while``,
-``custom_jvp``/``custom_vjp`` and ``shard_map`` use current scaling.
+a non-loop body of it -- runs with no recipe. The interpreter keeps no
+state: a delayed recipe (which ``autocast`` and ``with_policy`` refuse, and a
+marker may still name) is scaled currently.
 """
 
 from __future__ import annotations
@@ -157,14 +153,12 @@ class Interpreter:
       otherwise, or None.
     tail: whether nothing after the evaluated jaxpr reaches a
       ``dot_general`` (its last matmul is then the output head).
-    store: delayed scaling's amax histories for this evaluation, or None
-      (delayed recipes then scale currently).
   """
 
   def __init__(
       self, compute_dtype: np.dtype, rules: dict[Any, Any],
       accumulate_f32: bool = True, *, fp8: bool = False, region: Any = None,
-      tail: bool = True, store: Any = None,
+      tail: bool = True,
   ):
     self.compute_dtype = np.dtype(compute_dtype)
     self.rules = rules
@@ -172,7 +166,6 @@ class Interpreter:
     self.fp8 = fp8
     self.region = region
     self.tail = tail
-    self.store = store
     # Shared by an interpreter and its children: the autocast bodies of the
     # `jit` equations of the evaluation in progress (see `_jit`), and how
     # deep evaluations are nested (the memo is dropped when the outermost
@@ -184,7 +177,7 @@ class Interpreter:
     """A copy with some attributes changed (for a body, a JVP rule...)."""
     attrs = dict(compute_dtype=self.compute_dtype, rules=self.rules,
                  accumulate_f32=self.accumulate_f32, fp8=self.fp8,
-                 region=self.region, tail=self.tail, store=self.store)
+                 region=self.region, tail=self.tail)
     attrs.update(changes)
     new = Interpreter(**attrs)
     new._memo, new._depth = self._memo, self._depth
@@ -193,7 +186,7 @@ class Interpreter:
   def memo_key(self, closed: Any, args: Sequence[Any]) -> tuple[Any, ...]:
     """What the autocast version of ``closed`` for ``args`` depends on."""
     return (id(closed), self.compute_dtype, self.accumulate_f32, self.fp8,
-            self.region, self.tail, self.store is None,
+            self.region, self.tail,
             tuple((np.shape(x), rules_lib.dtype_of(x),
                    bool(getattr(getattr(x, "aval", None), "weak_type", False)))
                   for x in args))
@@ -292,21 +285,15 @@ class Interpreter:
       is_sink: bool = False,
   ) -> Any:
     rule = self._rule_for(eqn)
-    recipe, site, recurse, excluded = None, None, None, None
-    stack = ""
+    recipe, recurse, excluded = None, None, None
     if self.fp8:
-      stack = compat.name_stack(eqn)
-      recipe = markers.marked_recipe(stack, self.region)
+      recipe = markers.marked_recipe(compat.name_stack(eqn), self.region)
       if eqn.primitive is _DOT:
         if is_sink and recipe is not None and not recipe.include_output_head:
           recipe = None  # the output head stays in the compute dtype
           excluded = "output head (include_output_head=False)"
-        if self.store is not None:
-          site = self.store.site(markers.without_markers(stack), "dot_general")
-      elif eqn.primitive is _SCAN and self.store is not None:
-        site = self.store.site(markers.without_markers(stack), "scan")
     if eqn.primitive in HIGHER_ORDER:
-      recurse = self._child_for(eqn, recipe, is_sink, stack)._recurse
+      recurse = self._child_for(eqn, recipe, is_sink)._recurse
     elif eqn.primitive not in self.rules and not _is_disabled(eqn):
       _refuse_unknown(eqn)
     ctx = rules_lib.OpRuleContext(
@@ -318,7 +305,6 @@ class Interpreter:
         accumulate_f32=self.accumulate_f32,
         fp8_config=recipe,
         _recurse=recurse,
-        _site=site,
         _fp8_excluded=excluded,
     )
     with compat.equation_context(eqn):
@@ -326,27 +312,19 @@ class Interpreter:
         return ctx.apply(rule, *invals, **eqn.params)
       return rule(ctx, *invals, **eqn.params)
 
-  def _child_for(self, eqn: Any, recipe: Any, is_sink: bool,
-                 stack: str) -> "Interpreter":
+  def _child_for(self, eqn: Any, recipe: Any,
+                 is_sink: bool) -> "Interpreter":
     """The interpreter of a higher-order equation's bodies."""
     if not self.fp8:
       return self
-    kind = kind_of(eqn)
-    store = None
-    if self.store is not None and kind in _STORE_THREADED:
-      # A scan keys its body itself; inlined bodies extend the scopes.
-      store = (self.store if kind == "scan"
-               else self.store.view(markers.without_markers(stack)))
-    tail = self.tail and is_sink and kind not in _LOOPS
-    return self.child(region=recipe, tail=tail, store=store)
+    tail = self.tail and is_sink and kind_of(eqn) not in _LOOPS
+    return self.child(region=recipe, tail=tail)
 
   def _recurse(self, ctx: rules_lib.OpRuleContext, *args: Any, **params: Any) -> Any:
     return HIGHER_ORDER[ctx.primitive](self, ctx, list(args), params)
 
 
-# Bodies that see the caller's float8 store (the others scale currently), and
-# loops (whose last matmul is no output head: it feeds the next iteration).
-_STORE_THREADED = frozenset({"jit", "closed_call", "remat", "scan"})
+# Loops (whose last matmul is no output head: it feeds the next iteration).
 _LOOPS = frozenset({"scan", "while"})
 
 #: Why autocast stops at a higher-order primitive it does not know.
@@ -422,10 +400,6 @@ def split_static(
 
 
 def _jit(interp: Interpreter, ctx: rules_lib.OpRuleContext, args, params):
-  if interp.store is not None:
-    # Delayed scaling's histories flow in and out of the body: inline it (a
-    # jit inside a traced function is a call; XLA compiles one program).
-    return interp.eval_closed(compat.jit_body(params), args)
   # One autocast body per traced body and input types: re-bound calls of one
   # jitted function then share a function in the lowered program.
   new_body = interp.traced_once(compat.jit_body(params), args)
@@ -441,20 +415,6 @@ def _remat(interp, ctx, args, params):
   # `differentiated` is set by JAX's AD only; jax.checkpoint recomputes it.
   del ctx
   body, prevent_cse, policy = compat.remat_parts(params)
-  store = interp.store
-  if store is not None:
-    # The body's new histories leave as outputs of the checkpointed function.
-    def run_with_histories(*xs):
-      scope = store.scope()
-      outs = interp.child(store=scope).eval_jaxpr(
-          compat.open_jaxpr(body), (), xs)
-      return outs, scope.outputs
-
-    outs, histories = jax.checkpoint(
-        run_with_histories, prevent_cse=prevent_cse, policy=policy)(*args)
-    store.merge(histories)
-    return outs
-
   def run(*xs):
     return interp.eval_jaxpr(compat.open_jaxpr(body), (), xs)
 
@@ -467,23 +427,6 @@ def _scan(interp, ctx, args, params):
   carry_dtypes = _float_dtypes(traced_init)
   init = cast_all(init, carry_dtypes)
   n_carry = len(init)
-
-  site = ctx._site  # pylint: disable=protected-access
-  if site is not None:
-    # Delayed scaling: one slot per iteration, as scanned inputs/outputs.
-    def step_with_histories(carry, x_and_histories):
-      x, histories = x_and_histories
-      inner = site.for_body(histories)
-      outs = interp.child(store=inner).eval_closed(
-          body, [*consts, *carry, *x])
-      return (cast_all(outs[:n_carry], carry_dtypes),
-              (outs[n_carry:], inner.final()))
-
-    carry, (ys, histories) = lax.scan(
-        step_with_histories, init, (xs, site.inputs()),
-        **compat.scan_options(params))
-    site.record(histories)
-    return [*carry, *ys]
 
   def step(carry, x):
     outs = interp.eval_closed(body, [*consts, *carry, *x])
@@ -791,4 +734,3 @@ HIGHER_ORDER_NAMES: dict[Any, str] = {
     for name in HIGHER_ORDER_HANDLERS
     if (prim := compat.primitive(name)) is not None
 }
-_SCAN = compat.primitive("scan_p")

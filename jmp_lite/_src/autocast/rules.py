@@ -177,7 +177,6 @@ class OpRuleContext:
   accumulate_f32: bool = True
   fp8_config: Any = None
   _recurse: Callable[..., Any] | None = None
-  _site: Any = None
   _fp8_excluded: str | None = None
 
   def bind(self, *args: Any, **params: Any) -> Any:
