@@ -549,7 +549,7 @@ def test_the_guide_shows_what_its_float8_example_prints():
   """The Float8 section's example runs, prints the granularities its comments
   give, and the table rows and the reason the text quotes."""
   text = (ROOT / "docs" / "diagnostics.md").read_text()
-  section = text[text.index("## Float8"):text.index("## API")]
+  section = text[text.index("## Float8"):text.index("## FP4")]
   (block,) = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
   (table,) = re.findall(r"```text\n(.*?)```", section, re.DOTALL)
   out = io.StringIO()
