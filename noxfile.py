@@ -54,6 +54,8 @@ ROOT = pathlib.Path(__file__).resolve().parent
 # The packages whose supported range the pins state and the matrix tests.
 RANGED = ("jax", "jaxlib", "flax", "optax")
 PYTEST = ("python", "-m", "pytest", "-q")
+#: Every test, the slow stage (end-to-end example runs) included.
+ALL = ("-m", "slow or not slow")
 #: jax's upgrade flags (config flags read ``JAX_<NAME>`` environment variables).
 UPGRADE_FLAGS = {"JAX_REMAT3": "1", "JAX_CUSTOM_VJP3": "1",
                  "JAX_CUSTOM_JVP3": "1"}
@@ -104,7 +106,7 @@ def newest(session: nox.Session) -> None:
   """The whole suite on the newest releases the pins allow."""
   session.install("--upgrade", "-e", ".[test]")
   _versions(session)
-  session.run(*PYTEST, *session.posargs)
+  session.run(*PYTEST, *ALL, *session.posargs)
 
 
 @nox.session(python="3.12", name="upgrade-flags")
@@ -125,7 +127,7 @@ def floor(session: nox.Session) -> None:
   constraints.write_text("\n".join(floor_pins()) + "\n")
   session.install("-e", ".[test]", "-c", str(constraints))
   _versions(session)
-  session.run(*PYTEST, *session.posargs)
+  session.run(*PYTEST, *ALL, *session.posargs)
 
 
 @nox.session(python="3.11")
