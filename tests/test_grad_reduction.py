@@ -499,10 +499,11 @@ def test_non_callable_is_rejected(factory):
 
 def test_wrong_output_structure():
   loss_only = jmp_lite.grouped_value_and_grad(lambda w, x: jnp.mean(x @ w), 2)
-  with pytest.raises(TypeError, match=r"must return \(value, grads\)"):
+  with pytest.raises(TypeError, match=r"must return \(loss, grads\)"):
     loss_only(jnp.ones(2), jnp.ones((4, 2)))
   no_aux = jmp_lite.grouped_value_and_grad(_vg(), 2, has_aux=True)
-  with pytest.raises(TypeError, match=r"has_aux=True.*pair \(loss, aux\)"):
+  with pytest.raises(TypeError, match=r"\(\(loss, aux\), grads\) with "
+                     r"has_aux=True; got \(an array, grads\) with has_aux=True"):
     no_aux(jnp.ones(2), jnp.ones((4, 2)))
   with_aux = jax.value_and_grad(lambda w, x: (jnp.mean(x @ w), 0.0), has_aux=True)
   for wrapped in (jmp_lite.grouped_value_and_grad(with_aux, 2),

@@ -413,24 +413,20 @@ class LossScaleState(NamedTuple):
 def _check_loss_scale(loss_scale: Any) -> None:
   if loss_scale is None:
     return
+  if isinstance(loss_scale, loss_scale_lib.LossScale):
+    return
   if isinstance(loss_scale, type):
-    raise TypeError(
-        f"loss_scaling expects a loss-scale object, got the class "
-        f"{loss_scale.__name__}; create one: jmp_lite.{loss_scale.__name__}("
-        f"{'' if loss_scale is loss_scale_lib.NoOpLossScale else '2.0**15'})."
-    )
-  if checks.is_real_number(loss_scale) or checks.is_array(loss_scale):
-    raise TypeError(
-        f"loss_scaling expects a loss-scale object, got the number "
-        f"{loss_scale!r}. Wrap it: jmp_lite.DynamicLossScale(2.0**15) to adapt"
-        " the scale, or jmp_lite.StaticLossScale(value) to keep it fixed."
-    )
-  if not isinstance(loss_scale, loss_scale_lib.LossScale):
-    raise TypeError(
-        "loss_scaling expects a jmp_lite loss scale (NoOpLossScale, "
-        "StaticLossScale or DynamicLossScale), got "
-        f"{type(loss_scale).__name__}: {loss_scale!r}."
-    )
+    got = (f"the class {loss_scale.__name__}; create one: jmp_lite."
+           f"{loss_scale.__name__}("
+           f"{'' if loss_scale is loss_scale_lib.NoOpLossScale else '2.0**15'})")
+  elif checks.is_real_number(loss_scale) or checks.is_array(loss_scale):
+    got = (f"the number {loss_scale!r}. Wrap it: "
+           "jmp_lite.DynamicLossScale(2.0**15) to adapt the scale, or "
+           "jmp_lite.StaticLossScale(value) to keep it fixed")
+  else:
+    got = (f"{type(loss_scale).__name__}: {loss_scale!r}; pass a jmp_lite "
+           "loss scale (NoOpLossScale, StaticLossScale or DynamicLossScale)")
+  raise TypeError(f"loss_scaling expects a loss-scale object, got {got}.")
 
 
 def loss_scaling(
@@ -509,11 +505,8 @@ def loss_scaling(
   max_skips = None if max_consecutive_skips is None else checks.integer(
       max_consecutive_skips, "max_consecutive_skips", owner, 1)
   check_scaling = checks.flag(check_scaling, "check_scaling", owner)
-  if on_max_skips not in ON_MAX_SKIPS:
-    raise ValueError(
-        f"{owner}: on_max_skips must be one of {ON_MAX_SKIPS}, got "
-        f"{on_max_skips!r}."
-    )
+  on_max_skips = checks.choice(on_max_skips, "on_max_skips", owner,
+                               ON_MAX_SKIPS)
   if on_max_skips == "raise" and max_skips is None:
     raise ValueError(
         f"{owner}: on_max_skips='raise' needs max_consecutive_skips, the "

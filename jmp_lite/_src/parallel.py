@@ -23,29 +23,28 @@ from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
 
 
+#: What a value-and-grad function must return.
+VALUE_AND_GRAD_OUTPUT = (
+    "{caller}: the value-and-grad function must return (loss, grads) as "
+    "jax.value_and_grad does, the loss an array, or ((loss, aux), grads) with "
+    "has_aux=True; got {got} with has_aux={has_aux}. Then pass has_aux=True if "
+    "it returns ((loss, aux), grads), has_aux=False if it returns (loss, grads)."
+)
+
+
 def _split_value(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any, Any]:
   """``(loss, aux, grads)`` from a value-and-grad function's output."""
-  if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(
-        f"{caller}: the value-and-grad function must return (value, grads) as "
-        f"jax.value_and_grad does, got {type(out).__name__}."
-    )
+  pair = lambda x: isinstance(x, (tuple, list)) and len(x) == 2
+  if not (pair(out) and (pair(out[0]) if has_aux
+                         else checks.is_array(out[0]))):
+    kind = lambda x: "an array" if checks.is_array(x) else type(x).__name__
+    got = f"({kind(out[0])}, grads)" if pair(out) else kind(out)
+    raise TypeError(VALUE_AND_GRAD_OUTPUT.format(caller=caller, got=got,
+                                                 has_aux=has_aux))
   value, grads = out
-  if not has_aux:
-    if not checks.is_array(value):
-      raise TypeError(
-          f"{caller}: the value must be the loss (an array), got "
-          f"{type(value).__name__}. If the function returns ((loss, aux), "
-          "grads), pass has_aux=True."
-      )
-    return value, None, grads
-  if not (isinstance(value, (tuple, list)) and len(value) == 2):
-    raise TypeError(
-        f"{caller}(has_aux=True): the value must be a pair (loss, aux), as "
-        "jax.value_and_grad(fn, has_aux=True) returns, got "
-        f"{type(value).__name__}. Without an aux output, pass has_aux=False."
-    )
-  return value[0], value[1], grads
+  if has_aux:
+    return value[0], value[1], grads
+  return value, None, grads
 
 
 def _join(loss: Any, aux: Any, grads: Any, has_aux: bool) -> Any:
