@@ -272,17 +272,8 @@ def walk_eqns(jaxpr: Any, live_only: bool = False) -> Iterator[Any]:
       side effects (JAX's AD leaves some; XLA removes them, so they never
       run), and everything inside them.
   """
-  jaxpr = open_jaxpr(jaxpr)
-  read: set[Any] = set()
-  if live_only:
-    read = {v for eqn in jaxpr.eqns for v in eqn.invars if not is_literal(v)}
-    read.update(v for v in jaxpr.outvars if not is_literal(v))
-  for eqn in jaxpr.eqns:
-    if live_only and not eqn.effects and not any(v in read for v in eqn.outvars):
-      continue
+  for eqn, _ in walk_eqns_in_scopes(jaxpr, live_only):
     yield eqn
-    for sub in sub_jaxprs(eqn.params):
-      yield from walk_eqns(sub, live_only)
 
 
 def func_name(closed: Any, default: str) -> str:

@@ -153,6 +153,10 @@ def floating_dtype(dtype: Any, what: str = "dtype", *, policy: bool = True,
   if policy and result not in _DTYPE_NAMES:
     hint = (FLOAT8_POLICY_DTYPE if is_floating(result) and result.itemsize == 1
             else "Mixed-precision policies only hold floating dtypes.")
+    if result.name.startswith("float4"):  # FP4 is a matmul recipe too
+      hint = hint.replace("float8", "FP4").replace(
+          "mixed_fp8", "mixed_nvfp4").replace("m=fp8", "m=nvfp4").replace(
+          "fp8.md", "fp4.md")
     raise ValueError(
         f"{what} must be one of float32, float16, bfloat16 or float64, got "
         f"{result.name}. {hint}"
@@ -197,6 +201,16 @@ def at_least_f32(dtype: Any) -> np.dtype:
   """
   dtype = np.dtype(dtype)
   return dtype if dtype == np.float64 else FLOAT32
+
+
+def promote_floats(a: Any, b: Any) -> np.dtype:
+  """The result dtype of an operation on two floating dtypes: JAX's floating
+  promotion lattice (bf16 + f16 -> f32), spelled out so that it does not
+  depend on ``jax_numpy_dtype_promotion`` (strict mode refuses it)."""
+  a, b = np.dtype(a), np.dtype(b)
+  if a == b:
+    return a
+  return np.dtype(np.float64) if np.dtype(np.float64) in (a, b) else FLOAT32
 
 
 # -- the value grid of a narrower float format, in float32 arithmetic -----------

@@ -67,35 +67,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import dtypes as dtypes_lib
+from jmp_lite._src.fp8 import config as recipes_lib
 from jmp_lite._src.fp8 import fp4 as fp4_lib
 from jmp_lite._src.fp8 import matmul as fp8_matmul_lib
 
 _F32 = np.dtype(np.float32)
 
-#: The FP4 recipes.
-FP4_RECIPES: tuple[str, ...] = ("nvfp4", "mxfp4")
+#: The FP4 recipes (the recipe layer's names).
+FP4_RECIPES = recipes_lib.FP4_RECIPES
 #: The fixed key that ``key=None`` folds the gradient's bits into.
 DATA_KEY_SEED = 0x4F50
 
-FP4_RECIPE_HELP = (
-    "Valid FP4 recipes are 'nvfp4' (NVIDIA: 1x16 blocks of E2M1 with E4M3 "
-    "scales under a float32 per-tensor scale; 16x16 weight tiles, random "
-    "Hadamard transform and stochastic rounding in the backward pass) and "
-    "'mxfp4' (OCP Microscaling: 1x32 blocks with power-of-two E8M0 scales; "
-    "random Hadamard transform and stochastic rounding in the backward pass, "
-    "as Tseng et al. train)."
-)
-TWO_D_HELP = (
-    "two_d_weights quantizes the weight (the rhs) in 16x16 tiles, NVFP4's "
-    "recipe. MXFP4 blocks are 1x32 along the contracting dimension and have "
-    "no 2D variant: leave two_d_weights unset (None) or False with "
-    "recipe='mxfp4'."
-)
-SCALE_RULE_NVFP4_HELP = (
-    "mx_scale_rule chooses MXFP4's power-of-two scale; NVFP4's E4M3 block "
-    "scales are rounded to nearest. Leave mx_scale_rule unset (None) with "
-    "recipe='nvfp4'."
-)
 SECOND_ORDER_HELP = (
     "fp4_dot_general has no second derivative: its backward pass quantizes "
     "(rounds) the gradient and the operands, so differentiating it would "
@@ -111,102 +93,9 @@ NARROW_OPERAND_HELP = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp4Config:
-  """The static configuration of an FP4 matmul (a recipe), frozen and hashable.
-
-  Every component of the recipe has a switch, so that its ablations can be
-  run (as Transformer Engine's ``disable_rht``,
-  ``disable_stochastic_rounding``, ``disable_2d_quantization``).
-
-  Attributes:
-    recipe: ``"nvfp4"`` (default) or ``"mxfp4"`` (case ignored).
-    rht: apply the 16-point random Hadamard transform to both operands of
-      the weight-gradient matmul, along its contracting dimension.
-    stochastic_rounding: round the incoming gradient stochastically (both
-      backward matmuls), with :data:`~jmp_lite._src.fp8.fp4.SR_RANDOM_BITS`
-      random bits per element; everything else rounds to nearest even.
-    two_d_weights: quantize the weight (the rhs) in 16x16 tiles. None (the
-      default) means True for NVFP4 and False for MXFP4, which has no 2D
-      tiles (True is refused there).
-    mx_scale_rule: MXFP4's scale rule, ``"round_up"`` or ``"floor"``. None
-      (the default) means ``"round_up"`` for MXFP4; it must stay None for
-      NVFP4.
-    native: on CUDA, multiply with ``jax.nn.scaled_matmul`` (a block-scaled
-      GEMM on Blackwell); False always uses the exact emulation.
-    quantize_forward: quantize the forward product's operands. False runs
-      the forward product on the operands as given (e.g. bfloat16) with
-      float32 accumulation while the backward pass stays FP4: the NVFP4
-      paper's late switch (its appendix D: the forward pass in bf16 for the
-      last part of training). A changed config is one recompile.
-
-  Raises:
-    TypeError: for a non-string recipe or rule, or a non-bool switch.
-    ValueError: for an unknown recipe or rule, or a switch that does not
-      apply to the recipe.
-
-  Example:
-    >>> from jmp_lite import fp4
-    >>> fp4.Fp4Config("mxfp4").mx_scale_rule
-    'round_up'
-    >>> fp4.Fp4Config(two_d_weights=True) == fp4.Fp4Config()
-    True
-  """
-
-  recipe: str = "nvfp4"
-  rht: bool = True
-  stochastic_rounding: bool = True
-  two_d_weights: bool | None = None
-  mx_scale_rule: str | None = None
-  native: bool = True
-  quantize_forward: bool = True
-
-  def __post_init__(self):
-    if not isinstance(self.recipe, str):
-      raise TypeError(
-          f"Fp4Config: recipe must be a string, got "
-          f"{type(self.recipe).__name__}: {self.recipe!r}. {FP4_RECIPE_HELP}")
-    recipe = self.recipe.strip().lower()
-    if recipe not in FP4_RECIPES:
-      raise ValueError(
-          f"Fp4Config: unknown recipe {self.recipe!r}. {FP4_RECIPE_HELP}")
-    for name in ("rht", "stochastic_rounding", "native", "quantize_forward"):
-      _check_flag(getattr(self, name), name)
-    two_d = self.two_d_weights
-    if two_d is not None:
-      _check_flag(two_d, "two_d_weights")
-    rule = self.mx_scale_rule
-    if recipe == "nvfp4":
-      two_d = True if two_d is None else bool(two_d)
-      if rule is not None:
-        raise ValueError(
-            f"Fp4Config: mx_scale_rule={rule!r} was given with "
-            f"recipe='nvfp4'. {SCALE_RULE_NVFP4_HELP}")
-    else:
-      if two_d:
-        raise ValueError(
-            f"Fp4Config: two_d_weights=True was given with recipe='mxfp4'. "
-            f"{TWO_D_HELP}")
-      two_d = False
-      rule = fp4_lib.check_scale_rule("round_up" if rule is None else rule)
-    object.__setattr__(self, "recipe", recipe)
-    object.__setattr__(self, "two_d_weights", two_d)
-    object.__setattr__(self, "mx_scale_rule", rule)
-    for name in ("rht", "stochastic_rounding", "native", "quantize_forward"):
-      object.__setattr__(self, name, bool(getattr(self, name)))
-
-  @property
-  def block_size(self) -> int:
-    """Elements per block along the contracting dimension (16 or 32)."""
-    return (fp4_lib.NVFP4_BLOCK_SIZE if self.recipe == "nvfp4"
-            else fp4_lib.MXFP4_BLOCK_SIZE)
-
-
-def _check_flag(value: Any, name: str) -> None:
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(
-        f"Fp4Config: {name} must be True or False, got "
-        f"{type(value).__name__}: {value!r}.")
+#: The FP4 recipe object (data, in the recipe layer below: a policy resolves
+#: ``m=nvfp4`` to it).
+Fp4Config = recipes_lib.Fp4Config
 
 
 _DEFAULT_CONFIG = Fp4Config()
@@ -453,12 +342,7 @@ def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
           "or pass e.g. jnp.bfloat16.")
     return dtypes_lib.canonical_dtype(preferred_element_type,
                                       "preferred_element_type")
-  a, b = np.dtype(lhs.dtype), np.dtype(rhs.dtype)
-  if a == b:
-    return a
-  if np.dtype(np.float64) in (a, b):
-    return np.dtype(np.float64)
-  return _F32
+  return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
 
 
 def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
@@ -528,3 +412,51 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return _fp4_matmul(a, b, key, static).reshape(shape)
 
+
+
+# ---------------------------------------------------------------------------
+# The routes' one entry: the recipe object picks the matmul.
+# ---------------------------------------------------------------------------
+
+
+def recipe_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, *,
+                       config: Any, preferred_element_type: Any = None,
+                       scales: Any = None,
+                       out_sharding: Any = None) -> jax.Array:
+  """The quantized ``dot_general`` of a policy's recipe object.
+
+  What every route calls for a product its recipe quantizes (the autocast
+  interpreter's ``dot_general`` rule, the Flax layers' hook): an
+  :class:`Fp4Config` runs :func:`fp4_dot_general` (no PRNG key: stochastic
+  rounding derives its bits from the gradient's, ``key=None``), any other
+  recipe (an ``Fp8Config``) runs ``fp8_dot_general`` with delayed-scaling
+  ``scales`` if given.
+
+  Args:
+    lhs: the activation.
+    rhs: the weight.
+    dimension_numbers: as for ``jax.lax.dot_general``.
+    config: the recipe object (``Fp8Config`` or :class:`Fp4Config`).
+    preferred_element_type: the result dtype.
+    scales: delayed scaling's precomputed scales (float8 only).
+    out_sharding: the result's sharding, as ``jax.lax.dot_general`` takes it.
+
+  Returns:
+    The product.
+  """
+  if isinstance(config, Fp4Config):
+    if scales is not None:
+      raise ValueError(
+          "FP4 recipes scale each product from its current amax: they take "
+          f"no delayed-scaling scales (got {type(scales).__name__}).")
+    out = fp4_dot_general(lhs, rhs, dimension_numbers,
+                          preferred_element_type=preferred_element_type,
+                          config=config)
+    if out_sharding is not None:
+      out = jax.sharding.reshard(out, out_sharding)
+    return out
+  extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+  return fp8_matmul_lib.fp8_dot_general(
+      lhs, rhs, dimension_numbers,
+      preferred_element_type=preferred_element_type, config=config,
+      scales=scales, **extra)

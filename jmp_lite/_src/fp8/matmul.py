@@ -206,14 +206,7 @@ def _result_dtype(lhs, rhs, preferred_element_type, config):
                                       "preferred_element_type")
   if config.compute_dtype is not None:
     return config.compute_dtype
-  a, b = np.dtype(lhs.dtype), np.dtype(rhs.dtype)
-  if a == b:
-    return a
-  # JAX's floating promotion lattice (bf16 + f16 -> f32), spelled out so that
-  # it does not depend on jax_numpy_dtype_promotion (strict mode refuses it).
-  if np.dtype(np.float64) in (a, b):
-    return np.dtype(np.float64)
-  return _F32
+  return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
 
 
 # ---------------------------------------------------------------------------
