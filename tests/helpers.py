@@ -208,3 +208,12 @@ def faulty(value=True):
   """``debug_nans_and_infs(False)`` where ``value`` (a step given a NaN/inf
   on purpose), a no-op context elsewhere."""
   return debug_nans_and_infs(False) if value else contextlib.nullcontext()
+
+
+#: A test's eager and jitted variants: ``@JIT`` passes ``jit`` (False, True).
+JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+
+
+def maybe_jit(fn, jit, **jit_kwargs):
+  """``jax.jit(fn, **jit_kwargs)`` for the jitted variant, ``fn`` itself for the eager one."""
+  return jax.jit(fn, **jit_kwargs) if jit else fn

@@ -38,18 +38,15 @@ from jmp_lite._src.diagnostics.report import format_table
 from jmp_lite._src.diagnostics.report import plot_histograms
 from jmp_lite._src.diagnostics.stats import ROOT_NAME
 
+from helpers import JIT
 from helpers import ROOT
+from helpers import maybe_jit
 
 F16, BF16, F32, F64 = (np.dtype(jnp.float16), np.dtype(jnp.bfloat16),
                        np.dtype(jnp.float32), np.dtype(jnp.float64))
 BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 COUNTS = ("zeros", "nonfinite", "f16_underflow", "f16_subnormal",
           "f16_overflow", "bf16_underflow", "bf16_overflow")
-JIT = pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
-
-
-def maybe_jit(fn, use_jit):
-  return jax.jit(fn) if use_jit else fn
 
 
 def counts(stats):
@@ -129,7 +126,7 @@ def assert_matches_reference(stats, x, scale):
 
 
 @JIT
-def test_float32_thresholds_exactly(use_jit):
+def test_float32_thresholds_exactly(jit):
   x = np.array([
       0.0, -0.0,                           # zeros
       2.0**-24, below(2.0**-24),           # f16 smallest subnormal: on / under
@@ -140,7 +137,7 @@ def test_float32_thresholds_exactly(use_jit):
       BF16_MAX, above(BF16_MAX),           # bf16 max: on / over
       np.inf, -np.inf, np.nan, 1.0,
   ], np.float32)
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(jnp.asarray(x))
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(jnp.asarray(x))
   assert counts(stats) == dict(
       zeros=2, nonfinite=3,
       f16_underflow=4,    # below(2^-24), 2^-133, below(2^-133), 2^-149
@@ -160,38 +157,38 @@ def test_float32_thresholds_exactly(use_jit):
 
 
 @JIT
-def test_float16_inputs_subnormals_and_max(use_jit):
+def test_float16_inputs_subnormals_and_max(jit):
   x = jnp.array([0.0, 2.0**-24, 3 * 2.0**-24, 2.0**-15, 2.0**-14, 65504.0,
                  -65504.0, jnp.inf, 1.0], F16)
   assert float(x[1]) == 2.0**-24  # a float16 subnormal, kept exactly
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x)
   assert counts(stats) == dict(
       zeros=1, nonfinite=1, f16_underflow=0, f16_subnormal=3,
       f16_overflow=0, bf16_underflow=0, bf16_overflow=0)
   assert stats.max_abs.dtype == F32 and float(stats.max_abs) == 65504.0
   # At a loss scale of 2: the subnormals move up, the max overflows.
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x, 2.0)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x, 2.0)
   assert counts(stats)["f16_overflow"] == 2
   assert counts(stats)["f16_subnormal"] == 2
   assert float(stats.max_abs) == 65504.0  # max_abs is of the values themselves
-  subnormals = maybe_jit(diagnostics.tensor_stats, use_jit)(x[1:4])
+  subnormals = maybe_jit(diagnostics.tensor_stats, jit)(x[1:4])
   assert float(subnormals.max_abs) == 2.0**-15   # float16 subnormals, exact
 
 
 @JIT
-def test_bfloat16_inputs_subnormals_and_max(use_jit):
+def test_bfloat16_inputs_subnormals_and_max(jit):
   x = jnp.array([2.0**-133, 2.0**-130, 2.0**-126, 1.0, BF16_MAX, -BF16_MAX],
                 BF16)
   assert float(x[0]) == 2.0**-133  # bfloat16's smallest subnormal
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x)
   assert counts(stats) == dict(
       zeros=0, nonfinite=0, f16_underflow=3, f16_subnormal=3,
       f16_overflow=2, bf16_underflow=0, bf16_overflow=0)
   # Halved, the smallest subnormal underflows bfloat16.
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x, 0.5)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x, 0.5)
   assert counts(stats)["bf16_underflow"] == 1
   # Doubled, the max overflows it.
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x, 2.0)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x, 2.0)
   assert counts(stats)["bf16_overflow"] == 2
   assert int(stats.nonfinite) == 0  # overflow of the scaled value is not inf
 
@@ -211,26 +208,26 @@ def test_float64_inputs():
 
 
 @JIT
-def test_non_power_of_two_scale_boundaries(use_jit):
+def test_non_power_of_two_scale_boundaries(jit):
   scale = 2047 / 1024                  # 65504 == 32768 * scale exactly
   x = jnp.array([
       32768.0, above(32768.0),         # exactly 65504 / just over
       1.5 * 2.0**-26,                  # * 1.5 ... with scale 1.5 below
       1.75 * 2.0**-25,
   ], F32)
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x[:2], scale)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x[:2], scale)
   assert int(stats.f16_overflow) == 1
   # The mantissa product carries: 1.5 * 1.5 = 2.25.
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x[2:], 1.5)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x[2:], 1.5)
   assert int(stats.f16_underflow) == 1  # 0.5625 * 2^-24 < 2^-24; 1.3125 * 2^-24 is not
   assert np.asarray(stats.histogram)[-25 + 150] == 1
   assert np.asarray(stats.histogram)[-24 + 150] == 1
 
 
 @JIT
-def test_max_abs_is_exact_for_subnormals(use_jit):
+def test_max_abs_is_exact_for_subnormals(jit):
   x = jnp.array([2.0**-140, -(2.0**-145), 0.0], F32)
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(x)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(x)
   assert float(stats.max_abs) == 2.0**-140  # XLA:CPU flushes these in float ops
   assert int(stats.zeros) == 1 and int(stats.bf16_underflow) == 2
 
@@ -328,13 +325,13 @@ def test_the_reference_product_rounds_where_float32_does():
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
 @JIT
-def test_counts_are_exact_at_every_threshold_and_scale(dtype, use_jit):
+def test_counts_are_exact_at_every_threshold_and_scale(dtype, jit):
   """Non-power-of-two scales, values at and one or two ulps either side of
   each threshold (subnormal inputs included); a traced scale under jit."""
-  fn = jax.jit(diagnostics.tensor_stats) if use_jit else diagnostics.tensor_stats
+  fn = jax.jit(diagnostics.tensor_stats) if jit else diagnostics.tensor_stats
   subnormal_inputs = 0
   for scale, x in exactness_cases(dtype):
-    stats = fn(jnp.asarray(x), jnp.float32(scale) if use_jit else scale)
+    stats = fn(jnp.asarray(x), jnp.float32(scale) if jit else scale)
     assert float(stats.loss_scale) == scale
     max_abs = assert_matches_reference(stats, x, scale)
     assert float(stats.max_abs) == max_abs
@@ -356,14 +353,14 @@ def product_float32_rounds_up_to_a_power_of_two(bits):
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
 @JIT
-def test_counts_are_exact_where_float32_rounds_the_product_up(dtype, use_jit):
+def test_counts_are_exact_where_float32_rounds_the_product_up(dtype, jit):
   """|x| * s just below 2^-24 where a float32 product rounds to 2^-24."""
   bits = ml_dtypes.finfo(dtype).nmant + 1
   m, s, k = product_float32_rounds_up_to_a_power_of_two(bits)
   x = np.array([m * 2.0**-(bits - 1)], dtype)      # in [1, 2)
   scale = s * 2.0**(-24 - k + bits - 1)            # x * scale < 2^-24
   assert Fraction(float(x[0])) * Fraction(scale) < Q_F16_SUBNORMAL
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)(jnp.asarray(x), scale)
+  stats = maybe_jit(diagnostics.tensor_stats, jit)(jnp.asarray(x), scale)
   assert int(stats.f16_underflow) == 1
   assert int(np.asarray(stats.histogram)[-25 + 150]) == 1
   assert_matches_reference(stats, x, scale)
@@ -437,10 +434,10 @@ def saturated_f32(value):
 
 
 @JIT
-def test_numpy_float64_counts_are_exact_without_x64(use_jit):
+def test_numpy_float64_counts_are_exact_without_x64(jit):
   assert jnp.asarray(np.float64(1)).dtype == F32   # x64 is off here
   for scale, x in float64_cases():
-    if use_jit:   # a traced scale; the NumPy leaf is a constant
+    if jit:   # a traced scale; the NumPy leaf is a constant
       stats = jax.jit(lambda s, x=x: diagnostics.tensor_stats(x, s))(
           jnp.float32(scale))
     else:
@@ -451,12 +448,12 @@ def test_numpy_float64_counts_are_exact_without_x64(use_jit):
 
 
 @JIT
-def test_numpy_float64_leaves_keep_their_range_without_x64(use_jit):
+def test_numpy_float64_leaves_keep_their_range_without_x64(jit):
   x = np.array([1e-300, 1e300, 1.0])
   with np.errstate(over="ignore"):   # what JAX alone does with them
     assert np.asarray(jnp.asarray(x)).tolist() == [0.0, np.inf, 1.0]
   stats = maybe_jit(lambda s: diagnostics.tensor_stats({"w": x}, s)["w"],
-                    use_jit)(jnp.float32(1.0))
+                    jit)(jnp.float32(1.0))
   assert counts(stats) == dict(
       zeros=0, nonfinite=0, f16_underflow=1, f16_subnormal=1, f16_overflow=1,
       bf16_underflow=1, bf16_overflow=1)
@@ -517,8 +514,8 @@ def test_non_float_leaves_are_skipped():
 
 
 @JIT
-def test_empty_tree(use_jit):
-  stats = maybe_jit(diagnostics.tensor_stats, use_jit)({})
+def test_empty_tree(jit):
+  stats = maybe_jit(diagnostics.tensor_stats, jit)({})
   assert stats == {}
   assert diagnostics.group_stats(stats) == {}
   assert diagnostics.tensor_stats({"a": [1, 2]}) == {"a": [None, None]}
@@ -558,14 +555,14 @@ def test_no_recompilation_for_a_new_scale():
 
 
 @JIT
-def test_group_stats_by_prefix_suffix_and_function(use_jit):
+def test_group_stats_by_prefix_suffix_and_function(jit):
   grads = {"params": {"Dense_0": {"kernel": jnp.array([0.0, 1.0, 1e6]),
                                   "bias": jnp.array([0.0])},
                       "Dense_1": {"kernel": jnp.array([2.0, 2.0**-30])}}}
 
   def grouped(by):
     return maybe_jit(lambda g: diagnostics.group_stats(
-        diagnostics.tensor_stats(g), by), use_jit)(grads)
+        diagnostics.tensor_stats(g), by), jit)(grads)
 
   per_leaf = grouped(None)
   assert list(per_leaf) == ["params/Dense_0/bias", "params/Dense_0/kernel",

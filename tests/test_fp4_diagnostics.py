@@ -11,6 +11,9 @@ import pytest
 import fp4_reference as ref
 from jmp_lite import diagnostics
 
+from helpers import JIT
+from helpers import maybe_jit
+
 
 def _random(shape, seed=0):
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
@@ -25,10 +28,10 @@ def _stats(x, role):
   return diagnostics.fp8_stats(jnp.asarray(x), role, fmt="e2m1")
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-def test_activation_error_matches_the_reference_quantizers(use_jit):
+@JIT
+def test_activation_error_matches_the_reference_quantizers(jit):
   x = _random((32, 64))
-  measure = (jax.jit(_stats, static_argnums=1) if use_jit else _stats)
+  measure = maybe_jit(_stats, jit, static_argnums=1)
   s = measure(x, "activation")
   assert s.formats == ("e2m1",) and s.recipes == ("nvfp4", "mxfp4")
   values, scales, tensor_scale = ref.nvfp4(x)

@@ -21,6 +21,7 @@ import pytest
 from jmp_lite import diagnostics
 from jmp_lite._src.diagnostics import fp8_stats as fp8_stats_lib
 
+import helpers
 from helpers import ROOT
 
 RECIPES = ("cast", "tensor", "row", "blockwise", "mxfp8")
@@ -130,19 +131,19 @@ def crafted(rows=6, k=300, seed=0):
   return x.astype(np.float32)
 
 
-def maybe_jit(fn, use_jit):
-  return jax.jit(fn, static_argnums=1) if use_jit else fn
+def maybe_jit(fn, jit):
+  return helpers.maybe_jit(fn, jit, static_argnums=1)
 
 
 # -- the statistics against the reference ----------------------------------------
 
 
-@pytest.mark.parametrize("role,use_jit", [("activation", False),
+@pytest.mark.parametrize("role,jit", [("activation", False),
                                           ("gradient", True)])
-def test_fractions_match_the_reference(role, use_jit):
+def test_fractions_match_the_reference(role, jit):
   x = crafted()
   stats = maybe_jit(lambda t, r: diagnostics.fp8_stats(
-      t, r, fmt=("e4m3", "e5m2")), use_jit)(jnp.asarray(x), role)
+      t, r, fmt=("e4m3", "e5m2")), jit)(jnp.asarray(x), role)
   assert stats.formats == ("e4m3", "e5m2") and stats.recipes == RECIPES
   check_against_reference(stats, x, role)
   # The crafted outliers do clip without scaling, and per tensor they flush

@@ -18,6 +18,8 @@ import pytest
 
 import jmp_lite
 
+from helpers import JIT
+from helpers import maybe_jit
 from helpers import orbax_round_trip
 
 F16 = np.dtype(jnp.float16)
@@ -191,10 +193,9 @@ def test_reference_configs_hit_floor_cap_and_float32_limits():
   assert hit_floor and hit_cap and hit_top and hit_bottom
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@JIT
 def test_dynamic_grows_on_period_th_finite_step(jit):
-  adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
-      lambda ls, f: ls.adjust(f))
+  adjust = maybe_jit(lambda ls, f: ls.adjust(f), jit)
   ls = jmp_lite.DynamicLossScale(jnp.float32(8.0), period=3)
   seen = []
   for _ in range(4):
@@ -205,11 +206,10 @@ def test_dynamic_grows_on_period_th_finite_step(jit):
   assert (float(ls.loss_scale), int(ls.counter)) == (8.0, 0)
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@JIT
 def test_dynamic_back_off_floors_at_min_loss_scale(jit):
   """jmp floors at 1 whatever min_loss_scale is; jmp_lite keeps the config."""
-  adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
-      lambda ls, f: ls.adjust(f))
+  adjust = maybe_jit(lambda ls, f: ls.adjust(f), jit)
   ls = jmp_lite.DynamicLossScale(64.0, min_loss_scale=4.0)
   values = []
   for _ in range(6):
@@ -219,7 +219,7 @@ def test_dynamic_back_off_floors_at_min_loss_scale(jit):
   assert ls.min_loss_scale == 4.0
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@JIT
 @pytest.mark.parametrize("start,factor", [
     (2.0**126, 2.0),
     (2.0**125, 3.0),
@@ -228,8 +228,7 @@ def test_dynamic_back_off_floors_at_min_loss_scale(jit):
 def test_dynamic_growth_stops_where_unscaling_still_works(start, factor, jit):
   """A long run grows the scale to 2**126 and no further: its reciprocal is a
   normal float32, so unscaling (x * 1/scale) never flushes to zero."""
-  adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
-      lambda ls, f: ls.adjust(f))
+  adjust = maybe_jit(lambda ls, f: ls.adjust(f), jit)
   ls = jmp_lite.DynamicLossScale(start, period=1, factor=factor)
   for _ in range(3):
     ls = adjust(ls, _true())
@@ -239,12 +238,11 @@ def test_dynamic_growth_stops_where_unscaling_still_works(start, factor, jit):
   assert float(jax.jit(lambda l: l.unscale(l.scale(x)))(ls)) == 0.75
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@JIT
 def test_a_zero_floor_stops_at_the_smallest_normal_scale(jit):
   """jmp's min_loss_scale=0: the scale never reaches 0 (which would make every
   step non-finite for good)."""
-  adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
-      lambda ls, f: ls.adjust(f))
+  adjust = maybe_jit(lambda ls, f: ls.adjust(f), jit)
   ls = jmp_lite.DynamicLossScale(2.0**-120, min_loss_scale=0, factor=2.0**4)
   for _ in range(4):
     ls = adjust(ls, _false())
@@ -253,10 +251,9 @@ def test_a_zero_floor_stops_at_the_smallest_normal_scale(jit):
   assert float(ls.unscale(ls.scale(jnp.float32(3.0)))) == 3.0
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@JIT
 def test_dynamic_max_loss_scale_caps_growth(jit):
-  adjust = jax.jit(lambda ls, f: ls.adjust(f)) if jit else (
-      lambda ls, f: ls.adjust(f))
+  adjust = maybe_jit(lambda ls, f: ls.adjust(f), jit)
   ls = jmp_lite.DynamicLossScale(1024.0, period=1, max_loss_scale=3000.0)
   values = []
   for _ in range(3):
@@ -491,17 +488,13 @@ SCALERS = {
 }
 
 
-def _maybe_jit(fn, jit):
-  return jax.jit(fn) if jit else fn
-
-
-@pytest.mark.parametrize("jit", [False, True])
+@JIT
 @pytest.mark.parametrize("kind", list(SCALERS))
 @pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=lambda d: d.name)
 def test_scale_returns_promoted_dtype_exactly(dtype, kind, jit):
   ls = SCALERS[kind](2.0**12)
   loss = jnp.asarray(3.0, dtype)
-  out = _maybe_jit(lambda ls, x: ls.scale(x), jit)(ls, loss)
+  out = maybe_jit(lambda ls, x: ls.scale(x), jit)(ls, loss)
   # promote_types(dtype, float32) is float32 for every half/full input.
   assert out.dtype == F32
   assert out.shape == ()
@@ -526,7 +519,7 @@ def _grads(seed=0):
   }
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@JIT
 @pytest.mark.parametrize("kind", list(SCALERS))
 @pytest.mark.parametrize("value", [2.0**10, 2.0**-3, 3.0])
 def test_unscale_returns_promote_types_with_float32(value, kind, jit):
@@ -534,7 +527,7 @@ def test_unscale_returns_promote_types_with_float32(value, kind, jit):
   float64) leaves in their own dtype."""
   ls = SCALERS[kind](value)
   grads = _grads()
-  out = _maybe_jit(lambda ls, g: ls.unscale(g), jit)(ls, grads)
+  out = maybe_jit(lambda ls, g: ls.unscale(g), jit)(ls, grads)
   structure = jax.tree_util.tree_structure
   assert structure(out) == structure(grads)
   for key, x in grads.items():

@@ -13,6 +13,9 @@ import jmp_lite
 from jmp_lite._src import compat
 from jmp_lite._src import policy as policy_lib
 
+from helpers import JIT
+from helpers import maybe_jit
+
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(jnp.float32)
@@ -444,8 +447,8 @@ def test_cast_to_own_dtype_adds_no_op(dtype):
   assert primitive_names(jaxpr).count("convert_element_type") == 1
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-def test_cast_to_full_and_half(use_jit):
+@JIT
+def test_cast_to_full_and_half(jit):
   assert jmp_lite.half_dtype() == F16  # tests run on CPU
   tree = {
       "h": jnp.ones((2,), jnp.float16),
@@ -454,8 +457,8 @@ def test_cast_to_full_and_half(use_jit):
       "n": np.ones((2,), np.float64),
       "i": jnp.arange(2, dtype=jnp.int16),
   }
-  to_full = jax.jit(jmp_lite.cast_to_full) if use_jit else jmp_lite.cast_to_full
-  to_half = jax.jit(jmp_lite.cast_to_half) if use_jit else jmp_lite.cast_to_half
+  to_full = maybe_jit(jmp_lite.cast_to_full, jit)
+  to_half = maybe_jit(jmp_lite.cast_to_half, jit)
   full, half = to_full(tree), to_half(tree)
   assert {k: v.dtype for k, v in full.items()} == {
       "h": F32, "b": F32, "f": F32, "n": F32, "i": np.dtype(np.int16)
@@ -463,7 +466,7 @@ def test_cast_to_full_and_half(use_jit):
   assert {k: v.dtype for k, v in half.items()} == {
       "h": F16, "b": F16, "f": F16, "n": F16, "i": np.dtype(np.int16)
   }
-  if not use_jit:
+  if not jit:
     assert full["f"] is tree["f"] and full["i"] is tree["i"]
     assert half["h"] is tree["h"] and half["i"] is tree["i"]
     assert isinstance(full["n"], np.ndarray) and not isinstance(full["n"], jax.Array)
@@ -500,13 +503,13 @@ def test_with_policy_dot_general_sees_compute_dtype(compute):
   assert [v.aval.dtype for v in jaxpr.jaxpr.outvars] == [F32]
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@JIT
 @pytest.mark.parametrize("spec,compute,output", [
     ("p=f32,c=f16,o=f32", F16, F32),
     ("c=bf16", BF16, BF16),
     ("mixed_float16", F16, F32),
 ])
-def test_with_policy_casts_args_kwargs_and_outputs(spec, compute, output, use_jit):
+def test_with_policy_casts_args_kwargs_and_outputs(spec, compute, output, jit):
   seen = {}
 
   def fn(params, x, *, scale, labels):
@@ -515,7 +518,7 @@ def test_with_policy_casts_args_kwargs_and_outputs(spec, compute, output, use_ji
     return {"y": y, "labels": labels, "mean": jnp.mean(y)}
 
   apply = jmp_lite.with_policy(fn, spec)
-  if use_jit:
+  if jit:
     apply = jax.jit(apply)
   labels = jnp.array([0, 1, 1, 0], jnp.int32)
   out = apply(

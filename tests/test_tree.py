@@ -7,6 +7,9 @@ import pytest
 
 import jmp_lite
 
+from helpers import JIT
+from helpers import maybe_jit
+
 FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
 # Leaves that cannot be jit arguments; tests close over them instead.
@@ -27,12 +30,8 @@ def finite_arrays():
   }
 
 
-def maybe_jit(fn, use_jit):
-  return jax.jit(fn) if use_jit else fn
-
-
-def all_finite_with_statics(arrays, use_jit):
-  return maybe_jit(lambda a: jmp_lite.all_finite({**a, **STATICS}), use_jit)(arrays)
+def all_finite_with_statics(arrays, jit):
+  return maybe_jit(lambda a: jmp_lite.all_finite({**a, **STATICS}), jit)(arrays)
 
 
 def assert_scalar_bool(x, expected):
@@ -47,9 +46,9 @@ def assert_scalar_bool(x, expected):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
-def test_all_finite_true_for_finite_mixed_tree(use_jit):
-  assert_scalar_bool(all_finite_with_statics(finite_arrays(), use_jit), True)
+@JIT
+def test_all_finite_true_for_finite_mixed_tree(jit):
+  assert_scalar_bool(all_finite_with_statics(finite_arrays(), jit), True)
 
 
 def with_bad_value(dtype, bad, numpy=False):
@@ -59,36 +58,36 @@ def with_bad_value(dtype, bad, numpy=False):
   return value if numpy else jnp.asarray(value)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@JIT
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_all_finite_false_for_any_non_finite_leaf(dtype, bad, use_jit):
+def test_all_finite_false_for_any_non_finite_leaf(dtype, bad, jit):
   arrays = {**finite_arrays(), "extra": with_bad_value(dtype, bad)}
-  assert_scalar_bool(all_finite_with_statics(arrays, use_jit), False)
+  assert_scalar_bool(all_finite_with_statics(arrays, jit), False)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@JIT
 @pytest.mark.parametrize("dtype,bad", [(jnp.float16, np.nan), (jnp.bfloat16, -np.inf)])
-def test_all_finite_false_for_non_finite_numpy_or_nested_leaf(dtype, bad, use_jit):
+def test_all_finite_false_for_non_finite_numpy_or_nested_leaf(dtype, bad, jit):
   arrays = {**finite_arrays(), "extra": with_bad_value(dtype, bad, numpy=True)}
-  assert_scalar_bool(all_finite_with_statics(arrays, use_jit), False)
+  assert_scalar_bool(all_finite_with_statics(arrays, jit), False)
   arrays = finite_arrays()
   arrays["nested"][0]["bad"] = with_bad_value(dtype, bad)
-  assert_scalar_bool(all_finite_with_statics(arrays, use_jit), False)
+  assert_scalar_bool(all_finite_with_statics(arrays, jit), False)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@JIT
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_all_finite_non_finite_scalar_leaf(dtype, use_jit):
-  fn = maybe_jit(jmp_lite.all_finite, use_jit)
+def test_all_finite_non_finite_scalar_leaf(dtype, jit):
+  fn = maybe_jit(jmp_lite.all_finite, jit)
   assert_scalar_bool(fn({"x": jnp.array(np.nan, dtype)}), False)
   assert_scalar_bool(fn(jnp.array(1.0, dtype)), True)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@JIT
 @pytest.mark.parametrize("empty", [{}, [], (), None, {"a": [], "b": {}}])
-def test_all_finite_empty_tree_is_finite(empty, use_jit):
-  fn = maybe_jit(jmp_lite.all_finite, use_jit)
+def test_all_finite_empty_tree_is_finite(empty, jit):
+  fn = maybe_jit(jmp_lite.all_finite, jit)
   assert_scalar_bool(fn(empty), True)
 
 
@@ -97,10 +96,10 @@ def test_all_finite_tree_without_float_leaves_is_finite():
   assert_scalar_bool(jmp_lite.all_finite(tree), True)
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@JIT
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_all_finite_half_max_is_finite_and_overflow_is_not(dtype, use_jit):
-  fn = maybe_jit(jmp_lite.all_finite, use_jit)
+def test_all_finite_half_max_is_finite_and_overflow_is_not(dtype, jit):
+  fn = maybe_jit(jmp_lite.all_finite, jit)
   biggest = jnp.array(jnp.finfo(dtype).max, dtype)
   assert_scalar_bool(fn({"max": biggest, "min": -biggest}), True)
   overflow = biggest * jnp.array(2, dtype)
@@ -134,9 +133,9 @@ def assert_trees_equal(x, y):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("use_jit", [False, True])
+@JIT
 @pytest.mark.parametrize("pred", [True, False])
-def test_select_tree_picks_a_branch(pred, use_jit):
+def test_select_tree_picks_a_branch(pred, jit):
   a, b = branch(1), branch(-1)
   # Equal (not necessarily identical) non-array leaves on both sides.
   statics_a = {"object": STATICS["object"], "none": None, "string": "relu", "n": 3}
@@ -149,7 +148,7 @@ def test_select_tree_picks_a_branch(pred, use_jit):
       assert out[key] is value
     return {k: out[k] for k in a}
 
-  out = maybe_jit(select, use_jit)(jnp.array(pred), a, b)
+  out = maybe_jit(select, jit)(jnp.array(pred), a, b)
   assert_trees_equal(out, a if pred else b)
 
 
