@@ -179,7 +179,7 @@ STUDIES = {  # study: (flags that keep its smoke run short, variants it times)
                            ("policy", "remat norms", "remat loss")),
     "update_rounding": (("--models", "mlp"),
                         ("copy", "stochastic_rounding", "kahan", "bf16",
-                         "f32")),
+                         "f32", "sr_8bit", "sr_4bit", "sr_e4m3")),
 }
 
 
