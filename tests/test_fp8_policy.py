@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jmp_lite
+from jmp_lite import fp4
 from jmp_lite import fp8
 from jmp_lite._src import markers
 from jmp_lite._src.fp8 import config as recipes_lib
@@ -203,6 +204,121 @@ def test_random_policies_round_trip_exactly():
             fp8.Fp8Config(**recipes_lib.FP8_RECIPES[recipe])) == config, text
   assert covered == {f.name for f in dataclasses.fields(fp8.Fp8Config)} - {
       "compute_dtype"}, "a new Fp8Config field: add it to _random_config"
+
+
+def _random_fp4_config(rng):
+  """A random valid Fp4Config: every field but ``recipe``'s spelling varied
+  (the generator covers every field: see the test below)."""
+  pick = lambda *values: values[rng.integers(len(values))]
+  recipe = pick("nvfp4", "mxfp4", " NVFP4 ", "MxFp4")
+  mx = recipe.strip().lower() == "mxfp4"
+  fields = dict(
+      recipe=recipe, rht=pick(True, False),
+      stochastic_rounding=pick(True, False),
+      two_d_weights=pick(None, False) if mx else pick(None, True, False),
+      mx_scale_rule=pick(None, "round_up", "floor", "Round-Up") if mx
+      else None,
+      native=pick(True, False), quantize_forward=pick(True, False),
+      include_output_head=pick(True, False),
+      include_batched=pick(True, False),
+      dim_multiple=pick(None, int(rng.integers(1, 65))))
+  return fp4.Fp4Config(**fields), fields
+
+
+def test_random_fp4_policies_round_trip_exactly():
+  """``get_policy(str(p)) == p`` (and equal hashes) over many random FP4
+  recipes, every field varied, in every compute dtype a recipe takes; the
+  policy's resolved recipe is the config."""
+  rng = np.random.default_rng(1)
+  covered = set()
+  for _ in range(200):
+    config, fields = _random_fp4_config(rng)
+    covered |= set(fields)
+    policy = jmp_lite.Policy(
+        *[("f32", "bf16", "f16")[i] for i in rng.integers(3, size=3)],
+        matmul_precision=config)
+    text = str(policy)
+    again = jmp_lite.get_policy(text)
+    assert again == policy and hash(again) == hash(policy), text
+    assert str(again) == text
+    assert again.fp8_recipe == config, text
+    assert jmp_lite.get_policy(text.upper()) == policy, text
+  assert covered == {f.name for f in dataclasses.fields(fp4.Fp4Config)}, (
+      "a new Fp4Config field: add it to _random_fp4_config")
+
+
+@pytest.mark.parametrize("recipe", fp4.FP4_RECIPES)
+def test_named_fp4_recipes_and_preset(recipe):
+  policy = jmp_lite.get_policy(f"p=f32,c=bf16,o=f32,m={recipe}")
+  assert policy.matmul_precision == recipe
+  assert policy.fp8_recipe == fp4.Fp4Config(recipe)
+  assert str(policy) == f"p=full,c=bf16,o=full,m={recipe}"
+  # The config equal to the named recipe makes the same policy.
+  built = jmp_lite.Policy(jnp.float32, jnp.bfloat16, jnp.float32,
+                          matmul_precision=fp4.Fp4Config(recipe.upper()))
+  assert built == policy and hash(built) == hash(policy)
+  assert built.matmul_precision == recipe
+  if recipe == "nvfp4":
+    assert jmp_lite.get_policy("mixed_nvfp4") == policy
+
+
+def test_fp4_recipe_fields_in_the_grammar():
+  policy = jmp_lite.get_policy(
+      "p=f32,c=bf16,o=f32,m=nvfp4( rht=False ; stochastic_rounding=false)")
+  assert policy.fp8_recipe == fp4.Fp4Config(rht=False,
+                                            stochastic_rounding=False)
+  assert str(policy) == ("p=full,c=bf16,o=full,"
+                         "m=nvfp4(rht=false;stochastic_rounding=false)")
+  late = jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(
+      "nvfp4(quantize_forward=false)")
+  assert late.fp8_recipe == fp4.Fp4Config(quantize_forward=False)
+  # Defaults written out read back to the named recipe.
+  assert jmp_lite.get_policy(
+      "c=bf16,m=mxfp4(mx_scale_rule=round_up;dim_multiple=32)"
+  ).matmul_precision == "mxfp4"
+
+
+@pytest.mark.parametrize("spec, error, words", [
+    ("c=bf16,m=nvfp4(rht=false;rht=true)", ValueError,
+     ["'rht' is given twice", "FP4 recipe"]),
+    ("c=bf16,m=nvfp4(rht=false,stochastic_rounding=false)", ValueError,
+     ["separates its fields with ','", "';'"]),
+    ("c=bf16,m=nvfp4(disable_rht=true)", ValueError,
+     ["Unknown field 'disable_rht'", "rht, stochastic_rounding"]),
+    ("c=bf16,m=nvfp4(recipe=mxfp4)", ValueError, ["Unknown field 'recipe'"]),
+    ("c=bf16,m=nvfp4(mx_scale_rule=floor)", ValueError,
+     ["mx_scale_rule='floor'", "recipe='nvfp4'"]),
+    ("c=bf16,m=mxfp4(two_d_weights=true)", ValueError,
+     ["two_d_weights=True", "recipe='mxfp4'"]),
+    ("c=bf16,m=nvfp4(rht=1)", TypeError, ["rht must be True or False"]),
+    ("c=bf16,m=nvfp4(dim_multiple=0)", ValueError, ["dim_multiple"]),
+    ("p=f32,c=f64,o=f32,m=nvfp4", ValueError,
+     ["'nvfp4' is an FP4 recipe", "float64", "mixed_nvfp4"]),
+    ("p=f32,c=float4_e2m1fn,o=f32", ValueError,
+     ["FP4 (float4_e2m1fn) holds no params", "m=nvfp4"]),
+    ("p=e2m1", ValueError, ["FP4", "mixed_nvfp4"]),
+])
+def test_fp4_policy_errors_teach(spec, error, words):
+  with pytest.raises(error) as info:
+    jmp_lite.get_policy(spec)
+  for word in words:
+    assert word in str(info.value), (word, str(info.value))
+
+
+@pytest.mark.parametrize("field", ["param_dtype", "compute_dtype",
+                                   "output_dtype"])
+def test_fp4_dtypes_are_no_policy_dtypes(field):
+  dtypes = dict(param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,
+                output_dtype=jnp.float32)
+  dtypes[field] = jnp.float4_e2m1fn
+  with pytest.raises(ValueError, match="FP4 holds no params.*mixed_nvfp4"):
+    jmp_lite.Policy(**dtypes)
+
+
+def test_in_float32_refuses_fp4_recipes():
+  for value in ("nvfp4", "MXFP4(rht=false)", fp4.Fp4Config()):
+    with pytest.raises(ValueError, match="is an FP4 recipe"):
+      jmp_lite.in_float32(lambda x: x, matmul_precision=value)
 
 
 @pytest.mark.parametrize("value", [1 / 3, 0.1, 2.0**-149, 1e300, 12345.678])

@@ -125,9 +125,10 @@ def _island_policy(matmul_precision: Any) -> Policy:
   value = matmul_precision
   if isinstance(value, jax.lax.DotAlgorithmPreset):
     value = value.name
-  if isinstance(value, recipes_lib.Fp8Config) or value is None:
+  if isinstance(value, recipes_lib.RECIPE_TYPES) or value is None:
     what = ("leaves the island's matmuls at JAX's default precision"
-            if value is None else "is a float8 recipe")
+            if value is None else "is a float8 recipe"
+            if isinstance(value, recipes_lib.Fp8Config) else "is an FP4 recipe")
     shown = repr(value) if value is None else repr(value.spec())
     raise ValueError(
         f"{owner}: matmul_precision={shown} {what}. {ISLAND_PRECISION}")
@@ -137,9 +138,11 @@ def _island_policy(matmul_precision: Any) -> Policy:
         f"or 'tf32', got {type(value).__name__}: {value!r}. "
         f"{ISLAND_PRECISION}")
   name = "".join(value.split()).lower()
-  if name == "default" or name.partition("(")[0] in recipes_lib.FP8_RECIPES:
+  if name == "default" or name.partition("(")[0] in recipes_lib.RECIPE_NAMES:
     what = ("leaves the island's matmuls at JAX's default precision"
-            if name == "default" else "is a float8 recipe")
+            if name == "default" else "is an FP4 recipe"
+            if name.partition("(")[0] in recipes_lib.FP4_RECIPES
+            else "is a float8 recipe")
     raise ValueError(
         f"{owner}: matmul_precision={value!r} {what}. {ISLAND_PRECISION}")
   f32 = dtypes.FLOAT32

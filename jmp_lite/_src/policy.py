@@ -36,13 +36,15 @@ _KEYS = {
 
 #: Named presets accepted by :func:`get_policy` (Keras-style names; ``tf32``:
 #: float32 everywhere, matmuls and convolutions in TensorFloat-32;
-#: ``mixed_fp8``: ``mixed_bfloat16`` with per-tensor float8 matmuls).
+#: ``mixed_fp8``: ``mixed_bfloat16`` with per-tensor float8 matmuls;
+#: ``mixed_nvfp4``: ``mixed_bfloat16`` with NVFP4 matmuls).
 PRESETS: dict[str, str] = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
     "mixed_half": "p=f32,c=half,o=f32",
     "tf32": "p=f32,c=f32,o=f32,m=tf32",
     "mixed_fp8": "p=f32,c=bf16,o=f32,m=fp8",
+    "mixed_nvfp4": "p=f32,c=bf16,o=f32,m=nvfp4",
 }
 
 # Matmul precisions a policy may name: ours (aliases -> canonical name) and
@@ -67,26 +69,39 @@ _PRESETS_BY_NAME = {
 MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "f32", "bf16", *_PRESETS_BY_NAME)
 
 
-#: The compute dtypes a float8 recipe takes (its operands are quantized from
-#: them and its results come back in them).
+#: The compute dtypes a float8 or FP4 recipe takes (its operands are
+#: quantized from them and its results come back in them).
 _FP8_COMPUTE = tuple(np.dtype(d) for d in ("float32", "bfloat16", "float16"))
 
+#: Why FP4 is no policy dtype, and what to write instead.
+FP4_POLICY_DTYPE = (
+    "FP4 (float4_e2m1fn) holds no params, activations or outputs in "
+    "jmp_lite: it is a matmul recipe, whose matmuls quantize their operands "
+    "to E2M1 with block scales and accumulate in float32. Write e.g. "
+    "get_policy('mixed_nvfp4') or 'p=f32,c=bf16,o=f32,m=nvfp4' "
+    "(docs/fp4.md)."
+)
 
-def _fp8_recipe(value: Any, compute: np.dtype) -> "str | recipes_lib.Fp8Config":
-  """A float8 recipe (name or Fp8Config), canonical and checked."""
+
+def _fp8_recipe(value: Any, compute: np.dtype) -> "str | recipes_lib.Fp8Config | recipes_lib.Fp4Config":
+  """A float8 or FP4 recipe (name or config), canonical and checked."""
   if compute not in _FP8_COMPUTE:
+    fp4 = (isinstance(value, recipes_lib.Fp4Config)
+           or value in recipes_lib.FP4_RECIPES)
+    family, preset, spec = (("an FP4", "mixed_nvfp4", "m=nvfp4") if fp4 else
+                            ("a float8", "mixed_fp8", "m=fp8"))
     raise ValueError(
-        f"matmul_precision {_recipe_text(value)!r} is a float8 recipe, which "
+        f"matmul_precision {_recipe_text(value)!r} is {family} recipe, which "
         "quantizes float32, bfloat16 or float16 operands, but the policy "
-        f"computes in {compute.name}. Use e.g. 'mixed_fp8' "
-        "(p=f32,c=bf16,o=f32,m=fp8).")
+        f"computes in {compute.name}. Use e.g. {preset!r} "
+        f"(p=f32,c=bf16,o=f32,{spec}).")
   if isinstance(value, str):
     return value
   value.check_policy_use()
   spec = value.spec()
   # A recipe equal to a named one is stored by its name, so that the two
   # spellings make equal (and equally hashing) policies.
-  return spec if spec in recipes_lib.FP8_RECIPES else value
+  return spec if spec in recipes_lib.RECIPE_NAMES else value
 
 
 def _recipe_text(value: Any) -> str:
@@ -99,22 +114,22 @@ def _matmul_precision(
   if value is None:
     return None
   compute = np.dtype(compute_dtype)
-  if isinstance(value, recipes_lib.Fp8Config):
+  if isinstance(value, recipes_lib.RECIPE_TYPES):
     return _fp8_recipe(value, compute)
   if isinstance(value, jax.lax.DotAlgorithmPreset):
     value = value.name
   if not isinstance(value, str):
     raise TypeError(
         "matmul_precision must be a name such as 'tf32', 'fp8' or "
-        "'bf16_bf16_f32_x3', a jax.lax.DotAlgorithmPreset, or a "
-        "jmp_lite.fp8.Fp8Config, got "
+        "'bf16_bf16_f32_x3', a jax.lax.DotAlgorithmPreset, a "
+        "jmp_lite.fp8.Fp8Config or a jmp_lite.fp4.Fp4Config, got "
         f"{type(value).__name__}: {value!r}."
     )
   compact = "".join(value.split())
   name = compact.lower()
   if name == "default":
     return None
-  if name in recipes_lib.FP8_RECIPES:
+  if name in recipes_lib.RECIPE_NAMES:
     return _fp8_recipe(name, compute)
   if "(" in name:
     # The recipe's fields keep their case (axis names are case-sensitive).
@@ -136,7 +151,9 @@ def _matmul_precision(
         " (tf32/f32/bf16 for float32 compute; the others are "
         "jax.lax.DotAlgorithmPreset names), 'default', or a float8 recipe: "
         f"{', '.join(recipes_lib.FP8_RECIPES)} (custom: 'fp8_delayed(margin=1)' or a "
-        "jmp_lite.fp8.Fp8Config; see docs/fp8.md)."
+        "jmp_lite.fp8.Fp8Config; see docs/fp8.md), or an FP4 recipe: "
+        f"{', '.join(recipes_lib.FP4_RECIPES)} (custom: 'nvfp4(rht=false)' or a "
+        "jmp_lite.fp4.Fp4Config; see docs/fp4.md)."
     )
   supported = preset.supported_lhs_types or ()
   if not any(np.dtype(t) == compute for t in supported):
@@ -162,21 +179,23 @@ class Policy:
   ``docs/precision.md`` (matmul precision). A float8 recipe (``"fp8"``,
   ``"fp8_rowwise"``, ``"fp8_blockwise"``, ``"mxfp8"``, ``"fp8_delayed"`` or a
   ``jmp_lite.fp8.Fp8Config``) runs the policy's matmuls in float8 instead:
-  ``docs/fp8.md``. ``matmul_precision`` keeps the spelling given (a named
-  recipe stays its name); ``fp8_recipe`` holds the recipe resolved to an
-  ``Fp8Config`` once, when the policy is built (None without one).
+  ``docs/fp8.md``; an FP4 recipe (``"nvfp4"``, ``"mxfp4"`` or a
+  ``jmp_lite.fp4.Fp4Config``) runs them in FP4: ``docs/fp4.md``.
+  ``matmul_precision`` keeps the spelling given (a named recipe stays its
+  name); ``fp8_recipe`` holds the recipe resolved to an ``Fp8Config`` or
+  ``Fp4Config`` once, when the policy is built (None without one).
 
   Args:
     param_dtype: dtype parameters are stored in (usually float32).
     compute_dtype: dtype the computation runs in (float16/bfloat16 for mixed
       precision).
     output_dtype: dtype outputs are returned in.
-    matmul_precision: optional matmul precision or float8 recipe; ``None``
+    matmul_precision: optional matmul precision, float8 or FP4 recipe; ``None``
       leaves it to JAX's default.
 
   Raises:
     TypeError: if a dtype is ``None`` or not dtype-like.
-    ValueError: for a non-floating or float8 dtype, an unknown matmul
+    ValueError: for a non-floating, float8 or FP4 dtype, an unknown matmul
       precision, or one that does not apply to the compute dtype (TF32 with
       float16 compute).
 
@@ -199,9 +218,10 @@ class Policy:
   compute_dtype: type
   output_dtype: type
   matmul_precision: "str | recipes_lib.Fp8Config | None" = None
-  #: The policy's float8 recipe, resolved once from ``matmul_precision``
-  #: (``"fp8"`` -> ``Fp8Config()``), or None without one.
-  fp8_recipe: "recipes_lib.Fp8Config | None" = dataclasses.field(
+  #: The policy's float8 or FP4 recipe, resolved once from
+  #: ``matmul_precision`` (``"fp8"`` -> ``Fp8Config()``, ``"nvfp4"`` ->
+  #: ``Fp4Config()``), or None without one.
+  fp8_recipe: "recipes_lib.Fp8Config | recipes_lib.Fp4Config | None" = dataclasses.field(
       default=None, init=False, compare=False, repr=False)
 
   def __init__(
@@ -350,6 +370,10 @@ def _looks_fp8(token: str) -> bool:
           or token in recipes_lib.FP8_RECIPES)
 
 
+def _looks_fp4(token: str) -> bool:
+  return ("fp4" in token or "float4" in token or "e2m1" in token)
+
+
 def _spec_error(spec: str, problem: str) -> ValueError:
   return ValueError(
       f"Invalid policy spec {spec!r}: {problem}. A spec is a dtype name "
@@ -434,7 +458,9 @@ def _parse_dtype(spec: str, value: str, problem: str) -> np.dtype:
   try:
     return dtypes.parse_dtype(value)
   except ValueError:
-    if _looks_fp8(value):
+    if _looks_fp4(value):
+      problem += ". " + FP4_POLICY_DTYPE[:-1]
+    elif _looks_fp8(value):
       problem += ". " + dtypes.FLOAT8_POLICY_DTYPE[:-1]
     raise _spec_error(spec, problem) from None
 
@@ -462,12 +488,15 @@ def get_policy(spec: str | Policy) -> Policy:
     (``p=f32,c=bf16,o=f32``), ``"mixed_half"`` (half is f16, or bf16 on TPU),
     ``"tf32"`` (``p=f32,c=f32,o=f32,m=tf32``).
   * ``"mixed_fp8"`` (``p=f32,c=bf16,o=f32,m=fp8``): bfloat16 compute with
-    per-tensor float8 matmuls.
+    per-tensor float8 matmuls; ``"mixed_nvfp4"`` (``p=f32,c=bf16,o=f32,
+    m=nvfp4``): with NVFP4 matmuls.
   * ``m=...`` / ``matmul=...`` (optional): the matmul precision, e.g.
     ``"p=f32,c=f32,o=f32,m=tf32"`` or ``"c=f32,m=bf16_bf16_f32_x3"``, or a
     float8 recipe: ``fp8``, ``fp8_rowwise``, ``fp8_blockwise``, ``mxfp8``,
     ``fp8_delayed``, or one of them with fields changed,
-    ``"m=fp8_delayed(margin=1;history_length=32)"`` (``docs/fp8.md``); see
+    ``"m=fp8_delayed(margin=1;history_length=32)"`` (``docs/fp8.md``), or
+    an FP4 recipe: ``nvfp4``, ``mxfp4``, or one of them with fields changed,
+    ``"m=nvfp4(rht=false;stochastic_rounding=false)"`` (``docs/fp4.md``); see
     :class:`Policy`. ``str(policy)`` prints it only when set, so jmp's specs
     and strings are unchanged.
 

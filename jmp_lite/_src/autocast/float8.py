@@ -28,7 +28,7 @@ from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import matmul as matmul_lib
+from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
 
 _F32 = np.dtype(np.float32)
 
@@ -157,7 +157,7 @@ def _rule(fallback: str) -> Callable[..., Any]:
     x, y = (tree_lib.cast(v, d) for v, d in zip((lhs, rhs), operand_dtypes))
     if config.scaling == "delayed":  # no state here: scaled currently
       config = _current(config)
-    return matmul_lib.fp8_dot_general(
+    return fp4_matmul_lib.recipe_dot_general(
         x, y, dimension_numbers, preferred_element_type=out_dtype,
         config=config)
 

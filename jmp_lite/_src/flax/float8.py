@@ -32,6 +32,7 @@ import numpy as np
 
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.fp8 import config as config_lib
+from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
 from jmp_lite._src.fp8 import matmul as matmul_lib
 from jmp_lite._src.fp8 import scaling as scaling_lib
 
@@ -246,11 +247,9 @@ class Matmul:
         scales, new = delayed_scales(stored, lhs, rhs, config)
         if histories[1] is not None:
           histories[1](new)
-    extra = {} if kwargs.get("out_sharding") is None else {
-        "out_sharding": kwargs["out_sharding"]}
-    return matmul_lib.fp8_dot_general(
+    return fp4_matmul_lib.recipe_dot_general(
         lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
-        config=config, scales=scales, **extra)
+        config=config, scales=scales, out_sharding=kwargs.get("out_sharding"))
 
 
 #: The named scope a discovery pass binds each hooked product under.

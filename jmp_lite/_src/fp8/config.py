@@ -385,6 +385,224 @@ def _named(name: str) -> Fp8Config:
   return Fp8Config(**FP8_RECIPES[name])
 
 
+# -- FP4 recipes ------------------------------------------------------------------
+
+#: The FP4 matmul recipes a policy names with ``m=`` (each is
+#: ``Fp4Config(recipe=name)``; why each: ``docs/fp4.md``).
+FP4_RECIPES: tuple[str, ...] = ("nvfp4", "mxfp4")
+#: NVFP4 blocks: 16 elements along the contracting axis (16x16 weight tiles).
+NVFP4_BLOCK_SIZE = 16
+#: MXFP4 blocks: 32 elements along the contracting axis.
+MXFP4_BLOCK_SIZE = 32
+#: MXFP4 scale rules: ``"round_up"`` (cuBLAS, JAX; the default) or ``"floor"``
+#: (the OCP Microscaling spec's).
+MX_SCALE_RULES: tuple[str, ...] = ("round_up", "floor")
+
+FP4_RECIPE_HELP = (
+    "Valid FP4 recipes are 'nvfp4' (NVIDIA: 1x16 blocks of E2M1 with E4M3 "
+    "scales under a float32 per-tensor scale; 16x16 weight tiles, random "
+    "Hadamard transform and stochastic rounding in the backward pass) and "
+    "'mxfp4' (OCP Microscaling: 1x32 blocks with power-of-two E8M0 scales; "
+    "random Hadamard transform and stochastic rounding in the backward pass, "
+    "as Tseng et al. train)."
+)
+TWO_D_HELP = (
+    "two_d_weights quantizes the weight (the rhs) in 16x16 tiles, NVFP4's "
+    "recipe. MXFP4 blocks are 1x32 along the contracting dimension and have "
+    "no 2D variant: leave two_d_weights unset (None) or False with "
+    "recipe='mxfp4'."
+)
+SCALE_RULE_NVFP4_HELP = (
+    "mx_scale_rule chooses MXFP4's power-of-two scale; NVFP4's E4M3 block "
+    "scales are rounded to nearest. Leave mx_scale_rule unset (None) with "
+    "recipe='nvfp4'."
+)
+_FP4_OWNER = "Fp4Config"
+_FP4_FLAGS = ("rht", "stochastic_rounding", "native", "quantize_forward",
+              "include_output_head", "include_batched")
+
+
+def check_scale_rule(rule: Any) -> str:
+  """A valid MXFP4 scale rule (canonical), or a teaching error."""
+  valid = ", ".join(map(repr, MX_SCALE_RULES))
+  if not isinstance(rule, str):
+    raise TypeError(
+        f"The MXFP4 scale rule must be a string, one of {valid}; got "
+        f"{type(rule).__name__}: {rule!r}.")
+  name = rule.strip().lower().replace("-", "_")
+  if name not in MX_SCALE_RULES:
+    raise ValueError(
+        f"Unknown MXFP4 scale rule {rule!r}. Valid rules: {valid} "
+        "('round_up': the block's largest element is never clipped, as "
+        "cuBLAS and JAX round; 'floor': the OCP Microscaling spec's rule).")
+  return name
+
+
+def _check_fp4_flag(value: Any, name: str) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+        f"Fp4Config: {name} must be True or False, got "
+        f"{type(value).__name__}: {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp4Config:
+  """The static configuration of an FP4 matmul (a recipe), frozen and hashable.
+
+  Every component of the recipe has a switch, so that its ablations can be
+  run (as Transformer Engine's ``disable_rht``,
+  ``disable_stochastic_rounding``, ``disable_2d_quantization``). A policy
+  names it as ``m=nvfp4`` or ``m=mxfp4``, with changed fields in
+  parentheses (``m=nvfp4(rht=false;stochastic_rounding=false)``): the
+  policy's matmuls then run :func:`~jmp_lite.fp4.fp4_dot_general` through
+  every route (``autocast``, ``with_policy``, linen, NNX), with the
+  exclusions of float8 (``docs/fp4.md``).
+
+  Attributes:
+    recipe: ``"nvfp4"`` (default) or ``"mxfp4"`` (case ignored).
+    rht: apply the 16-point random Hadamard transform to both operands of
+      the weight-gradient matmul, along its contracting dimension.
+    stochastic_rounding: round the incoming gradient stochastically (both
+      backward matmuls), with :data:`~jmp_lite.fp4.SR_RANDOM_BITS`
+      random bits per element; everything else rounds to nearest even.
+    two_d_weights: quantize the weight (the rhs) in 16x16 tiles. None (the
+      default) means True for NVFP4 and False for MXFP4, which has no 2D
+      tiles (True is refused there).
+    mx_scale_rule: MXFP4's scale rule, ``"round_up"`` or ``"floor"``. None
+      (the default) means ``"round_up"`` for MXFP4; it must stay None for
+      NVFP4.
+    native: on CUDA, multiply with ``jax.nn.scaled_matmul`` (a block-scaled
+      GEMM on Blackwell); False always uses the exact emulation.
+    quantize_forward: quantize the forward product's operands. False runs
+      the forward product on the operands as given (e.g. bfloat16) with
+      float32 accumulation while the backward pass stays FP4: the NVFP4
+      paper's late switch (its appendix D: the forward pass in bf16 for the
+      last part of training). A changed config is one recompile.
+    include_output_head: under a policy, also run the output head (the last
+      matmul of the forward pass) in FP4 (default False).
+    include_batched: under a policy, also run matmuls with batch dimensions
+      (attention scores and their product with the values) in FP4 (default
+      False).
+    dim_multiple: under a policy, matmuls run in FP4 only where N and K are
+      multiples of it. None (the default) means the recipe's block size (16
+      for NVFP4, 32 for MXFP4); 1 admits every shape (``fp4_dot_general``
+      zero-pads K, and N for 16x16 tiles: exact, at the cost of a copy).
+
+  Raises:
+    TypeError: for a non-string recipe or rule, or a non-bool switch.
+    ValueError: for an unknown recipe or rule, or a switch that does not
+      apply to the recipe.
+
+  Example:
+    >>> import jmp_lite
+    >>> from jmp_lite import fp4
+    >>> fp4.Fp4Config("mxfp4").mx_scale_rule
+    'round_up'
+    >>> fp4.Fp4Config(two_d_weights=True) == fp4.Fp4Config()
+    True
+    >>> fp4.Fp4Config(rht=False).spec()
+    'nvfp4(rht=false)'
+    >>> print(jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(
+    ...     fp4.Fp4Config(quantize_forward=False)))
+    p=full,c=bf16,o=full,m=nvfp4(quantize_forward=false)
+  """
+
+  recipe: str = "nvfp4"
+  rht: bool = True
+  stochastic_rounding: bool = True
+  two_d_weights: bool | None = None
+  mx_scale_rule: str | None = None
+  native: bool = True
+  quantize_forward: bool = True
+  include_output_head: bool = False
+  include_batched: bool = False
+  dim_multiple: int | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.recipe, str):
+      raise TypeError(
+          f"Fp4Config: recipe must be a string, got "
+          f"{type(self.recipe).__name__}: {self.recipe!r}. {FP4_RECIPE_HELP}")
+    recipe = self.recipe.strip().lower()
+    if recipe not in FP4_RECIPES:
+      raise ValueError(
+          f"Fp4Config: unknown recipe {self.recipe!r}. {FP4_RECIPE_HELP}")
+    for name in _FP4_FLAGS:
+      _check_fp4_flag(getattr(self, name), name)
+    two_d = self.two_d_weights
+    if two_d is not None:
+      _check_fp4_flag(two_d, "two_d_weights")
+    rule = self.mx_scale_rule
+    if recipe == "nvfp4":
+      two_d = True if two_d is None else bool(two_d)
+      if rule is not None:
+        raise ValueError(
+            f"Fp4Config: mx_scale_rule={rule!r} was given with "
+            f"recipe='nvfp4'. {SCALE_RULE_NVFP4_HELP}")
+    else:
+      if two_d:
+        raise ValueError(
+            f"Fp4Config: two_d_weights=True was given with recipe='mxfp4'. "
+            f"{TWO_D_HELP}")
+      two_d = False
+      rule = check_scale_rule("round_up" if rule is None else rule)
+    block = NVFP4_BLOCK_SIZE if recipe == "nvfp4" else MXFP4_BLOCK_SIZE
+    multiple = block if self.dim_multiple is None else checks.integer(
+        self.dim_multiple, "dim_multiple", _FP4_OWNER, low=1)
+    object.__setattr__(self, "recipe", recipe)
+    object.__setattr__(self, "two_d_weights", two_d)
+    object.__setattr__(self, "mx_scale_rule", rule)
+    object.__setattr__(self, "dim_multiple", int(multiple))
+    for name in _FP4_FLAGS:
+      object.__setattr__(self, name, bool(getattr(self, name)))
+
+  @property
+  def block_size(self) -> int:
+    """Elements per block along the contracting dimension (16 or 32)."""
+    return NVFP4_BLOCK_SIZE if self.recipe == "nvfp4" else MXFP4_BLOCK_SIZE
+
+  @property
+  def scaling(self) -> str:
+    """``"current"``: FP4 scales come from each step's own amaxes (the
+    routes read this as they read a float8 recipe's)."""
+    return "current"
+
+  @property
+  def axis_name(self) -> None:
+    """None: FP4 amaxes are not reduced over a mapped axis (under
+    ``jax.jit`` with sharded arrays they are global already)."""
+    return None
+
+  def spec(self) -> str:
+    """The recipe in the policy grammar: ``"nvfp4(rht=false)"``.
+
+    The recipe's name followed by the fields that differ from the named
+    recipe, in field order; ``from_spec`` (and ``get_policy``'s ``m=``)
+    reads it back to an equal config.
+    """
+    base = _named_fp4(self.recipe)
+    changed = [
+        f"{f.name}={_render(getattr(self, f.name))}"
+        for f in dataclasses.fields(self)
+        if getattr(self, f.name) != getattr(base, f.name)
+    ]
+    return f"{self.recipe}({';'.join(changed)})" if changed else self.recipe
+
+  def check_policy_use(self) -> None:
+    """Every FP4 config can be a policy's recipe (nothing to refuse)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _named_fp4(name: str) -> Fp4Config:
+  return Fp4Config(recipe=name)
+
+
+#: The recipe types a policy's ``m=`` resolves to.
+RECIPE_TYPES: tuple[type, ...] = (Fp8Config, Fp4Config)
+#: Every recipe name of the policy grammar (float8, then FP4).
+RECIPE_NAMES: tuple[str, ...] = (*FP8_RECIPES, *FP4_RECIPES)
+
+
 #: The recipe fields whose values keep their case in the grammar (names of
 #: mapped axes are case-sensitive); every other value is case-insensitive.
 _CASED_FIELDS = ("axis_name",)
@@ -448,13 +666,26 @@ SPEC_HELP = (
     "'fp8_delayed(margin=1;history_length=32)' or "
     "'fp8_rowwise(gradient_format=e5m2)'. Fields: {fields}."
 )
+FP4_SPEC_HELP = (
+    "An FP4 recipe is one of {names}, optionally followed by the fields to "
+    "change in parentheses, separated by ';', e.g. "
+    "'nvfp4(rht=false;stochastic_rounding=false)' or "
+    "'mxfp4(mx_scale_rule=floor)'. Fields: {fields}."
+)
 
 
-def _spec_help() -> str:
-  return SPEC_HELP.format(
-      names=", ".join(FP8_RECIPES),
-      fields=", ".join(f.name for f in dataclasses.fields(Fp8Config)
-                       if f.name != "compute_dtype"))
+def _grammar_fields(kind: type) -> tuple[str, ...]:
+  """The fields a recipe's text may set (the name sets the rest)."""
+  skip = ("compute_dtype",) if kind is Fp8Config else ("recipe",)
+  return tuple(f.name for f in dataclasses.fields(kind) if f.name not in skip)
+
+
+def _spec_help(kind: type = Fp8Config) -> str:
+  if kind is Fp4Config:
+    return FP4_SPEC_HELP.format(names=", ".join(FP4_RECIPES),
+                                fields=", ".join(_grammar_fields(Fp4Config)))
+  return SPEC_HELP.format(names=", ".join(FP8_RECIPES),
+                          fields=", ".join(_grammar_fields(Fp8Config)))
 
 
 def check_field_separators(text: str) -> None:
@@ -468,29 +699,35 @@ def check_field_separators(text: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def from_spec(text: str) -> Fp8Config:
-  """Reads a recipe written in the policy grammar (see :meth:`Fp8Config.spec`).
+def from_spec(text: str) -> Fp8Config | Fp4Config:
+  """Reads a recipe written in the policy grammar (see :meth:`Fp8Config.spec`,
+  :meth:`Fp4Config.spec`).
 
   Args:
     text: ``"name"`` or ``"name(field=value;...)"``; whitespace is ignored,
       and case too but in axis names.
 
   Returns:
-    The :class:`Fp8Config`.
+    The :class:`Fp8Config` of a float8 recipe name, the :class:`Fp4Config`
+    of an FP4 one.
 
   Raises:
     ValueError: for an unknown name or field, a field given twice, fields
       separated by ``,``, or a malformed entry.
-    TypeError: for a value of the wrong type (as :class:`Fp8Config` raises).
+    TypeError: for a value of the wrong type (as the config raises).
   """
   compact = "".join(text.split())
   name, paren, rest = compact.partition("(")
   name = name.lower()
-  if name not in FP8_RECIPES or (paren and not rest.endswith(")")):
-    raise ValueError(f"Malformed float8 recipe {text!r}. {_spec_help()}")
+  kind = Fp4Config if name in FP4_RECIPES else Fp8Config
+  family = "FP4" if kind is Fp4Config else "float8"
+  if name not in RECIPE_NAMES or (paren and not rest.endswith(")")):
+    raise ValueError(f"Malformed float8 recipe {text!r}. {_spec_help()} "
+                     f"{_spec_help(Fp4Config)}")
   check_field_separators(compact)
-  fields = dict(FP8_RECIPES[name])
-  names = {f.name for f in dataclasses.fields(Fp8Config)} - {"compute_dtype"}
+  fields = (dict(FP8_RECIPES[name]) if kind is Fp8Config
+            else {"recipe": name})
+  names = set(_grammar_fields(kind))
   body = rest[:-1]
   given: dict[str, str] = {}
   for entry in body.split(";") if body else ():
@@ -498,35 +735,38 @@ def from_spec(text: str) -> Fp8Config:
     key = key.lower()
     if not eq or not key or not value:
       raise ValueError(
-          f"Malformed entry {entry!r} in the float8 recipe {text!r}: write "
-          f"field=value. {_spec_help()}")
+          f"Malformed entry {entry!r} in the {family} recipe {text!r}: write "
+          f"field=value. {_spec_help(kind)}")
     if key not in names:
       raise ValueError(
-          f"Unknown field {key!r} in the float8 recipe {text!r}. "
-          f"{_spec_help()}")
+          f"Unknown field {key!r} in the {family} recipe {text!r}. "
+          f"{_spec_help(kind)}")
     if key in given:
       raise ValueError(
-          f"Field {key!r} is given twice in the float8 recipe {text!r} "
+          f"Field {key!r} is given twice in the {family} recipe {text!r} "
           f"({given[key]}, then {entry}): give each field once.")
     given[key] = entry
     fields[key] = _parse_value(key, value)
-  return Fp8Config(**fields)
+  return kind(**fields)
 
 
-def recipe_config(matmul_precision: Any) -> Fp8Config | None:
-  """The float8 config of a policy's matmul precision, or None if not float8.
+def recipe_config(matmul_precision: Any) -> Fp8Config | Fp4Config | None:
+  """The recipe of a policy's matmul precision, or None if it names none.
 
   Args:
     matmul_precision: a ``Policy.matmul_precision`` (a name, an
-      :class:`Fp8Config`, or None).
+      :class:`Fp8Config` or :class:`Fp4Config`, or None).
 
   Returns:
-    The config of a named recipe (``"fp8"`` -> ``Fp8Config()``), the config
-    itself, or None for a precision that is no float8 recipe.
+    The config of a named recipe (``"fp8"`` -> ``Fp8Config()``, ``"nvfp4"``
+    -> ``Fp4Config()``), the config itself, or None for a precision that is
+    no float8 or FP4 recipe.
   """
-  if isinstance(matmul_precision, Fp8Config):
+  if isinstance(matmul_precision, RECIPE_TYPES):
     return matmul_precision
-  if isinstance(matmul_precision, str) and (
-      matmul_precision in FP8_RECIPES):
-    return _named(matmul_precision)
+  if isinstance(matmul_precision, str):
+    if matmul_precision in FP8_RECIPES:
+      return _named(matmul_precision)
+    if matmul_precision in FP4_RECIPES:
+      return _named_fp4(matmul_precision)
   return None

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import dtypes
+from jmp_lite._src.fp8 import config as recipes_lib
 
 _F32 = np.dtype(np.float32)
 _U32 = np.dtype(np.uint32)
@@ -89,9 +90,9 @@ E2M1_MAX = 6.0
 #: The largest E4M3 value.
 E4M3_MAX = 448.0
 #: NVFP4 blocks: 16 elements along the last axis (16x16 tiles for weights).
-NVFP4_BLOCK_SIZE = 16
+NVFP4_BLOCK_SIZE = recipes_lib.NVFP4_BLOCK_SIZE
 #: MXFP4 blocks: 32 elements along the last axis.
-MXFP4_BLOCK_SIZE = 32
+MXFP4_BLOCK_SIZE = recipes_lib.MXFP4_BLOCK_SIZE
 #: The size of the random Hadamard transform.
 RHT_SIZE = 16
 #: Transformer Engine's fixed sign vector of the random Hadamard transform
@@ -102,7 +103,7 @@ RHT_SIGNS: tuple[int, ...] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1,
 SR_RANDOM_BITS = 8
 #: MXFP4 scale rules: ``"round_up"`` (cuBLAS, JAX; the default) or ``"floor"``
 #: (the OCP Microscaling spec's).
-MX_SCALE_RULES: tuple[str, ...] = ("round_up", "floor")
+MX_SCALE_RULES = recipes_lib.MX_SCALE_RULES
 
 #: Why an FP4 quantizer wants whole blocks, and how to get them.
 WHOLE_BLOCKS_HELP = (
@@ -507,20 +508,7 @@ def quantize_mxfp4(x: Any, *, scale_rule: str = "round_up",
                      lax.bitcast_convert_type(codes, E8M0_DTYPE))
 
 
-def check_scale_rule(rule: Any) -> str:
-  """A valid MXFP4 scale rule (canonical), or a teaching error."""
-  valid = ", ".join(map(repr, MX_SCALE_RULES))
-  if not isinstance(rule, str):
-    raise TypeError(
-        f"The MXFP4 scale rule must be a string, one of {valid}; got "
-        f"{type(rule).__name__}: {rule!r}.")
-  name = rule.strip().lower().replace("-", "_")
-  if name not in MX_SCALE_RULES:
-    raise ValueError(
-        f"Unknown MXFP4 scale rule {rule!r}. Valid rules: {valid} "
-        "('round_up': the block's largest element is never clipped, as "
-        "cuBLAS and JAX round; 'floor': the OCP Microscaling spec's rule).")
-  return name
+check_scale_rule = recipes_lib.check_scale_rule
 
 
 def dequantize_fp4(q: Nvfp4Tensor | Mxfp4Tensor,
