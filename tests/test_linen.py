@@ -548,6 +548,8 @@ def test_rule_class_that_is_not_a_module():
     jlinen.ModuleRules(nn.LayerNorm)
   with pytest.raises(TypeError, match=r"FullPrecision\(\)"):
     jlinen.ModuleRules((nn.LayerNorm, jlinen.FullPrecision))
+  with pytest.raises(TypeError, match=r"tuple: \(\) is not.*non-empty tuple"):
+    jlinen.ModuleRules(((), "f32"))
 
 
 def test_policy_strings_that_do_not_parse():

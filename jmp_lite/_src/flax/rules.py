@@ -78,16 +78,7 @@ class FullPrecision:
       ``Policy(param=at least f32, compute=at least f32,
       output=outer.compute_dtype)``, with float32 matmul precision when the
       compute dtype is float32.
-
-    Raises:
-      TypeError: if ``outer`` is not a ``Policy``.
     """
-    if not isinstance(outer, policy_lib.Policy):
-      raise TypeError(
-          "FullPrecision.resolve expects the jmp_lite.Policy around the "
-          f"matched module, got {type(outer).__name__}: {outer!r}. Pass e.g. "
-          "jmp_lite.get_policy('mixed_bfloat16')."
-      )
     compute = dtypes.at_least_f32(outer.compute_dtype)
     return policy_lib.Policy(
         dtypes.at_least_f32(outer.param_dtype),
@@ -112,6 +103,13 @@ class UnmatchedRuleWarning(UserWarning):
     >>> warnings.filterwarnings("ignore", category=jlinen.UnmatchedRuleWarning)
   """
 
+
+#: What a rule can match by (the hint of a rule whose match is not one).
+RULE_MATCHERS = (
+    "A rule matches modules by class (e.g. nn.LayerNorm, or a non-empty tuple "
+    "of classes), by path pattern (e.g. 'decoder/*', fnmatch syntax) or by a "
+    r"compiled str regex (e.g. re.compile(r'block_\d+/attn'))."
+)
 
 Override = Union[policy_lib.Policy, FullPrecision]
 Matcher = Union[tuple, str, "re.Pattern[str]"]
@@ -235,68 +233,46 @@ class ModuleRulesBase:
         )
       return match
     if isinstance(match, re.Pattern):
-      if not isinstance(match.pattern, str):
-        raise TypeError(
-            f"{where}: the regex {match.pattern!r} is a bytes pattern; module "
-            "paths are strings, so compile a str pattern, e.g. "
-            f"re.compile({match.pattern.decode(errors='replace')!r})."
-        )
-      return match
+      return match  # a bytes pattern: re raises TypeError on the first match
     classes = match if isinstance(match, tuple) else (match,)
-    if not classes:
-      raise ValueError(f"{where}: the tuple of module classes is empty.")
-    for c in classes:
+    for c in classes or (match,):  # an empty tuple is refused like a non-class
       cls._check_module_class(where, c)
     return tuple(classes)
 
   @classmethod
   def _check_module_class(cls, where: str, c: Any) -> None:
-    allowed = (
-        "A rule matches modules by class (e.g. nn.LayerNorm, or a tuple of "
-        "classes), by path pattern (e.g. 'decoder/*', fnmatch syntax) or by a "
-        r"compiled regex (e.g. re.compile(r'block_\d+/attn'))."
-    )
     framework = cls.framework
     if isinstance(c, type) and issubclass(c, framework.module_base):
       return
     if isinstance(c, framework.module_base):
-      raise TypeError(
-          f"{where}: got a module instance ({type(c).__name__}(...)); rules "
-          f"match by class, so pass the class {type(c).__name__} itself. "
-          + allowed
-      )
-    if isinstance(c, type) and framework.is_other(c):
-      raise TypeError(
-          f"{where}: {c.__module__}.{c.__qualname__} is not a {framework.name} "
-          f"module class. {framework.other_hint}"
-      )
-    shown = (
-        f"{c.__module__}.{c.__qualname__}" if isinstance(c, type)
-        else f"{type(c).__name__}: {c!r}"
-    )
-    raise TypeError(
-        f"{where}: {shown} is not a {framework.name} module class. " + allowed
-    )
+      problem = (f"got a module instance ({type(c).__name__}(...)); rules "
+                 f"match by class, so pass the class {type(c).__name__} itself.")
+    elif isinstance(c, type):
+      problem = (f"{c.__module__}.{c.__qualname__} is not a {framework.name} "
+                 "module class.")
+    else:
+      problem = (f"{type(c).__name__}: {c!r} is not a {framework.name} module "
+                 "class.")
+    hint = (framework.other_hint
+            if isinstance(c, type) and framework.is_other(c) else RULE_MATCHERS)
+    raise TypeError(f"{where}: {problem} {hint}")
 
   @classmethod
   def _normalise_override(cls, index: int, match: Any, override: Any) -> Override:
     where = f"{cls.__qualname__} entry {index} ({_describe_match_raw(match)})"
     if isinstance(override, (policy_lib.Policy, FullPrecision)):
       return override
-    if override is FullPrecision:
-      raise TypeError(
-          f"{where}: got the class FullPrecision; use an instance: "
-          "FullPrecision()."
-      )
     if isinstance(override, str):
       try:
         return policy_lib.get_policy(override)
       except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    got = ("the class FullPrecision; use an instance: FullPrecision()"
+           if override is FullPrecision
+           else f"{type(override).__name__}: {override!r}")
     raise TypeError(
         f"{where}: the policy must be a jmp_lite.Policy, a spec string such as"
-        " 'p=f32,c=f32,o=f16', or FullPrecision(); got "
-        f"{type(override).__name__}: {override!r}."
+        f" 'p=f32,c=f32,o=f16', or FullPrecision(); got {got}."
     )
 
   # -- use --------------------------------------------------------------------
@@ -308,18 +284,18 @@ class ModuleRulesBase:
       return cls()
     if isinstance(rules, cls):
       return rules
-    if isinstance(rules, ModuleRulesBase):
-      raise TypeError(
-          f"{where}: got {rules.framework.public_module}.ModuleRules "
-          f"({rules.framework.name} rules); {cls.framework.name} models need "
-          f"{cls.framework.public_module}.ModuleRules. "
-          f"{cls.framework.other_hint}"
-      )
     if isinstance(rules, (tuple, list)):
       return cls(*rules)
+    if isinstance(rules, ModuleRulesBase):
+      got = (f"{rules.framework.public_module}.ModuleRules "
+             f"({rules.framework.name} rules); {cls.framework.name} models need "
+             f"{cls.framework.public_module}.ModuleRules. "
+             f"{cls.framework.other_hint}")
+    else:
+      got = f"{type(rules).__name__}."
     raise TypeError(
-        f"{where}: rules must be a ModuleRules (e.g. DEFAULT_MODULE_RULES), a sequence"
-        f" of (match, policy) pairs, or None; got {type(rules).__name__}."
+        f"{where}: rules must be a ModuleRules (e.g. DEFAULT_MODULE_RULES), a "
+        f"sequence of (match, policy) pairs, or None; got {got}"
     )
 
   @property
@@ -449,11 +425,11 @@ class Resolver:
 
   def effective(self, path: Path) -> policy_lib.Policy:
     """The policy a module (or a variable owned by it) computes under."""
-    for end in range(len(path), -1, -1):
+    for end in range(len(path), 0, -1):
       found = self.boundary(path[:end])
       if found is not None:
         return found
-    raise AssertionError("unreachable: the root is always a boundary")
+    return self.boundary(())  # the root is always a boundary
 
 
 def all_prefixes(paths: Iterable[Path]) -> set[Path]:
