@@ -1,0 +1,226 @@
+"""FP4 recipes through every route (issue 29 items 1-3): ``with_policy``,
+``autocast``, linen and NNX run a policy's ``m=nvfp4`` / ``m=mxfp4`` matmuls
+as :func:`jmp_lite.fp4.fp4_dot_general`, bit for bit, with float8's
+exclusions (the head, batched products, dimensions not multiples of the block
+size), the late forward switch, the bf16 keep-list through ``ModuleRules``,
+and the CUDA program's block-scaled dot on E2M1 operands."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmp_lite
+from jmp_lite import fp4
+import jmp_lite.linen as jlinen
+import jmp_lite.nnx as jnnx
+
+_DN = (((1,), (0,)), ((), ()))
+_BF16 = jnp.bfloat16
+
+
+def _normal(seed, shape, scale=1.0):
+  return jnp.asarray(
+      np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
+
+
+def _mlp(params, x):
+  h = jnp.tanh(x @ params["w1"])
+  return h @ params["w2"]          # the output head
+
+
+def _params():
+  return {"w1": _normal(1, (32, 32), 0.2), "w2": _normal(2, (32, 16), 0.2)}
+
+
+def _reference(params, x, config):
+  """The policy's program written by hand: bf16 operands, the hidden matmul
+  in FP4 (key=None, as the routes pass), the head as written."""
+  p = jax.tree.map(lambda a: a.astype(_BF16), params)
+  h = jnp.tanh(fp4.fp4_dot_general(x.astype(_BF16), p["w1"], _DN,
+                                   config=config))
+  return (h @ p["w2"]).astype(jnp.float32)
+
+
+def _fp4_ops(ops):
+  """The block-scaled products op_dtypes lists (E2M1 operands; the call
+  into JAX's wrapper function not counted)."""
+  return [o for o in ops if "float4_e2m1fn" in o[1] and o[0] != "jit"]
+
+
+@pytest.mark.parametrize("recipe", fp4.FP4_RECIPES)
+def test_with_policy_runs_fp4_bit_for_bit(recipe):
+  params, x = _params(), _normal(0, (8, 32))
+  spec = f"p=f32,c=bf16,o=f32,m={recipe}"
+  fn = jmp_lite.with_policy(_mlp, spec)
+  config = fp4.Fp4Config(recipe)
+  # Both compiled: XLA:CPU keeps a bf16 dot's float32 result where a
+  # convert back to float32 follows, in both programs alike.
+  np.testing.assert_array_equal(
+      jax.jit(fn)(params, x), jax.jit(_reference, static_argnums=2)(
+          params, x, config))
+  # The gradient: the FP4 backward pass, its SR bits derived from the
+  # gradient (key=None: routes hold no PRNG key).
+  loss = lambda f: lambda p: jnp.sum(f(p, x) ** 2)
+  got = jax.jit(jax.grad(loss(fn)))(params)
+  want = jax.jit(jax.grad(loss(lambda p, x: _reference(p, x, config))))(
+      params)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  ops = jmp_lite.op_dtypes(fn, params, x)
+  assert len(_fp4_ops(ops)) == 1
+  assert any("output head" in str(o) for o in ops)
+
+
+def test_autocast_runs_fp4():
+  params, x = _params(), _normal(0, (8, 32))
+  fn = jmp_lite.autocast(_mlp, "p=f32,c=bf16,o=f32,m=nvfp4")
+  ops = jmp_lite.op_dtypes(fn, params, x)
+  assert len(_fp4_ops(ops)) == 1
+  assert any("output head" in str(o) for o in ops)
+  y = jax.jit(fn)(params, x)
+  assert jnp.all(jnp.isfinite(y))
+  np.testing.assert_allclose(
+      np.asarray(y, np.float32),
+      np.asarray(_reference(params, x, fp4.Fp4Config()), np.float32),
+      rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("spec, shapes, reason", [
+    # K = 24 is not a multiple of NVFP4's 16-element blocks.
+    ("nvfp4", ((8, 24), (24, 32)), "dims not multiple of 16: K=24"),
+    # MXFP4 blocks are 32 elements: K = N = 16 stays out.
+    ("mxfp4", ((8, 16), (16, 16)), "dims not multiple of 32: K=16, N=16"),
+    (None, ((8, 32), (32, 32)), None),
+    # dim_multiple=1 admits every shape (fp4_dot_general pads K).
+    ("nvfp4(dim_multiple=1)", ((8, 24), (24, 32)), None),
+])
+def test_dimension_rule(spec, shapes, reason):
+  spec = spec or "nvfp4"
+  a, b = _normal(3, shapes[0]), _normal(4, shapes[1])
+  f = lambda a, b, c: jnp.tanh(a @ b) @ c   # the second product is the head
+  c = _normal(5, (shapes[1][1], 16))
+  ops = jmp_lite.op_dtypes(
+      jmp_lite.with_policy(f, f"p=f32,c=bf16,o=f32,m={spec}"), a, b, c)
+  notes = [getattr(o, "note", None) for o in ops if o[0] == "dot_general"]
+  if reason is None:
+    assert len(_fp4_ops(ops)) == 1
+  else:
+    assert not _fp4_ops(ops)
+    assert reason in notes, notes
+
+
+def test_batched_products_stay_out_unless_included():
+  q, k = _normal(6, (2, 16, 32)), _normal(7, (2, 16, 32))
+  w, head = _normal(8, (32, 32)), _normal(9, (16, 16))
+  f = lambda q, k, w, head: jnp.einsum("bqd,bkd->bqk", q @ w, k) @ head
+  out = jmp_lite.op_dtypes(
+      jmp_lite.with_policy(f, "p=f32,c=bf16,o=f32,m=nvfp4"), q, k, w, head)
+  assert any("batched matmul (include_batched=False)" in str(o) for o in out)
+  assert any("output head" in str(o) for o in out)
+  assert len(_fp4_ops(out)) == 1            # q @ w only
+  out = jmp_lite.op_dtypes(jmp_lite.with_policy(
+      f, "p=f32,c=bf16,o=f32,m=nvfp4(include_batched=true)"), q, k, w, head)
+  assert len(_fp4_ops(out)) == 2            # and the scores'
+  assert any("output head" in str(o) for o in out)
+
+
+def test_late_switch_through_the_policy():
+  """m=nvfp4(quantize_forward=false): the forward product as given (bf16
+  operands, float32 accumulation), the backward pass still FP4 (gradients
+  bit-identical to m=nvfp4's); switching is one compile per policy."""
+  x, w = _normal(0, (8, 32)), _normal(1, (32, 16), 0.2)
+  c = _normal(2, (8, 16))
+  f = lambda w, x: x @ w
+  late = "p=f32,c=bf16,o=f32,m=nvfp4(quantize_forward=false;include_output_head=true)"
+  early = "p=f32,c=bf16,o=f32,m=nvfp4(include_output_head=true)"
+  y = jmp_lite.with_policy(f, late)(w, x)
+  want = jax.lax.dot_general(x.astype(_BF16), w.astype(_BF16), _DN,
+                             preferred_element_type=jnp.float32)
+  np.testing.assert_array_equal(y, want.astype(_BF16).astype(jnp.float32))
+  grads = [jax.grad(lambda w: jnp.sum(
+      jmp_lite.with_policy(f, s)(w, x) * c))(w) for s in (late, early)]
+  np.testing.assert_array_equal(*grads)
+
+  calls = []
+
+  def run(w, x, spec):
+    calls.append(spec)
+    return jmp_lite.with_policy(f, spec)(w, x)
+
+  jitted = jax.jit(run, static_argnums=2)
+  for spec in (early, early, late, late, early):
+    jitted(w, x, spec)
+  assert len(calls) == 2            # one trace per policy, none per step
+
+
+class _Net(nn.Module):
+  """Four residual blocks and a head."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(4):
+      x = x + nn.Dense(32, name=f"blocks_{i}")(x)
+    return nn.Dense(16, name="head")(x)
+
+
+def test_linen_keeps_the_last_blocks_in_bf16_by_path():
+  """docs/fp4.md's keep-list: ModuleRules by path keeps blocks 2-3 in bf16
+  while 0-1 run NVFP4 through Dense's dot_general hook, bit for bit."""
+  x = _normal(0, (8, 32))
+  rules = jlinen.ModuleRules(
+      ("blocks_[2-3]", "p=f32,c=bf16,o=bf16")) + jlinen.DEFAULT_MODULE_RULES
+  model = jlinen.apply_policy(_Net(), "mixed_nvfp4", module_rules=rules)
+  variables = model.init(jax.random.key(0), x)
+  y = jax.jit(model.apply)(variables, x)
+  p = jax.tree.map(lambda a: a.astype(_BF16), variables["params"])
+  h = x.astype(_BF16)
+  for i in range(4):
+    w, b = p[f"blocks_{i}"]["kernel"], p[f"blocks_{i}"]["bias"]
+    d = fp4.fp4_dot_general(h, w, _DN) if i < 2 else h @ w
+    h = h + (d + b)
+  want = (h @ p["head"]["kernel"] + p["head"]["bias"]).astype(jnp.float32)
+  np.testing.assert_array_equal(y, want)
+  ops = jmp_lite.op_dtypes(model.apply, variables, x)
+  assert len(_fp4_ops(ops)) == 2
+  grads = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(variables)
+  assert all(jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+def test_nnx_runs_mxfp4():
+  rngs = nnx.Rngs(0)
+  module = nnx.Sequential(nnx.Linear(32, 32, rngs=rngs),
+                          nnx.Linear(32, 16, rngs=rngs))
+  model = jnnx.apply_policy(module, "p=f32,c=bf16,o=f32,m=mxfp4")
+  x = _normal(0, (8, 32))
+  y = model(x)
+  l0, l1 = module.layers
+  k0, b0 = l0.kernel[...].astype(_BF16), l0.bias[...].astype(_BF16)
+  k1, b1 = l1.kernel[...].astype(_BF16), l1.bias[...].astype(_BF16)
+  h = fp4.fp4_dot_general(x.astype(_BF16), k0, _DN,
+                          config=fp4.Fp4Config("mxfp4")) + b0
+  want = (h @ k1 + b1).astype(jnp.float32)   # the head stays as written
+  np.testing.assert_array_equal(y, want)
+
+
+@pytest.mark.skipif(
+    tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11),
+    reason="jax < 0.11 lowers no block-scaled dot for CUDA")
+@pytest.mark.parametrize("recipe, scale", [("nvfp4", "f8E4M3FN"),
+                                           ("mxfp4", "f8E8M0FNU")])
+def test_cuda_program_through_a_route(recipe, scale):
+  """with_policy(f, 'p=f32,c=bf16,o=f32,m=...'), exported for CUDA: E2M1
+  operands with their block scales reach the block-scaled dot, forward and
+  backward."""
+  params, x = _params(), _normal(0, (8, 32))
+  fn = jmp_lite.with_policy(_mlp, f"p=f32,c=bf16,o=f32,m={recipe}")
+  check = [jax.export.DisabledSafetyCheck.custom_call("__op$block_scaled_dot")]
+  for g in (fn, jax.grad(lambda p, x: jnp.sum(fn(p, x))),):
+    text = jax.export.export(jax.jit(g), platforms=["cuda"],
+                             disabled_checks=check)(params, x).mlir_module()
+    assert "__op$block_scaled_dot" in text
+    assert "f4E2M1FN" in text and scale in text
+    assert "host_callback" not in text and "callback" not in text
