@@ -7,8 +7,11 @@ blocks with E4M3 scales under a float32 per-tensor scale, 16x16 weight tiles,
 a random Hadamard transform on the weight-gradient matmul, stochastic
 rounding of gradients) and OCP's MXFP4 (1x32 blocks, power-of-two scales).
 Exact on every platform; on CUDA the block-scaled product is
-``jax.nn.scaled_matmul``. Policies do not name FP4 recipes yet: call
-:func:`fp4_dot_general` yourself (e.g. as a Flax layer's ``dot_general``).
+``jax.nn.scaled_matmul``. A policy names an FP4 recipe as ``m=nvfp4`` or
+``m=mxfp4`` (fields in parentheses: ``m=nvfp4(rht=false)``; the preset
+``mixed_nvfp4``), and every route (``with_policy``, ``autocast``, linen,
+NNX) then runs the policy's matmuls through :func:`fp4_dot_general`, with
+float8's exclusions; or call it yourself (e.g. with a PRNG key per layer).
 Guide: ``docs/fp4.md``.
 
 Example:
@@ -18,6 +21,9 @@ Example:
   >>> fp4.fp4_dot_general(jnp.ones((2, 16)), jnp.ones((16, 4)),
   ...                     (((1,), (0,)), ((), ())), config=config)[0, 0]
   Array(16., dtype=float32)
+  >>> import jmp_lite
+  >>> jmp_lite.get_policy("mixed_nvfp4").fp8_recipe == fp4.Fp4Config()
+  True
 """
 
 from jmp_lite._src.fp8.fp4 import dequantize_fp4
