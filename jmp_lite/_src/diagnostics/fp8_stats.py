@@ -19,6 +19,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+from numpy.lib.array_utils import normalize_axis_tuple
 
 from jmp_lite._src import checks
 from jmp_lite._src import tree as tree_lib
@@ -30,10 +31,6 @@ from jmp_lite._src.fp8 import scaling as fp8_scaling
 
 #: The roles a tensor plays in a float8 matmul, as :func:`fp8_stats` names them.
 ROLES: tuple[str, ...] = ("activation", "weight", "gradient")
-_ROLE_ALIASES = {"activations": "activation", "weights": "weight",
-                 "gradients": "gradient", "input": "activation",
-                 "inputs": "activation", "kernel": "weight",
-                 "grad": "gradient", "grads": "gradient"}
 # The float8 matmul's defaults: e4m3 forward operands, e5m2 incoming gradients.
 _ROLE_FORMAT = {"activation": "e4m3", "weight": "e4m3", "gradient": "e5m2"}
 
@@ -72,13 +69,6 @@ ROLE_HELP = (
     "contracting every axis but the last, as for Flax's Dense (in, out) and "
     "Conv (..., in, out) kernels) or 'gradient' (the gradient flowing into "
     "the matmul's output: e5m2, contracting the last axis)."
-)
-
-#: What ``axis`` means.
-AXIS_HELP = (
-    "axis names the contracting axes of the matmul the values feed: an int "
-    "or a tuple of distinct ints (e.g. 0 for a Dense kernel (in, out), -1 "
-    "for activations (batch, features)); None takes the role's default."
 )
 
 #: What ``scale`` means.
@@ -156,24 +146,27 @@ class Fp8Stats:
   block_size: int = dataclasses.field(metadata={"static": True})
 
   def _index(self, recipe: str, fmt: Any) -> tuple[int, int]:
-    if recipe not in self.recipes:
-      raise ValueError(
-          f"Fp8Stats: recipe {recipe!r} was not measured; these statistics "
-          f"hold {', '.join(map(repr, self.recipes))} ('delayed' only when "
-          "fp8_stats was given a scale).")
+    """The (format, recipe) position of a measurement these stats hold."""
     if fmt is None:
-      if len(self.formats) != 1:
-        raise ValueError(
-            f"Fp8Stats: these statistics hold the formats {self.formats}; "
-            "say which with fmt=, e.g. fmt='e4m3'.")
-      return 0, self.recipes.index(recipe)
-    name = _format_name(fmt)
-    if name not in self.formats:
-      raise ValueError(
-          f"Fp8Stats: format {name!r} was not measured (measured: "
-          f"{self.formats}). Pass fmt=({', '.join(map(repr, self.formats))}, "
-          f"{name!r}) to fp8_stats to measure it.")
-    return self.formats.index(name), self.recipes.index(recipe)
+      name = self.formats[0] if len(self.formats) == 1 else None
+    else:
+      name = _format_name(fmt)
+    if recipe not in self.recipes:
+      problem = (
+          f"recipe {recipe!r} was not measured; these statistics hold "
+          f"{', '.join(map(repr, self.recipes))} ('delayed' only when "
+          "fp8_stats was given a scale).")
+    elif name is None:
+      problem = (f"these statistics hold the formats {self.formats}; say "
+                 "which with fmt=, e.g. fmt='e4m3'.")
+    elif name not in self.formats:
+      problem = (
+          f"format {name!r} was not measured (measured: {self.formats}). "
+          f"Pass fmt=({', '.join(map(repr, self.formats))}, {name!r}) to "
+          "fp8_stats to measure it.")
+    else:
+      return self.formats.index(name), self.recipes.index(recipe)
+    raise ValueError(f"Fp8Stats: {problem}")
 
   def fraction(self, count: str, recipe: str, fmt: Any = None) -> Any:
     """The share of entries clipped or flushed by one recipe.
@@ -198,10 +191,10 @@ class Fp8Stats:
       >>> s.fraction("flushed", "tensor"), s.fraction("flushed", "mxfp8")
       (0.5, 0.0)
     """
-    if count not in _COUNTS:
-      raise ValueError(
-          f"Fp8Stats.fraction: count must be one of {_COUNTS}, got "
-          f"{count!r}. Use Fp8Stats.error for the quantization error.")
+    count = checks.choice(
+        count, "count", "Fp8Stats.fraction", _COUNTS,
+        f"count must be one of {_COUNTS}; use Fp8Stats.error for the "
+        "quantization error.")
     i, j = self._index(recipe, fmt)
     return _ratio(getattr(self, count)[i, j], self.size)
 
@@ -258,8 +251,8 @@ class Fp8Stats:
     Example:
       >>> import jax.numpy as jnp
       >>> from jmp_lite import diagnostics
-      >>> s = diagnostics.fp8_stats(jnp.array([[3.0, 5.0], [17.0, 0.0]]), "activation")
-      >>> round(s.snr("row"), 1)
+      >>> x = jnp.array([[3.0, 5.0], [17.0, 0.0]])
+      >>> round(diagnostics.fp8_stats(x, "activation").snr("row"), 1)
       30.6
     """
     error = self.error(recipe, fmt)
@@ -346,18 +339,6 @@ def combine_fp8_stats(stats: Sequence[Fp8Stats], group: str) -> Fp8Stats:
 # -- arguments ----------------------------------------------------------------------
 
 
-def _role(role: Any) -> str:
-  if not isinstance(role, str):
-    raise TypeError(
-        f"fp8_stats: role must be a string, got {type(role).__name__}: "
-        f"{role!r}. {ROLE_HELP}")
-  key = role.strip().lower()
-  key = _ROLE_ALIASES.get(key, key)
-  if key not in ROLES:
-    raise ValueError(f"fp8_stats: unknown role {role!r}. {ROLE_HELP}")
-  return key
-
-
 def _format_name(fmt: Any) -> str:
   """The canonical name of a float8 format or of FP4's E2M1."""
   if isinstance(fmt, str) and fmt.strip().lower() in _FP4_NAMES:
@@ -380,30 +361,17 @@ def _formats(fmt: Any, role: str) -> tuple[str, ...]:
   if fmt is None:
     return (_ROLE_FORMAT[role],)
   many = fmt if isinstance(fmt, (tuple, list)) else (fmt,)
-  if not many:
-    raise ValueError(
-        "fp8_stats: fmt must name at least one format, got an empty "
-        f"{type(fmt).__name__}. {fp8_formats.FORMAT_HELP}")
   names = []
   for f in many:
     name = _format_name(f)
     if name not in names:
       names.append(name)
-  if FP4_FORMAT in names and len(names) > 1:
-    raise ValueError(
-        f"fp8_stats: fmt={fmt!r} mixes FP4 with float8 formats. "
-        f"{FP4_FORMAT_HELP}")
+  if not names or (FP4_FORMAT in names and len(names) > 1):
+    problem = ("mixes FP4 with float8 formats" if names
+               else "must name at least one format")
+    raise ValueError(f"fp8_stats: fmt={fmt!r} {problem}. "
+                     f"{fp8_formats.FORMAT_HELP} {FP4_FORMAT_HELP}")
   return tuple(names)
-
-
-def _axis(axis: Any) -> tuple[int, ...] | None:
-  if axis is None:
-    return None
-  many = axis if isinstance(axis, (tuple, list)) else (axis,)
-  if not many or any(isinstance(a, (bool, np.bool_))
-                     or not isinstance(a, (int, np.integer)) for a in many):
-    raise TypeError(f"fp8_stats: bad axis {axis!r}. {AXIS_HELP}")
-  return tuple(int(a) for a in many)
 
 
 def _block_size(block_size: Any) -> int:
@@ -412,8 +380,11 @@ def _block_size(block_size: Any) -> int:
                               block_size=block_size).block_size
 
 
-def _leaf_axes(axis, role, shape, path) -> tuple[int, ...]:
-  """The contracting axes of one leaf, non-negative and sorted as given."""
+def _leaf_axes(axis, role, shape) -> tuple[int, ...]:
+  """The contracting axes of one leaf, non-negative and in the given order.
+
+  NumPy reports an axis that is not an int, out of range or repeated.
+  """
   ndim = len(shape)
   if ndim == 0:
     return ()
@@ -421,46 +392,30 @@ def _leaf_axes(axis, role, shape, path) -> tuple[int, ...]:
     if role == "weight" and ndim >= 2:
       return tuple(range(ndim - 1))
     return (ndim - 1,)
-  out = []
-  for a in axis:
-    if not -ndim <= a < ndim:
-      raise ValueError(
-          f"fp8_stats: axis {a} is out of range for the leaf "
-          f"{_path_name(path)!r} of shape {tuple(shape)}. {AXIS_HELP}")
-    out.append(a % ndim)
-  if len(set(out)) != len(out):
-    raise ValueError(f"fp8_stats: axis {axis!r} repeats an axis. {AXIS_HELP}")
-  return tuple(out)
-
-
-def _path_name(path) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+  return normalize_axis_tuple(axis, ndim, "fp8_stats: axis")
 
 
 def _scales(scale: Any, tree: Any) -> Any:
   """``scale`` broadcast to one float32 scalar per leaf of ``tree``."""
 
-  def check(s):
-    try:
-      checks.real_scalar(s, "scale", "fp8_stats")
-      checks.loss_scale_value(s, "scale", "fp8_stats")
-    except (TypeError, ValueError) as err:
-      raise type(err)(f"{err} {SCALE_HELP}") from None
-    return jnp.asarray(s).astype(_F32)
-
   def spread(s, subtree):
-    s = check(s)
+    s = scale_value(s, "scale", "fp8_stats", SCALE_HELP)
     return jax.tree.map(lambda _: s, subtree)
 
+  # JAX reports a scale tree that is not a prefix of the values' tree.
+  return jax.tree.map(spread, scale, tree)
+
+
+def scale_value(x: Any, what: str, owner: str, help_text: str) -> jax.Array:
+  """A scale argument as a float32 scalar: a positive real scalar (traced
+  ones too; concrete ones in the loss-scale range), errors ending in
+  ``help_text``. Shared by :func:`fp8_stats` and ``tensor_stats``."""
   try:
-    return jax.tree.map(spread, scale, tree)
-  except (ValueError, KeyError) as err:
-    if "fp8_stats" in str(err):
-      raise
-    raise ValueError(
-        f"fp8_stats: scale does not fit the values' tree "
-        f"({jax.tree.structure(scale)} is not a prefix of "
-        f"{jax.tree.structure(tree)}). {SCALE_HELP}") from None
+    checks.real_scalar(x, what, owner)
+    checks.loss_scale_value(x, what, owner)
+  except (TypeError, ValueError) as err:
+    raise type(err)(f"{err} {help_text}") from None
+  return jnp.asarray(x).astype(_F32)
 
 
 # -- the measurement ---------------------------------------------------------------
@@ -661,35 +616,32 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   See ``docs/diagnostics.md`` (Float8; FP4) for the recipes, the counts,
   how to capture a model's matmul inputs and gradients, and the advice.
   """
-  role = _role(role)
+  role = checks.choice(role, "role", "fp8_stats", ROLES, ROLE_HELP)
   formats = _formats(fmt, role)
-  axis = _axis(axis)
   block_size = _block_size(block_size)
-  recipes = RECIPES if scale is not None else RECIPES[:-1]
-  if formats == (FP4_FORMAT,):
-    if scale is not None:
-      raise ValueError(
-          f"fp8_stats: scale= was given with fmt='e2m1'. {FP4_FORMAT_HELP}")
-    recipes = FP4_STAT_RECIPES
-  if scale is not None and len(formats) > 1:
-    raise ValueError(
-        f"fp8_stats: a delayed scale belongs to one format, got scale= with "
-        f"fmt={formats}. Measure each format with its own scale (one call "
-        "each).")
+  fp4 = formats == (FP4_FORMAT,)
+  if scale is not None and (fp4 or len(formats) > 1):
+    problem = (f"scale= was given with fmt='e2m1'. {FP4_FORMAT_HELP}" if fp4
+               else "a delayed scale belongs to one format, got scale= with "
+               f"fmt={formats}. Measure each format with its own scale (one "
+               "call each).")
+    raise ValueError(f"fp8_stats: {problem}")
+  recipes = (FP4_STAT_RECIPES if fp4
+             else RECIPES if scale is not None else RECIPES[:-1])
 
-  def stats(path, x, s):
+  def stats(x, s):
     if not tree_lib.is_float(x):
       return None
     if isinstance(x, (np.ndarray, np.generic)) and x.dtype == np.float64:
       with np.errstate(over="ignore", under="ignore"):   # inf, 0: measured
         x = np.asarray(x, _F32)                           # as float32 is
     x = jnp.asarray(x)
-    contract = _leaf_axes(axis, role, x.shape, path)
+    contract = _leaf_axes(axis, role, x.shape)
     return _leaf_fp8_stats(x, s, contract=contract, role=role,
                            formats=formats, recipes=recipes,
                            block_size=block_size)
 
   if scale is None:
     one = jnp.ones((), _F32)
-    return jax.tree.map_with_path(lambda p, x: stats(p, x, one), tree)
-  return jax.tree.map_with_path(stats, tree, _scales(scale, tree))
+    return jax.tree.map(lambda x: stats(x, one), tree)
+  return jax.tree.map(stats, tree, _scales(scale, tree))
