@@ -151,7 +151,7 @@ def test_advice_errors_for_fp4():
     diagnostics.advise_fp8(
         {"a": stats["normal"],
          "b": diagnostics.fp8_stats(jnp.ones((4, 16)), "weight")})
-  with pytest.raises(ValueError, match="is not an FP4 recipe"):
+  with pytest.raises(ValueError, match="unknown FP4 recipe 'tensor'"):
     diagnostics.advise_fp8(stats, granularities=("nvfp4", "tensor"))
   with pytest.raises(ValueError, match="each once"):
     diagnostics.advise_fp8(stats, granularities=("mxfp4", "mxfp4"))

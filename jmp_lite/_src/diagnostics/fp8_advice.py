@@ -25,6 +25,7 @@ from jmp_lite._src.diagnostics.fp8_stats import ROLES
 from jmp_lite._src.diagnostics.report import _format_percent
 from jmp_lite._src.diagnostics.stats import _group_key
 from jmp_lite._src.diagnostics.stats import _path_name
+from jmp_lite._src.diagnostics.stats import host_stats
 from jmp_lite._src.diagnostics.stats import is_stats
 from jmp_lite._src.diagnostics.stats import TensorStats
 from jmp_lite._src.fp8 import config as fp8_config
@@ -237,26 +238,18 @@ def _granularities(granularities: Any, fp4: bool) -> tuple[str, ...]:
   if fp4:
     if tuple(granularities) == GRANULARITIES:
       return FP4_STAT_RECIPES
-    names = []
-    for g in granularities:
-      name = g.strip().lower() if isinstance(g, str) else g
-      if name not in FP4_STAT_RECIPES:
-        raise ValueError(
-            f"advise_fp8: {g!r} is not an FP4 recipe. {FP4_LADDER_HELP}")
-      names.append(name)
-    names = tuple(names)
-    if not names or len(set(names)) != len(names):
-      raise ValueError(
-          "advise_fp8: granularities must name at least one FP4 recipe, "
-          f"each once, got {granularities!r}. {FP4_LADDER_HELP}")
-    return names
-  names = tuple(fp8_scaling.check_granularity(
-      g, GRANULARITIES, fp8_config.MATMUL_GRANULARITY_HELP)
-                for g in granularities)
+    kind, help_text = "FP4 recipe", FP4_LADDER_HELP
+    names = tuple(checks.choice(g, "FP4 recipe", "advise_fp8",
+                                FP4_STAT_RECIPES, help_text)
+                  for g in granularities)
+  else:
+    kind, help_text = "granularity", fp8_config.MATMUL_GRANULARITY_HELP
+    names = tuple(fp8_scaling.check_granularity(g, GRANULARITIES, help_text)
+                  for g in granularities)
   if not names or len(set(names)) != len(names):
     raise ValueError(
-        "advise_fp8: granularities must name at least one granularity, each "
-        f"once, got {granularities!r}. {fp8_config.MATMUL_GRANULARITY_HELP}")
+        f"advise_fp8: granularities must name at least one {kind}, each "
+        f"once, got {granularities!r}. {help_text}")
   return names
 
 
@@ -341,12 +334,9 @@ ranking`), the largest first: the candidates for a keep-list.
   See ``docs/diagnostics.md`` (Float8) for the limits, the cost order and
   how to capture each role.
   """
-  key = _group_key(by)
+  key = _group_key(by, "advise_fp8")
   named = _named(stats)
-  if not checks.is_concrete([leaf for _, leaf in named]):
-    raise TypeError(
-        "advise_fp8 reads statistics on the host; call it outside jax.jit, "
-        "on the statistics the jitted step returned.")
+  host_stats([leaf for _, leaf in named], "advise_fp8")
   fp4_leaves = [name for name, leaf in named
                 if leaf.formats == (FP4_FORMAT,)]
   fp4 = bool(fp4_leaves)
@@ -371,10 +361,6 @@ ranking`), the largest first: the candidates for a keep-list.
   grouped: dict[str, dict[str, list[Fp8Stats]]] = {}
   for name, leaf in named:
     layer = key(name)
-    if not isinstance(layer, str):
-      raise TypeError(
-          f"advise_fp8: by({name!r}) must return a string, got "
-          f"{type(layer).__name__}: {layer!r}.")
     grouped.setdefault(layer, {}).setdefault(leaf.role, []).append(leaf)
   layers = {
       layer: {role: jax.device_get(combine_fp8_stats(roles[role],

@@ -23,6 +23,7 @@ from jmp_lite._src.diagnostics.stats import BF16_MAX
 from jmp_lite._src.diagnostics.stats import combine_stats
 from jmp_lite._src.diagnostics.stats import F16_MAX
 from jmp_lite._src.diagnostics.stats import group_stats
+from jmp_lite._src.diagnostics.stats import host_stats
 from jmp_lite._src.diagnostics.stats import is_stats
 from jmp_lite._src.diagnostics.stats import tensor_stats
 from jmp_lite._src.diagnostics.stats import TensorStats
@@ -55,11 +56,7 @@ def _as_stats(tree: Any) -> Any:
 def _host_named(tree: Any, by: Any, what: str) -> dict[str, TensorStats]:
   """``{name: TensorStats of numpy values}`` of a tree of stats or arrays."""
   grouped = group_stats(_as_stats(tree), by)
-  if not checks.is_concrete(grouped):
-    raise TypeError(
-        f"{what} reads statistics on the host; call it outside jax.jit, on the"
-        " statistics the jitted step returned."
-    )
+  host_stats(grouped, what)
   return {name: TensorStats(*(np.asarray(v) for v in s))
           for name, s in jax.device_get(grouped).items()}
 

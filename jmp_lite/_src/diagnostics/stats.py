@@ -26,6 +26,7 @@ from jmp_lite._src import checks
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.diagnostics.fp8_stats import combine_fp8_stats
 from jmp_lite._src.diagnostics.fp8_stats import Fp8Stats
+from jmp_lite._src.diagnostics.fp8_stats import scale_value
 
 # -- the float16 / bfloat16 ranges --------------------------------------------
 
@@ -137,11 +138,8 @@ class TensorStats(NamedTuple):
       >>> diagnostics.tensor_stats(jnp.array([0.0, 1.0])).fraction("zeros")
       0.5
     """
-    if field not in _COUNT_FIELDS:
-      raise ValueError(
-          f"TensorStats.fraction: unknown field {field!r}; choose one of "
-          f"{', '.join(_COUNT_FIELDS)}."
-      )
+    field = checks.choice(field, "field", "TensorStats.fraction",
+                          _COUNT_FIELDS)
     count, size = getattr(self, field), self.size
     if checks.is_concrete((count, size)):
       size = int(size)
@@ -184,12 +182,7 @@ def _loss_scale(loss_scale: Any, owner: str) -> jax.Array:
   """
   if hasattr(loss_scale, "loss_scale") and not checks.is_array(loss_scale):
     loss_scale = loss_scale.loss_scale
-  try:
-    checks.real_scalar(loss_scale, "loss_scale", owner)
-    checks.loss_scale_value(loss_scale, "loss_scale", owner)
-  except (TypeError, ValueError) as err:
-    raise type(err)(f"{err} {LOSS_SCALE_HELP}") from None
-  return jnp.asarray(loss_scale).astype(jnp.float32)
+  return scale_value(loss_scale, "loss_scale", owner, LOSS_SCALE_HELP)
 
 
 # -- exact integer arithmetic on the significands ---------------------------------
@@ -224,10 +217,7 @@ def _limb_count(width: int) -> int:
 def _top_limit(limit: float, exponent: int) -> int:
   """``limit / 2**exponent`` (a mantissa in [1, 2)) as a 24-bit integer with
   its leading one at bit 23; exact for the float16/bfloat16 maxima."""
-  value = limit / 2.0**exponent * 2**23
-  if value != int(value):  # a module constant, never user input
-    raise ValueError(f"{limit} has more than 24 significant bits.")
-  return int(value)
+  return int(limit / 2.0**exponent * 2**23)  # module constants: exact
 
 
 # The normalised top 24 bits above which a value of the top float16 /
@@ -530,22 +520,13 @@ def _path_name(path) -> str:
   return jax.tree_util.keystr(path, simple=True, separator="/") or ROOT_NAME
 
 
-def _named_leaves(stats: Any, what: str, fp8: bool = False
-                  ) -> list[tuple[str, Any]]:
-  """``(path, TensorStats)`` for each leaf of a tree of statistics
-  (:class:`Fp8Stats` too with ``fp8``)."""
+def _named_leaves(stats: Any, what: str) -> list[tuple[str, Any]]:
+  """``(path, statistics)`` for each leaf of a tree of :class:`TensorStats`
+  or :class:`Fp8Stats`."""
   leaves = jax.tree.leaves_with_path(stats, is_leaf=is_stats)
   out = []
   for path, leaf in leaves:
-    if fp8 and isinstance(leaf, Fp8Stats):
-      out.append((_path_name(path), leaf))
-      continue
-    if isinstance(leaf, Fp8Stats):
-      raise TypeError(
-          f"{what} reads half-precision statistics (diagnostics.tensor_stats)"
-          f", got float8 statistics (Fp8Stats) at {_path_name(path)!r}. "
-          "Give float8 statistics to diagnostics.advise_fp8.")
-    if not isinstance(leaf, TensorStats):
+    if not is_stats(leaf):
       kind = (f"a {leaf.dtype} array" if checks.is_array(leaf)
               else type(leaf).__name__)
       raise TypeError(
@@ -580,14 +561,32 @@ def combine_stats(stats: Sequence[TensorStats]) -> TensorStats:
   )
 
 
-def _group_key(by: Any) -> Callable[[str], str]:
+def host_stats(stats: Any, what: str) -> None:
+  """Raises unless ``stats`` can be read on the host (no leaf is traced)."""
+  if not checks.is_concrete(stats):
+    raise TypeError(
+        f"{what} reads statistics on the host; call it outside jax.jit, on the"
+        " statistics the jitted step returned."
+    )
+
+
+def _group_key(by: Any, owner: str = "group_stats") -> Callable[[str], str]:
+  """A leaf's path name -> its group's name, for ``by=``; a function's
+  results are checked to be strings."""
   if by is None:
     return lambda name: name
   if callable(by):
-    return by
+    def checked(name: str) -> str:
+      group = by(name)
+      if not isinstance(group, str):
+        raise TypeError(
+            f"{owner}: by({name!r}) must return a string, got "
+            f"{type(group).__name__}: {group!r}.")
+      return group
+    return checked
   if isinstance(by, bool) or not isinstance(by, numbers.Integral) or by == 0:
     raise TypeError(
-        "group_stats: by must be None (one entry per leaf), a nonzero int (n >"
+        f"{owner}: by must be None (one entry per leaf), a nonzero int (n >"
         " 0: the first n path components; n < 0: drop the last -n) or a "
         f"function from a leaf's path to its group's name, got {by!r}."
     )
@@ -645,13 +644,8 @@ def group_stats(stats: Any, by: Any = None) -> dict[str, Any]:
   """
   key = _group_key(by)
   groups: dict[str, list[Any]] = {}
-  for name, leaf in _named_leaves(stats, "group_stats", fp8=True):
+  for name, leaf in _named_leaves(stats, "group_stats"):
     group = key(name)
-    if not isinstance(group, str):
-      raise TypeError(
-          f"group_stats: by({name!r}) must return a string, got "
-          f"{type(group).__name__}: {group!r}."
-      )
     groups.setdefault(group, []).append(leaf)
   out = {}
   for group, leaves in groups.items():
