@@ -224,3 +224,11 @@ def test_cuda_program_through_a_route(recipe, scale):
     assert "__op$block_scaled_dot" in text
     assert "f4E2M1FN" in text and scale in text
     assert "host_callback" not in text and "callback" not in text
+
+
+def test_cast_to_compute_says_fp4_does_not_apply():
+  """A jmp-API client that only casts gets no FP4 and is told so."""
+  policy = jmp_lite.get_policy(
+      "p=f32,c=bf16,o=f32,m=nvfp4(native=false;include_batched=true)")
+  with pytest.warns(UserWarning, match=r"not in FP4 \(nvfp4\(native=false"):
+    policy.cast_to_compute(jnp.ones(2))

@@ -345,7 +345,9 @@ def _warn_unapplied_precision(policy: Policy, method: str) -> None:
     return
   _WARNED_UNAPPLIED.add(policy)
   m = _recipe_text(policy.matmul_precision)
-  meaning = (f"in float8 ({m})" if policy.fp8_recipe is not None
+  meaning = (f"in FP4 ({m})"
+             if isinstance(policy.fp8_recipe, recipes_lib.Fp4Config)
+             else f"in float8 ({m})" if policy.fp8_recipe is not None
              else f"at the {m} precision")
   warnings.warn(
       UNAPPLIED_MATMUL_PRECISION.format(
