@@ -116,18 +116,25 @@ def zero_histories(length: int, stack: tuple[int, ...] = ()) -> dict:
 
 def check_histories(stored: Any, path: str,
                     config: config_lib.Fp8Config) -> None:
-  """Raises the teaching error for a stored entry that does not fit."""
-  if not (isinstance(stored, dict) or hasattr(stored, "keys")) or not (
-      "lhs" in stored and "rhs" in stored):
-    got = (sorted(stored) if hasattr(stored, "keys")
-           else type(stored).__name__)
-    raise ValueError(MALFORMED_HISTORY.format(path=path, got=got))
-  for name in ("lhs", "rhs"):
-    length = np.shape(stored[name])[-1] if np.ndim(stored[name]) else 0
-    if length != config.history_length:
-      raise ValueError(HISTORY_LENGTH_MISMATCH.format(
-          stored=length, path=path, spec=config.spec(),
-          configured=config.history_length))
+  """Raises the teaching error for a stored entry that is missing (None or
+  empty), is not ``{"lhs": history, "rhs": history}``, or whose histories
+  are not ``config.history_length`` long."""
+  keyed = hasattr(stored, "keys")
+  if stored is None or (keyed and not stored):
+    message = MISSING_HISTORY.format(path=path)
+  elif not (keyed and "lhs" in stored and "rhs" in stored):
+    got = sorted(stored) if keyed else type(stored).__name__
+    message = MALFORMED_HISTORY.format(path=path, got=got)
+  else:
+    wrong = [length for length in (
+        np.shape(stored[name])[-1] if np.ndim(stored[name]) else 0
+        for name in ("lhs", "rhs")) if length != config.history_length]
+    if not wrong:
+      return
+    message = HISTORY_LENGTH_MISMATCH.format(
+        stored=wrong[0], path=path, spec=config.spec(),
+        configured=config.history_length)
+  raise ValueError(message)
 
 
 def delayed_scales(stored: Any, x: Any, y: Any, config: config_lib.Fp8Config
