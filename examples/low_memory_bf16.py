@@ -59,14 +59,29 @@ import jmp_lite
 F32 = np.dtype(jnp.float32)
 BF16 = np.dtype(jnp.bfloat16)
 
-#: The training recipes: name -> (label, param dtype, method or None).
+#: The training recipes: name -> (label, param dtype, method or None, Adam's
+#: moment formats ``(mu, nu)`` for ``with_state_dtype`` or None: float32).
 RECIPES = {
-    "f32": ("f32", F32, None),
-    "bf16": ("bf16 alone", BF16, None),
-    "bf16_copy": ("bf16 + master copy", BF16, "copy"),
-    "bf16_sr": ("bf16 + stochastic rounding", BF16, "stochastic_rounding"),
-    "bf16_kahan": ("bf16 + Kahan", BF16, "kahan"),
+    "f32": ("f32", F32, None, None),
+    "bf16": ("bf16 alone", BF16, None, None),
+    "bf16_copy": ("bf16 + master copy", BF16, "copy", None),
+    "bf16_sr": ("bf16 + stochastic rounding", BF16, "stochastic_rounding",
+                None),
+    "bf16_kahan": ("bf16 + Kahan", BF16, "kahan", None),
+    "sr_8bit": ("bf16 + SR + 8-bit states", BF16, "stochastic_rounding",
+                ("8bit", "8bit")),
+    "sr_4bit": ("bf16 + SR + 4-bit states", BF16, "stochastic_rounding",
+                ("4bit", "4bit")),
+    "sr_e4m3": ("bf16 + SR + e4m3 states", BF16, "stochastic_rounding",
+                ("e4m3", "e4m3")),
 }
+#: The recipes with low-bit optimizer states, judged against f32 by the
+#: examples' parity bars.
+LOW_BIT = ("sr_8bit", "sr_4bit", "sr_e4m3")
+#: The parity bars: held-out loss of the language model within this relative
+#: gap of f32's, and test accuracy of the digits MLP within
+#: ``common.ACCURACY_TOLERANCE`` points.
+LM_LOSS_TOLERANCE = 0.02
 
 #: The tiny language model.
 LM_CONFIG = jax_models.LMConfig(vocab=256, layers=2, width=64, heads=4,
@@ -75,10 +90,13 @@ LM_CONFIG = jax_models.LMConfig(vocab=256, layers=2, width=64, heads=4,
 
 def make_optimizer(method, learning_rate, moments=None, seed=0):
   """Adam for a recipe: plain (``method=None``) or in ``master_weights``;
-  ``moments``: a dtype to store Adam's moments in (``with_state_dtype``);
-  ``seed``: stochastic rounding's."""
+  ``moments``: a dtype to store Adam's moments in, or a ``(mu, nu)`` pair of
+  formats (``with_state_dtype``, inside ``master_weights``); ``seed``:
+  stochastic rounding's."""
   inner = optax.adam(learning_rate)
-  if moments is not None:
+  if isinstance(moments, tuple):
+    inner = jmp_lite.with_state_dtype(inner, mu=moments[0], nu=moments[1])
+  elif moments is not None:
     inner = jmp_lite.with_state_dtype(inner, moments)
   if method is None:
     return inner
@@ -108,41 +126,87 @@ def _nbytes(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
-def bytes_per_parameter(param_dtype, method, moments) -> float:
-  """(params + optimizer state bytes) / parameter count on the digits MLP,
-  from ``jax.eval_shape`` of the optimizer's init (nothing is allocated).
+#: Adam's moments in the bytes table's columns: a dtype for both, or one
+#: low-bit format name for both (``with_state_dtype(mu=..., nu=...)``).
+BYTES_MOMENTS = ((F32, "f32"), (BF16, "bf16"), ("8bit", "8-bit"),
+                 ("4bit", "4-bit"), ("e4m3", "e4m3"))
 
-  ``moments``: the dtype of Adam's moments. For bf16 params alone, bfloat16
-  moments are plain Adam's own (they follow the params) and float32 ones need
-  ``with_state_dtype``; for f32 params it is the other way round; inside
-  ``master_weights`` the moments are float32 unless ``with_state_dtype``
-  stores them in bfloat16.
-  """
-  shapes = jax.eval_shape(
+#: GPT-2 small (Radford et al. 2019; 124M parameters, the output head tied to
+#: the token embedding): its parameter shapes, for sizing only.
+GPT2_SMALL = dict(vocab=50257, context=1024, width=768, layers=12)
+
+
+def digits_mlp_shapes():
+  """The digits MLP's parameter shapes (float32 ``ShapeDtypeStruct``s)."""
+  return jax.eval_shape(
       lambda: flax_models.DigitsMLP().init(
           jax.random.key(0), jnp.zeros((1, 64), F32))["params"])
+
+
+def gpt2_small_shapes():
+  """GPT-2 small's parameter shapes (Hugging Face's ``Conv1D`` layout:
+  kernels ``(in, out)``), 124,439,808 parameters; nothing is allocated."""
+  v, c, d, layers = (GPT2_SMALL[k] for k in ("vocab", "context", "width",
+                                             "layers"))
+  s = lambda *shape: jax.ShapeDtypeStruct(shape, F32)
+  block = {"ln_1": {"scale": s(d), "bias": s(d)},
+           "attn": {"c_attn": {"kernel": s(d, 3 * d), "bias": s(3 * d)},
+                    "c_proj": {"kernel": s(d, d), "bias": s(d)}},
+           "ln_2": {"scale": s(d), "bias": s(d)},
+           "mlp": {"c_fc": {"kernel": s(d, 4 * d), "bias": s(4 * d)},
+                   "c_proj": {"kernel": s(4 * d, d), "bias": s(d)}}}
+  return {"wte": s(v, d), "wpe": s(c, d),
+          "h": {str(i): block for i in range(layers)},
+          "ln_f": {"scale": s(d), "bias": s(d)}}
+
+
+#: The models the bytes table is computed for: name -> (description, shapes).
+BYTES_MODELS = {
+    "digits_mlp": ("the digits MLP", digits_mlp_shapes),
+    "gpt2_small": ("a GPT-2 small shape", gpt2_small_shapes),
+}
+
+
+def bytes_per_parameter(param_dtype, method, moments,
+                        model="digits_mlp") -> float:
+  """(params + optimizer state bytes) / parameter count of ``model`` (a key
+  of :data:`BYTES_MODELS`), from ``jax.eval_shape`` of the optimizer's init
+  (nothing is allocated).
+
+  ``moments``: the dtype of Adam's moments, or a low-bit format name
+  (``"8bit"``, ``"4bit"``, ``"e4m3"``) for both. For bf16 params alone,
+  bfloat16 moments are plain Adam's own (they follow the params) and float32
+  ones need ``with_state_dtype``; for f32 params it is the other way round;
+  inside ``master_weights`` the moments are float32 unless
+  ``with_state_dtype`` stores them otherwise.
+  """
+  shapes = BYTES_MODELS[model][1]()
   params = jax.tree.map(
       lambda s: jax.ShapeDtypeStruct(s.shape, param_dtype), shapes)
-  default = param_dtype if method is None else F32
-  opt = make_optimizer(method, 1e-3,
-                       None if np.dtype(moments) == default else moments)
+  if isinstance(moments, str):
+    states = (moments, moments)
+  else:
+    default = param_dtype if method is None else F32
+    states = None if np.dtype(moments) == default else moments
+  opt = make_optimizer(method, 1e-3, states)
   state = jax.eval_shape(opt.init, params)
   count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   return (_nbytes(params) + _nbytes(state)) / count
 
 
-def bytes_table() -> str:
-  """The bytes-per-parameter table, as GitHub markdown."""
+def bytes_table(model="digits_mlp") -> str:
+  """The bytes-per-parameter table of ``model`` (``"digits_mlp"`` or
+  ``"gpt2_small"``), as GitHub markdown: a row per recipe, a column per
+  format of Adam's moments."""
+  heads = " | ".join(f"{label} moments" for _, label in BYTES_MOMENTS)
   lines = [
-      "| recipe | params | kept besides the moments | bytes/param, f32 "
-      "moments | bytes/param, bf16 moments |",
-      "|---|---|---|--:|--:|",
+      f"| recipe | params | kept besides the moments | {heads} |",
+      "|---|---|---|" + "--:|" * len(BYTES_MOMENTS),
   ]
   for label, dtype, method, extra in BYTES_ROWS:
-    cells = [f"{bytes_per_parameter(dtype, method, m):.2f}"
-             for m in (F32, BF16)]
-    lines.append(f"| {label} | {dtype.name} | {extra} | {cells[0]} "
-                 f"| {cells[1]} |")
+    cells = " | ".join(f"{bytes_per_parameter(dtype, method, m, model):.2f}"
+                       for m, _ in BYTES_MOMENTS)
+    lines.append(f"| {label} | {dtype.name} | {extra} | {cells} |")
   return "\n".join(lines)
 
 
@@ -169,12 +233,12 @@ def _unchanged_fraction(params, snapshot) -> float:
 
 def train_digits(recipe, seed, data, args) -> dict:
   """The digits MLP in one recipe from ``seed``."""
-  _, dtype, method = RECIPES[recipe]
+  _, dtype, method, states = RECIPES[recipe]
   spec = "p=f32,c=f32,o=f32" if dtype == F32 else "p=bf16,c=bf16,o=f32"
   policy = jmp_lite.get_policy(spec)
   apply_fn = jmp_lite.with_policy(flax_models.DigitsMLP().apply, policy)
   opt = make_optimizer(method, optax.cosine_decay_schedule(
-      args.lr, args.steps), seed=seed)
+      args.lr, args.steps), states, seed=seed)
 
   def loss_fn(params, x, y):
     return common.cross_entropy(apply_fn({"params": params}, x), y)
@@ -218,11 +282,11 @@ def _windows(tokens, starts, length):
 
 def train_lm(recipe, seed, train_tokens, eval_tokens, args) -> dict:
   """The tiny language model in one recipe from ``seed``."""
-  _, dtype, method = RECIPES[recipe]
+  _, dtype, method, states = RECIPES[recipe]
   cfg = LM_CONFIG
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lm_lr, max(1, args.lm_steps // 10), args.lm_steps)
-  opt = make_optimizer(method, schedule, seed=seed)
+  opt = make_optimizer(method, schedule, states, seed=seed)
 
   def loss_and_acc(params, tokens):
     logits = jax_models.apply_lm(params, tokens[:, :-1], cfg).astype(F32)
@@ -255,6 +319,166 @@ def train_lm(recipe, seed, train_tokens, eval_tokens, args) -> dict:
               eval_loss=float(eval_loss), eval_accuracy=100 * float(eval_acc),
               unchanged_late_fraction=_unchanged_fraction(params, snapshot),
               loss_history=losses)
+
+
+# -- (d) the zero-point problem ------------------------------------------------
+
+
+def affine_int8(v, block=256):
+  """A naive 8-bit store of a non-negative moment, as float32 values: per
+  block of ``block`` along the last axis, the affine int8 code
+  ``min + k * (max - min) / 255`` (``k = 0..255``, nearest). Its lowest code
+  is the block's minimum, zero or nearly: every ``v`` below half a step
+  decodes to it, and Adam's ``m / (sqrt(v) + eps)`` explodes there (lpmm's
+  "zero-point problem"; unsloth-zoo#962's int8 ``v``)."""
+  *lead, n = v.shape
+  pad = -n % block
+  b = jnp.pad(v, [(0, 0)] * len(lead) + [(0, pad)], mode="edge")
+  b = b.reshape(*lead, -1, block)
+  lo, hi = b.min(-1, keepdims=True), b.max(-1, keepdims=True)
+  step = jnp.where(hi > lo, (hi - lo) / 255, jnp.float32(1.0))
+  k = jnp.clip(jnp.round((b - lo) / step), 0, 255)
+  return (lo + k * step).reshape(*lead, -1)[..., :n]
+
+
+def adam_with_naive_nu(learning_rate, min_size=4096):
+  """``optax.adam`` whose second moments (leaves of at least ``min_size``
+  elements) are stored by :func:`affine_int8`: the update runs Adam on the
+  stored ``nu`` and stores the new one the same way."""
+  adam = optax.adam(learning_rate)
+
+  def store(state):
+    nu = jax.tree.map(lambda v: affine_int8(v) if v.size >= min_size else v,
+                      state[0].nu)
+    return (state[0]._replace(nu=nu),) + tuple(state[1:])
+
+  def update(updates, state, params=None):
+    updates, state = adam.update(updates, state, params)
+    return updates, store(state)
+
+  return optax.GradientTransformation(adam.init, update)
+
+
+#: The runs of the zero-point demonstration: name -> (label, optimizer).
+ZERO_POINT_RUNS = {
+    "f32": ("f32 Adam", lambda lr: optax.adam(lr)),
+    "affine_int8": ("`v` in naive affine int8 (zero reachable)",
+                    adam_with_naive_nu),
+    "zero_free_8bit": ("`v` in jmp_lite's 8-bit code (`nu=\"8bit\"`)",
+                       lambda lr: jmp_lite.with_state_dtype(
+                           optax.adam(lr), nu="8bit")),
+    "zero_free_4bit": ("`v` in jmp_lite's 4-bit code (`nu=\"4bit\"`)",
+                       lambda lr: jmp_lite.with_state_dtype(
+                           optax.adam(lr), nu="4bit")),
+}
+
+
+def zero_point(data, args) -> dict:
+  """The digits MLP in float32 with Adam (constant learning rate
+  ``args.zp_lr``) for ``args.zp_steps`` steps, Adam's ``v`` stored each way
+  of :data:`ZERO_POINT_RUNS`; everything else (``m``, params) float32."""
+  out = {}
+  for name, (_, make) in ZERO_POINT_RUNS.items():
+    opt = make(args.zp_lr)
+    model = flax_models.DigitsMLP()
+
+    def loss_fn(params, x, y):
+      return common.cross_entropy(model.apply({"params": params}, x), y)
+
+    @jax.jit
+    def step(params, opt_state, x, y, opt=opt, loss_fn=loss_fn):
+      loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+      updates, opt_state = opt.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    params = model.init(jax.random.key(0), data["x_train"][:1])["params"]
+    opt_state = opt.init(params)
+    losses = []
+    for i in common.batch_indices(len(data["x_train"]), args.batch_size,
+                                  args.zp_steps, 0):
+      params, opt_state, loss = step(params, opt_state, data["x_train"][i],
+                                     data["y_train"][i])
+      losses.append(loss)
+    losses = [float(x) for x in jax.device_get(losses)]
+    biggest = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(params))
+    finite = [x for x in losses if np.isfinite(x)]
+    out[name] = dict(loss_history=losses, final_loss=losses[-1],
+                     max_loss=max(finite) if finite else float("nan"),
+                     first_nan_step=next((k for k, x in enumerate(losses)
+                                          if not np.isfinite(x)), None),
+                     max_abs_param=biggest)
+    print(f"zero point {name:>15}: final loss {losses[-1]:.4g}, max loss "
+          f"{out[name]['max_loss']:.4g}, max |param| {biggest:.4g}",
+          flush=True)
+  return out
+
+
+def format_zero_point(zp, args) -> str:
+  marks = sorted({0, 1, 2, 5, 10, 20, 50, args.zp_steps - 1} & set(
+      range(args.zp_steps)))
+  lines = [
+      "| `v` stored as | " + " | ".join(f"loss, step {k}" for k in marks)
+      + " | first NaN step | largest \\|param\\| at the end |",
+      "|---|" + "--:|" * (len(marks) + 2),
+  ]
+  for name, r in zp.items():
+    cells = " | ".join(f"{r['loss_history'][k]:.4g}" for k in marks)
+    nan = "-" if r["first_nan_step"] is None else str(r["first_nan_step"])
+    lines.append(f"| {ZERO_POINT_RUNS[name][0]} | {cells} | {nan} "
+                 f"| {r['max_abs_param']:.4g} |")
+  return "\n".join(lines) + (
+      f"\n\nDigits MLP in float32, Adam {args.zp_lr:g} (constant), batch "
+      f"{args.batch_size}, seed 0, {args.zp_steps} steps; only the storage of "
+      "Adam's second moment (leaves of at least 4096 elements; the first "
+      "moment and the params stay float32) differs. The naive code maps each "
+      "block of 256 to `min + k (max - min) / 255`: a `v` below half a step "
+      "above the block's minimum decodes to it (zero, or nearly), and "
+      "`m / (sqrt(v) + eps)` with eps = 1e-8 turns into a step of up to "
+      "1e8 x the learning rate. jmp_lite's codes for non-negative moments "
+      "have no reachable zero: the smallest code is a fixed fraction of the "
+      "block's absmax.")
+
+
+def parity(digits_runs, lm_runs) -> dict:
+  """Each low-bit recipe against f32 by the examples' bars, per seed and on
+  the mean: digits test accuracy within ``common.ACCURACY_TOLERANCE``
+  points, LM held-out loss within :data:`LM_LOSS_TOLERANCE` (relative)."""
+  out = {}
+  for name in LOW_BIT:
+    acc = [r["test_accuracy"] - f["test_accuracy"]
+           for r, f in zip(digits_runs[name], digits_runs["f32"])]
+    gap = [r["eval_loss"] / f["eval_loss"] - 1
+           for r, f in zip(lm_runs[name], lm_runs["f32"])]
+    out[name] = dict(
+        digits_accuracy_gap=acc, digits_mean_gap=float(np.mean(acc)),
+        digits_pass=bool(abs(np.mean(acc)) <= common.ACCURACY_TOLERANCE),
+        lm_loss_gap=gap, lm_mean_gap=float(np.mean(gap)),
+        lm_pass=bool(np.mean(gap) <= LM_LOSS_TOLERANCE))
+  return out
+
+
+def format_parity(par) -> str:
+  word = lambda ok: "PASS" if ok else "MISS"
+  lines = [
+      "| recipe | digits: test acc. - f32's, per seed (points) | mean | bar "
+      "| LM: held-out loss / f32's - 1, per seed (%) | mean | bar |",
+      "|---|---|--:|:-:|---|--:|:-:|",
+  ]
+  for name, p in par.items():
+    acc = ", ".join(f"{x:+.2f}" for x in p["digits_accuracy_gap"])
+    gap = ", ".join(f"{100 * x:+.2f}" for x in p["lm_loss_gap"])
+    lines.append(
+        f"| {RECIPES[name][0]} | {acc} | {p['digits_mean_gap']:+.2f} "
+        f"| {word(p['digits_pass'])} | {gap} | {100 * p['lm_mean_gap']:+.2f} "
+        f"| {word(p['lm_pass'])} |")
+  return "\n".join(lines) + (
+      f"\n\nBars: the digits MLP's mean test accuracy within "
+      f"{common.ACCURACY_TOLERANCE:g} point of f32's, the language model's "
+      f"mean held-out loss at most {100 * LM_LOSS_TOLERANCE:g}% above f32's "
+      "(a lower loss passes). Each low-bit recipe is bf16 params, "
+      "`master_weights(with_state_dtype(optax.adam(lr), mu=fmt, nu=fmt), "
+      "method=\"stochastic_rounding\")`, the same seeds, initial params and "
+      "batches as f32.")
 
 
 # -- report --------------------------------------------------------------------
@@ -402,21 +626,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="characters of text for the language model")
   parser.add_argument("--lm-eval", type=int, default=256,
                       help="held-out windows for the language model")
+  parser.add_argument("--zp-steps", type=int, default=100,
+                      help="zero-point demonstration: training steps")
+  parser.add_argument("--zp-lr", type=float, default=1e-3,
+                      help="zero-point demonstration: Adam learning rate")
   parser.add_argument("--quick", action="store_true",
                       help="tiny sizes, one seed: a smoke test")
   common.add_output_args(parser)
   args = parser.parse_args(argv)
   if args.quick:
     args.steps, args.lm_steps, args.seeds, args.lm_seeds = 30, 20, "0", "0"
-    args.lm_chars, args.lm_eval = 20_000, 16
+    args.lm_chars, args.lm_eval, args.zp_steps = 20_000, 16, 10
   for name in ("seeds", "lm_seeds"):
     try:
       setattr(args, name, [int(s) for s in getattr(args, name).split(",")])
     except ValueError:
       parser.error(f"--{name.replace('_', '-')} must be comma-separated ints")
   common.check_at_least_one(parser, args, (
-      "steps", "batch_size", "lm_steps", "lm_batch_size", "lm_eval"))
-  common.check_positive_finite(parser, args, ("lr", "lm_lr"))
+      "steps", "batch_size", "lm_steps", "lm_batch_size", "lm_eval",
+      "zp_steps"))
+  common.check_positive_finite(parser, args, ("lr", "lm_lr", "zp_lr"))
   args.out = common.output_dir(args)
   return args
 
@@ -424,7 +653,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
   args = parse_args(argv)
   table = bytes_table()
-  print("(a) bytes per parameter\n" + table + "\n", flush=True)
+  gpt2_table = bytes_table("gpt2_small")
+  print("(a) bytes per parameter\n" + table + "\n\n" + gpt2_table + "\n",
+        flush=True)
 
   data = flax_models.load_flat_digits()
   digits_runs = {name: [] for name in RECIPES}
@@ -451,21 +682,32 @@ def main(argv=None) -> int:
                                    "unchanged_late_fraction"))
   lm = summarize(lm_runs, ("final_train_loss", "eval_loss", "eval_accuracy",
                            "unchanged_late_fraction"))
+  par = parity(digits_runs, lm_runs)
+  zp = zero_point(data, args)
   report = ["## (a) Bytes per parameter", table,
             "Params + optimizer state (Adam) over the parameter count, "
             "summed from the leaves of `jax.eval_shape(opt.init, params)` "
             "on the digits MLP (the scalars -- Adam's count, the PRNG key -- "
             "add under 0.001). The compute dtype does not change them: "
-            "`p=f32,c=bf16` stores what f32 Adam stores.",
+            "`p=f32,c=bf16` stores what f32 Adam stores. Low-bit moments: "
+            "`with_state_dtype(adam, mu=fmt, nu=fmt)` (inside "
+            "`master_weights`), block scales included; leaves under 4096 "
+            "elements (the MLP's head and biases) stay float32.",
+            "The same table for a GPT-2 small shape (124,439,808 parameters, "
+            "head tied to the token embedding; from `jax.eval_shape`, "
+            "nothing trained):", gpt2_table,
             "## (b) Digits MLP", format_digits(digits, args),
             "## (c) Tiny language model", format_lm(lm, args),
-            describe(digits, lm)]
+            describe(digits, lm),
+            "## (d) Low-bit optimizer states against f32",
+            format_parity(par),
+            "## (e) The zero-point problem", format_zero_point(zp, args)]
   text = "\n\n".join(report)
   print("\n" + text)
   stem = os.path.join(args.out, "low_memory_bf16")
   config = {k: getattr(args, k) for k in (
       "steps", "batch_size", "lr", "lm_steps", "lm_batch_size", "lm_lr",
-      "lm_chars", "lm_eval")}
+      "lm_chars", "lm_eval", "zp_steps", "zp_lr")}
   config["seeds"] = ",".join(map(str, args.seeds))
   config["lm_seeds"] = ",".join(map(str, args.lm_seeds))
   with open(stem + ".md", "w") as f:
@@ -477,7 +719,8 @@ def main(argv=None) -> int:
   common.write_json(stem + ".json", dict(
       config=config, quick=args.quick, jax_version=jax.__version__,
       optax_version=optax.__version__, backend=jax.default_backend(),
-      bytes_table=table, digits=digits, lm=lm,
+      bytes_table=table, gpt2_bytes_table=gpt2_table, digits=digits, lm=lm,
+      parity=par, zero_point=zp,
       digits_runs=digits_runs, lm_runs=lm_runs))
   print(f"\nWrote {stem}.md and {stem}.json")
   return 0
