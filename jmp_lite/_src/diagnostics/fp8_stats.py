@@ -181,6 +181,7 @@ class Fp8Stats:
       0 for an empty array.
 
     Raises:
+      TypeError: for a count that is not a string.
       ValueError: for another count, or a recipe or format not measured.
 
     Example:
@@ -601,9 +602,10 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   Raises:
     TypeError: for a role, format, axis or scale of the wrong type.
     ValueError: for an unknown role or format, an axis out of range for a
-      leaf, a block size that is not a positive multiple of 16, a scale that
-      is not positive and finite or does not fit ``tree``, a scale with
-      several formats or with FP4, or FP4 mixed with float8 formats.
+      leaf or repeated (NumPy's errors), a block size that is not a positive
+      multiple of 16, a scale that is not positive and finite or does not
+      fit ``tree`` (JAX's error), a scale with several formats or with FP4,
+      or FP4 mixed with float8 formats.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -130,6 +130,7 @@ class TensorStats(NamedTuple):
       0 for an empty array.
 
     Raises:
+      TypeError: if ``field`` is not a string.
       ValueError: if ``field`` is not a count.
 
     Example:
