@@ -23,6 +23,15 @@ Written from the specs, not from jmp_lite's code:
   last block is zero-padded, each block stored as its codes then the
   little-endian bytes of its float32 scale, 4-bit codes two per byte with the
   even element in the low nibble, e4m3 bits as int8.
+* Rank-1 normalisation (lpmm, Li, Chen, Zhu, NeurIPS 2023,
+  ``lpmm/functional.py``'s ``rank1`` normalisation): for a non-negative 2-D
+  moment, element ``(i, j)``'s scale is ``min(max of row i, max of column
+  j)``; the code: the nearest of torchao's zero-free linear 4-bit values to
+  ``x / scale``. jmp_lite's documented layout and rules: a NaN/inf makes its
+  row's and column's maxes NaN (codes 0 there, every element of that row and
+  column decodes to NaN); per row its codes (two per byte, padded to even
+  length), its row max's bytes, then the bytes of the column maxes
+  ``c i ... c (i + 1) - 1`` with ``c = ceil(n / rows)``, zero-padded.
 """
 
 from __future__ import annotations
@@ -161,3 +170,48 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, fmt: str,
   with np.errstate(invalid="ignore", over="ignore"):
     out = (v * scales[..., None]).astype(np.float32)
   return out.reshape(*out.shape[:-2], -1)[..., :n]
+
+
+def rank1_quantize(x: np.ndarray):
+  """``(codes (rows, n), row maxes, column maxes)`` of a non-negative 2-D
+  moment, one element at a time."""
+  x = np.asarray(x, np.float32)
+  x = np.where(np.abs(x) < np.float32(2.0**-126), np.float32(0), x)
+  rows, n = x.shape
+  row_max = np.array([np.max(r) if np.all(np.isfinite(r)) else np.nan
+                      for r in x], np.float32)
+  col_max = np.array([np.max(c) if np.all(np.isfinite(c)) else np.nan
+                      for c in x.T], np.float32)
+  table = QMAP_4_UNSIGNED.astype(np.float64)
+  codes = np.zeros((rows, n), np.uint8)
+  for i in range(rows):
+    for j in range(n):
+      scale = np.float32(min(row_max[i], col_max[j]))
+      if np.isnan(row_max[i]) or np.isnan(col_max[j]):
+        continue  # code 0
+      xn = np.float32(x[i, j] / scale) if scale > 0 else np.float32(0)
+      codes[i, j] = np.argmin(np.abs(np.float64(xn) - table))
+  return codes, row_max, col_max
+
+
+def rank1_encode(x: np.ndarray) -> np.ndarray:
+  codes, row_max, col_max = rank1_quantize(x)
+  rows, n = codes.shape
+  if n % 2:
+    codes = np.concatenate([codes, np.zeros((rows, 1), np.uint8)], axis=1)
+  packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+  per_row = -(-n // rows)
+  cols = np.zeros(per_row * rows, np.float32)
+  cols[:n] = col_max
+  as_bytes = lambda v: np.ascontiguousarray(v.astype("<f4")).view(np.uint8)
+  return np.concatenate([
+      packed, as_bytes(row_max).reshape(rows, 4),
+      as_bytes(cols).reshape(rows, 4 * per_row)], axis=1)
+
+
+def rank1_dequantize(codes, row_max, col_max) -> np.ndarray:
+  """``value[code] * min(row max, column max)`` (NaN if either is NaN)."""
+  scale = np.minimum(row_max[:, None], col_max[None, :])  # NaN propagates
+  with np.errstate(invalid="ignore", over="ignore"):
+    return (QMAP_4_UNSIGNED[codes.astype(np.int64)] * scale).astype(
+        np.float32)

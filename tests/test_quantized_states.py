@@ -137,12 +137,14 @@ def test_tree_utilities():
   assert mapped.inner_state[0].count == P()
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
-def test_bit_identical_on_1_2_4_8_devices(fmt):
+@pytest.mark.parametrize("fmt,nu", [("8bit", "8bit"), ("4bit", "4bit"),
+                                    ("4bit", "4bit_rank1")])
+def test_bit_identical_on_1_2_4_8_devices(fmt, nu):
   """FSDP sharding of the leading axis: state sharded like the params and
-  the same bits on 1, 2, 4 and 8 devices."""
+  the same bits on 1, 2, 4 and 8 devices (rank-1 scales too: their column
+  maxes are an exact max over the shards)."""
   params = _params()
-  opt = quantized_states(optax.adamw(1e-2), mu=fmt, nu=fmt)
+  opt = quantized_states(optax.adamw(1e-2), mu=fmt, nu=nu)
   results = []
   for n in (1, 2, 4, 8):
     mesh = Mesh(np.array(jax.devices()[:n]), ("fsdp",))
@@ -214,6 +216,31 @@ def test_non_finite_moments_stay_visible():
 
 
 # -- bad inputs ------------------------------------------------------------------
+
+
+def test_rank1_second_moments():
+  """nu='4bit_rank1': 2-D second moments in the rank-1 layout, the 1-D ones
+  (big enough to quantize) in 4-bit blocks; Adam trains on them."""
+  params = dict(_params(), v=jnp.ones(8192, jnp.float32))
+  opt = jmp_lite.with_state_dtype(optax.adam(1e-2), mu="4bit",
+                                  nu="4bit_rank1")
+  new, state = _run(opt, params)
+  nu = state.inner_state[0].nu
+  rank1, blocks = sc.FORMATS["4bit_rank1"], sc.FORMATS["4bit"]
+  assert nu["w"].shape == sc.stored_shape((64, 256), rank1) == (64, 148)
+  assert nu["v"].shape == sc.stored_shape((8192,), blocks)
+  assert nu["b"].dtype == jnp.float32  # under min_size
+  reference, _ = _run(optax.adam(1e-2), params)
+  for name in ("w", "e"):
+    moved = np.asarray(new[name] - params[name])
+    want = np.asarray(reference[name] - params[name])
+    assert np.all(np.isfinite(moved))
+    assert np.corrcoef(moved.ravel(), want.ravel())[0, 1] > 0.9
+
+
+def test_rank1_is_for_second_moments_only():
+  with pytest.raises(ValueError, match=r"mu='4bit_rank1'.*nu='4bit_rank1'"):
+    jmp_lite.with_state_dtype(optax.adam(1e-3), mu="4bit_rank1")
 
 
 def test_unknown_format():

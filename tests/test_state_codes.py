@@ -254,3 +254,79 @@ def test_counter_bits_are_fused_into_their_consumer():
   if stats is None:
     pytest.skip("this backend gives no memory analysis")
   assert stats.temp_size_in_bytes < x.size, stats.temp_size_in_bytes
+
+
+# -- rank-1 normalisation ---------------------------------------------------------
+
+
+def _rank1_zoo():
+  """Non-negative 2-D moments: spread over decades, zeros, an outlier, a
+  zero row and column, subnormals, NaN/inf, an odd width."""
+  rng = np.random.RandomState(3)
+  spread = np.abs(_random((6, 40), 4))
+  spread[0] = 0.0  # a zero row
+  spread[:, 7] = 0.0  # a zero column
+  spread[2, 9] = 1e30  # an outlier
+  spread[3, :5] = [1e-40, 1e-39, 1e-45, 2.0**-126, 1e-37]
+  bad = np.abs(rng.randn(5, 33)).astype(np.float32)  # odd width
+  bad[1, 4], bad[3, 20] = np.nan, np.inf
+  tall = np.abs(rng.randn(40, 3)).astype(np.float32) * 1e-3  # c = 1 > n / rows
+  return [spread, bad, tall]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_rank1_encode_and_decode_match_the_reference(index):
+  x = _rank1_zoo()[index]
+  fmt = sc.FORMATS["4bit_rank1"]
+  stored = jax.jit(lambda v: sc.encode(v, fmt, True))(x)
+  assert stored.shape == sc.stored_shape(x.shape, fmt)
+  assert stored.dtype == np.uint8
+  _same(stored, ref.rank1_encode(x))
+  codes, rows, cols = ref.rank1_quantize(x)
+  decoded = np.asarray(jax.jit(lambda s: sc.decode(s, fmt, True, x.shape))(
+      stored))
+  _same(decoded, _flush(ref.rank1_dequantize(codes, rows, cols)))
+
+
+def test_rank1_never_decodes_to_zero_and_keeps_nan_visible():
+  spread, bad, _ = _rank1_zoo()
+  fmt = sc.FORMATS["4bit_rank1"]
+  out = np.asarray(sc.decode(sc.encode(spread, fmt, True), fmt, True,
+                             spread.shape))
+  scale = np.minimum(spread.max(1)[:, None], spread.max(0)[None, :])
+  # Zero only where the whole row or column is zero; elsewhere at least
+  # 1/16 of the element's scale, never above it.
+  assert np.all((out == 0) == (scale == 0))
+  assert np.all(out[scale > 0] >= scale[scale > 0] / 16 * (1 - 1e-6))
+  assert np.all(out <= scale * (1 + 1e-6))
+  out = np.asarray(sc.decode(sc.encode(bad, fmt, True), fmt, True, bad.shape))
+  nan_rows_cols = np.zeros(bad.shape, bool)
+  nan_rows_cols[[1, 3], :] = True
+  nan_rows_cols[:, [4, 20]] = True
+  np.testing.assert_array_equal(np.isnan(out), nan_rows_cols)
+
+
+def test_rank1_is_closer_than_blocks_on_a_rank1_moment():
+  """A moment with row and column structure (v = a b^T over decades): the
+  rank-1 scales follow it, one absmax per block of 128 cannot."""
+  rng = np.random.RandomState(5)
+  a = 10.0 ** rng.uniform(-6, 0, 64)
+  b = 10.0 ** rng.uniform(-6, 0, 256)
+  x = (np.outer(a, b) * rng.uniform(0.5, 1.5, (64, 256))).astype(np.float32)
+  error = {}
+  for name in ("4bit", "4bit_rank1"):
+    fmt = sc.FORMATS[name]
+    out = np.asarray(sc.decode(sc.encode(x, fmt, True), fmt, True, x.shape))
+    error[name] = np.median(np.abs(out / x - 1))
+  assert error["4bit_rank1"] < 0.5 * error["4bit"], error
+
+
+def test_rank1_leaves_that_are_not_2d_use_the_4bit_blocks():
+  fmt = sc.FORMATS["4bit_rank1"]
+  for shape in ((300,), (2, 3, 300)):
+    x = np.abs(_random(shape, 6))
+    assert sc.stored_shape(shape, fmt) == sc.stored_shape(
+        shape, sc.FORMATS["4bit"])
+    _same(sc.encode(x, fmt, True), sc.encode(x, sc.FORMATS["4bit"], True))
+  assert sc.stored_shape((6, 40), fmt) == (6, 20 + 4 + 4 * 7)
+  assert sc.stored_shape((40, 3), fmt) == (40, 2 + 4 + 4)

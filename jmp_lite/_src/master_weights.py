@@ -816,7 +816,9 @@ def with_state_dtype(
     mu: instead of ``dtype``: the format of the signed (first) moments:
       ``"float32"`` (the default when only ``nu`` is given), ``"bfloat16"``,
       ``"bfloat16_sr"``, ``"e4m3"``, ``"8bit"`` or ``"4bit"``.
-    nu: the format of the non-negative (second) moments, from the same list.
+    nu: the format of the non-negative (second) moments, from the same list
+      or ``"4bit_rank1"`` (lpmm's rank-1 normalisation on 2-D leaves: each
+      element scaled by ``min(row max, column max)``; ``"4bit"`` on others).
     keep: regular expressions matched against state paths; matching leaves
       stay in float32 (e.g. ``("embed",)``).
     roles: ``{pattern: "mu" | "nu" | "keep"}`` overriding the role read from

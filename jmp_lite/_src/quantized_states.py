@@ -60,8 +60,17 @@ FORMAT_HELP = (
     "under a float32 scale per block of 256), '8bit' (bitsandbytes' "
     "dynamic-exponent code, blocks of 256) and '4bit' (blocks of 128: a "
     "dynamic code for signed moments, a code without zero for non-negative "
-    "ones). Other dtypes: with_state_dtype(inner, dtype) stores every moment "
-    "in one floating dtype."
+    "ones) and, for nu only, '4bit_rank1' (the 4-bit code without zero "
+    "under lpmm's rank-1 scales, min(row max, column max), on 2-D leaves; "
+    "'4bit' on the others). Other dtypes: with_state_dtype(inner, dtype) "
+    "stores every moment in one floating dtype."
+)
+
+RANK1_SIGNED = (
+    "{owner}: mu={value!r}: rank-1 normalisation scales by row and column "
+    "maxima, which only non-negative (second-moment-like) leaves have. Use "
+    "it for nu (nu='4bit_rank1') and a signed format for mu, e.g. "
+    "mu='4bit'."
 )
 
 HYPERPARAMETER_DTYPE = (
@@ -113,7 +122,10 @@ def _format(value: Any, role: str, owner: str) -> state_codes.StateFormat:
   name = state_codes.ALIASES.get(name, name)
   if name not in state_codes.FORMATS:
     raise ValueError(f"{owner}: unknown {role} format {value!r}. {FORMAT_HELP}")
-  return state_codes.FORMATS[name]
+  fmt = state_codes.FORMATS[name]
+  if fmt.kind == "rank1" and role != "nu":
+    raise ValueError(RANK1_SIGNED.format(owner=owner, value=value))
+  return fmt
 
 
 def _patterns(value: Any, what: str, owner: str) -> tuple[re.Pattern, ...]:

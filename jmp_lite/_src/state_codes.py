@@ -16,6 +16,10 @@ leaf at a time, and how the leaf is turned back into float32. Formats
   map with 3 exponent bits (lpmm, torchao) for signed moments, the linear map
   ``{1/16, ..., 16/16}`` without zero (torchao's, lpmm's) for non-negative
   ones.
+* ``"4bit_rank1"``: non-negative moments only. A 2-D leaf ``(rows, n)`` gets
+  lpmm's rank-1 normalisation (Li, Chen, Zhu, NeurIPS 2023): element
+  ``(i, j)``'s scale is ``min(row_max[i], column_max[j])``, its code the
+  zero-free linear 4-bit code of ``x / scale``. Other leaves use ``"4bit"``.
 
 Layout (one array per moment, the params' leading axes untouched). Blocks
 run along the LAST axis of a leaf of shape ``(*lead, n)`` (a row shorter
@@ -30,6 +34,17 @@ float8 bits as ``int8``, so no format's leaf can be read as another's. An
 FSDP sharding of the leading axes never splits a block, and every operation
 is elementwise or a max within a block: results do not depend on the
 number of devices.
+
+Rank-1 layout: a ``(rows, n)`` leaf is stored as ``(rows, ceil(n / 2) + 4 +
+4 * c)`` bytes, ``c = ceil(n / rows)``: each row holds its codes (two per
+byte, the last axis zero-padded to even length), its row max's 4 bytes, then
+the 4 bytes of each of the column maxes ``c * i ... c * (i + 1) - 1`` (the
+column maxes, zero-padded to ``c * rows``, spread over the rows). Sharding
+the rows keeps each row's bytes together; encoding takes a max over the rows
+(an all-reduce of ``n`` floats under FSDP) and decoding gathers the ``n``
+column maxes, both exact, so results still do not depend on the number of
+devices. A NaN or inf makes its row's and its column's maxes NaN, and
+every element of that row and column decodes to NaN.
 
 Rules every block format follows (the spec :mod:`tests.state_codes_reference`
 re-implements):
@@ -178,7 +193,8 @@ class StateFormat:
 
   Attributes:
     name: the canonical name (one of :data:`FORMAT_NAMES`).
-    kind: ``"float"`` (a plain dtype), ``"e4m3"`` or ``"code"`` (a code book).
+    kind: ``"float"`` (a plain dtype), ``"e4m3"``, ``"code"`` (a code book)
+      or ``"rank1"`` (the linear 4-bit code under rank-1 scales).
     dtype: the float dtype of a ``"float"`` format.
     bits: code bits of a block format (8 or 4).
     block_size: elements per block of a block format.
@@ -210,6 +226,8 @@ FORMATS: dict[str, StateFormat] = {
     "e4m3": StateFormat("e4m3", "e4m3", bits=8, block_size=256),
     "8bit": StateFormat("8bit", "code", bits=8, block_size=256),
     "4bit": StateFormat("4bit", "code", bits=4, block_size=128),
+    # block_size: that of the "4bit" format leaves that are not 2-D use.
+    "4bit_rank1": StateFormat("4bit_rank1", "rank1", bits=4, block_size=128),
 }
 #: The format names, in the order error messages list them.
 FORMAT_NAMES: tuple[str, ...] = tuple(FORMATS)
@@ -228,6 +246,20 @@ def with_block_size(fmt: StateFormat, block_size: int) -> StateFormat:
 MIN_BLOCK = 32
 
 
+def for_shape(fmt: StateFormat, shape: tuple[int, ...]) -> StateFormat:
+  """The format a leaf of ``shape`` is stored in: ``"4bit_rank1"`` is
+  ``"4bit"`` (same block size) unless the leaf is 2-D; others are ``fmt``."""
+  if fmt.kind == "rank1" and len(shape) != 2:
+    return dataclasses.replace(FORMATS["4bit"], block_size=fmt.block_size)
+  return fmt
+
+
+def _rank1_widths(shape: tuple[int, ...]) -> tuple[int, int]:
+  """``(code bytes, column maxes per row)`` of a rank-1 leaf."""
+  rows, n = shape
+  return -(-n // 2), -(-n // max(rows, 1))
+
+
 def block_for(fmt: StateFormat, n: int) -> StateFormat:
   """``fmt`` with the block it uses for rows of length ``n``: its own, or,
   for a shorter row, the next power of two >= n (at least
@@ -244,6 +276,10 @@ def stored_shape(shape: tuple[int, ...], fmt: StateFormat) -> tuple[int, ...]:
     return tuple(shape)
   if not shape:
     raise ValueError("a block format needs at least one axis")
+  fmt = for_shape(fmt, tuple(shape))
+  if fmt.kind == "rank1":
+    code_bytes, per_row = _rank1_widths(tuple(shape))
+    return (shape[0], code_bytes + _SCALE_BYTES * (1 + per_row))
   *lead, n = shape
   fmt = block_for(fmt, n)
   blocks = -(-n // fmt.block_size)
@@ -404,6 +440,78 @@ def unpack(stored: jax.Array, fmt: StateFormat) -> tuple[jax.Array, jax.Array]:
   return codes, scales
 
 
+# -- rank-1 normalisation --------------------------------------------------------
+
+
+def _scale_bytes(scales: jax.Array) -> jax.Array:
+  """float32 ``(..., k)`` -> their little-endian bytes ``(..., 4 k)``."""
+  bits = lax.bitcast_convert_type(scales.astype(_F32), jnp.uint32)
+  out = jnp.stack(
+      [(lax.shift_right_logical(bits, jnp.uint32(8 * i)) & jnp.uint32(0xFF))
+       .astype(jnp.uint8) for i in range(_SCALE_BYTES)], axis=-1)
+  return out.reshape(*scales.shape[:-1], scales.shape[-1] * _SCALE_BYTES)
+
+
+def _scales_from_bytes(data: jax.Array) -> jax.Array:
+  """The inverse of :func:`_scale_bytes`."""
+  data = data.reshape(*data.shape[:-1], -1, _SCALE_BYTES).astype(jnp.uint32)
+  bits = data[..., 0]
+  for i in range(1, _SCALE_BYTES):
+    bits = bits | lax.shift_left(data[..., i], jnp.uint32(8 * i))
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def rank1_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Row and column maxes of a non-negative 2-D moment (subnormals
+  flushed), NaN for a row or column holding NaN or inf."""
+  x = _flush(x.astype(_F32))
+  finite = jnp.isfinite(x)
+  nan = jnp.float32(jnp.nan)
+  rows = jnp.where(jnp.all(finite, axis=1), jnp.max(x, axis=1), nan)
+  cols = jnp.where(jnp.all(finite, axis=0), jnp.max(x, axis=0), nan)
+  return rows, cols
+
+
+def _rank1_scale(rows: jax.Array, cols: jax.Array) -> jax.Array:
+  # jnp.minimum propagates NaN: a non-finite row or column stays NaN.
+  return jnp.minimum(rows[:, None], cols[None, :])
+
+
+def encode_rank1(x: jax.Array) -> jax.Array:
+  """A non-negative 2-D moment in the rank-1 layout (module docstring)."""
+  x = _flush(x.astype(_F32))
+  rows, cols = rank1_scales(x)
+  scale = _rank1_scale(rows, cols)
+  safe = jnp.where(scale > 0, scale, jnp.float32(1.0))
+  codes = nearest_codes(x / safe, LINEAR4_UNSIGNED).astype(jnp.uint8)
+  codes = jnp.where(jnp.isnan(scale), jnp.zeros_like(codes), codes)
+  n_rows, n = x.shape
+  code_bytes, per_row = _rank1_widths(x.shape)
+  if n % 2:
+    codes = jnp.pad(codes, [(0, 0), (0, 1)])
+  packed = codes[:, 0::2] | lax.shift_left(codes[:, 1::2], jnp.uint8(4))
+  cols = jnp.pad(cols, (0, per_row * n_rows - n)).reshape(n_rows, per_row)
+  return jnp.concatenate(
+      [packed, _scale_bytes(rows[:, None]), _scale_bytes(cols)], axis=-1)
+
+
+def decode_rank1(stored: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The float32 moment of ``shape`` (2-D) from :func:`encode_rank1`'s."""
+  n_rows, n = shape
+  code_bytes, _ = _rank1_widths(shape)
+  packed = stored[:, :code_bytes]
+  rows = _scales_from_bytes(
+      stored[:, code_bytes:code_bytes + _SCALE_BYTES])[:, 0]
+  cols = _scales_from_bytes(
+      stored[:, code_bytes + _SCALE_BYTES:]).reshape(-1)[:n]
+  low = packed & jnp.uint8(0x0F)
+  high = lax.shift_right_logical(packed, jnp.uint8(4))
+  codes = jnp.stack([low, high], axis=-1).reshape(n_rows, 2 * code_bytes)
+  values = jnp.take(jnp.asarray(LINEAR4_UNSIGNED.values),
+                    codes[:, :n].astype(jnp.int32), mode="clip")
+  return values * _rank1_scale(rows, cols)
+
+
 # -- one moment ------------------------------------------------------------------
 
 
@@ -497,6 +605,9 @@ def encode(x: jax.Array, fmt: StateFormat, non_negative: bool,
     if fmt.stochastic:
       return _stochastic_bf16(x.astype(_F32), key)
     return x.astype(fmt.dtype)
+  fmt = for_shape(fmt, x.shape)
+  if fmt.kind == "rank1":
+    return encode_rank1(x)
   fmt = block_for(fmt, x.shape[-1])
   codes, scales = quantize_blocks(x, fmt, non_negative)
   return pack(codes, scales, fmt)
@@ -507,6 +618,9 @@ def decode(stored: jax.Array, fmt: StateFormat, non_negative: bool,
   """The float32 moment of original shape ``shape`` from its stored form."""
   if fmt.kind == "float":
     return stored.astype(_F32)
+  fmt = for_shape(fmt, tuple(shape))
+  if fmt.kind == "rank1":
+    return decode_rank1(stored, tuple(shape))
   fmt = block_for(fmt, shape[-1])
   codes, scales = unpack(stored, fmt)
   return _unblocks(dequantize_blocks(codes, scales, fmt, non_negative),
