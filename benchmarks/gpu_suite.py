@@ -18,10 +18,12 @@ stay in bf16 and its head is kept out of float8: no matmul would run in
 float8), PyTorch's ``mxfp8``, and PyTorch's float8 modes without torchao.
 MXFP8 has tensor cores on Blackwell only: elsewhere XLA runs its fallback
 (both operands dequantized, one dot), and the case records which path the
-compiled program took. The FP4 modes ``nvfp4`` and ``mxfp4`` (``jmp_lite.fp4``)
-need Blackwell's FP4 tensor cores: on any other GPU (an H100) the suite says so
-and skips them; where FP4 could run they are skipped, with that reason, until
-a policy's ``m=`` takes an FP4 recipe (``fp4_problem``).
+compiled program took. The FP4 modes ``nvfp4`` and ``mxfp4`` (the policy
+``p=f32,c=bf16,o=f32,m=<recipe>`` through ``jmp_lite.with_policy``, as the
+float8 modes) need Blackwell's FP4 tensor cores: on any other GPU (an H100)
+the suite says so and skips them (``fp4_problem``); on Blackwell and in the
+dry run they run, ResNet-50 excepted (no matmul would run in FP4), and the
+case records whether the compiled program kept the native block-scaled GEMM.
 
 A case (workload, library, mode) compiles its step from shapes, runs warm-up
 steps, times ``--gpu-steps`` steps one by one and reads the peak device
@@ -84,10 +86,11 @@ MODE_DESCRIPTIONS = {
             "mxfp8": "p=f32,c=bf16,o=f32,m=mxfp8 through with_policy (1x32 blocks, "
                      "E8M0 scales; tensor cores on Blackwell only, XLA's "
                      "dequantize-and-dot fallback elsewhere)",
-            "nvfp4": "NVFP4 (jmp_lite.fp4: 1x16 E2M1 blocks, E4M3 scales, tensor "
-                     "scale, 16x16 weight tiles, RHT, stochastic rounding); "
-                     "Blackwell only",
-            "mxfp4": "MXFP4 (jmp_lite.fp4: 1x32 E2M1 blocks, E8M0 scales); "
+            "nvfp4": "p=f32,c=bf16,o=f32,m=nvfp4 through with_policy (1x16 "
+                     "E2M1 blocks, E4M3 scales, tensor scale, 16x16 weight "
+                     "tiles, RHT, stochastic rounding); Blackwell only",
+            "mxfp4": "p=f32,c=bf16,o=f32,m=mxfp4 through with_policy (1x32 "
+                     "E2M1 blocks, E8M0 scales, RHT, stochastic rounding); "
                      "Blackwell only"},
     "torch": {"f32": "TF32 off (matmuls and cuDNN)", "tf32": "TF32 on",
               "bf16": "torch.autocast bfloat16",
@@ -216,8 +219,9 @@ def _variant(workload: wl.Workload, mode: str, cast: str = "policy", kind: str =
   ``"policy"`` or ``"autocast"``, ``kind``: ``"jmp_lite"`` or ``"hand"``."""
   if mode in MATMUL_PRECISION:
     return common.make_variant("plain", wl.loss_fn(workload, "f32"))
-  if mode in FP8_MODES:  # only the policy routes run a float8 recipe
-    loss = wl.loss_fn(workload, "with_policy", wl.policy("bf16", FP8_MODES[mode]))
+  if mode in FP8_MODES or mode in FP4_MODES:  # the policy routes run recipes
+    loss = wl.loss_fn(workload, "with_policy",
+                      wl.policy("bf16", FP8_MODES.get(mode, mode)))
     return common.make_variant(kind, loss, jmp_lite.NoOpLossScale())
   scale = jmp_lite.NoOpLossScale() if mode == "bf16" else None
   return common.make_variant(kind, wl.loss_fn(workload, cast, wl.policy(mode)), scale)
@@ -311,13 +315,15 @@ def run_jax_case(workload: wl.Workload, mode: str, steps: int, seed: int) -> dic
       "peak_bytes": memory.get("peak_bytes_in_use"), "bytes_limit": memory.get("bytes_limit"),
       "compile": compile_info, "init_s": init_s, "final_loss": float(losses[-1]),
   }
-  if mode in FP8_MODES:
-    result["fp8"] = fp8_info(mode, compile_info["flops"], compiled.as_text())
+  if mode in FP8_MODES or mode in FP4_MODES:
+    key = "fp8" if mode in FP8_MODES else "fp4"
+    result[key] = (fp8_info(mode, compile_info["flops"], compiled.as_text())
+                   if key == "fp8" else fp4_info(mode, compiled.as_text()))
     # TFLOP/s counts the model's matmuls, as in every other mode. The float8
-    # step's jaxpr counts more: MX's zero-padding of short contracting
+    # and FP4 steps' jaxprs count more: MX's zero-padding of short contracting
     # dimensions, and the first layer's input gradient, which a custom_vjp
-    # computes and XLA then removes (kept in result["fp8"]).
-    result["fp8"]["step_jaxpr_flops"] = result["flops_per_step"]
+    # computes and XLA then removes (kept in result["fp8"] / result["fp4"]).
+    result[key]["step_jaxpr_flops"] = result["flops_per_step"]
     result["flops_per_step"] = analysis.matmul_flops(
         jax.value_and_grad(wl.loss_fn(workload, "f32")),
         *jax.eval_shape(lambda: wl.setup(workload, seed)))["total"]
@@ -359,24 +365,33 @@ def fp8_info(mode: str, flops: dict[str, Any], optimized_hlo: str) -> dict[str, 
   return info
 
 
-def fp4_problem(dry_run: bool) -> str:
-  """Why the FP4 modes are skipped on this machine.
+def fp4_problem(dry_run: bool) -> str | None:
+  """Why the FP4 modes are skipped on this machine, or ``None`` (they run).
 
   FP4 matmuls run on Blackwell's tensor cores only: on any other GPU (an H100:
-  compute capability 9.0) the suite says so and skips them. Where FP4 could
-  run (Blackwell, or the CPU dry run), they are skipped until a policy's
-  ``m=`` takes an FP4 recipe (issue 29 item 1), so that the FP4 rows measure
-  the same routes as every other mode.
+  compute capability 9.0) the suite says so and skips them. On Blackwell and
+  in the dry run (the exact emulation on the CPU) they run through the policy
+  routes, as every other mode.
   """
-  if not dry_run:
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", None))
-    if not capability.startswith(FP4_COMPUTE_CAPABILITIES):
-      return (f"FP4 tensor cores are Blackwell only (compute capability 10.x or "
-              f"12.x); this GPU, {device.device_kind}, has {capability}: skipped")
-  return ("not run yet: jmp_lite's policy routes (with_policy, autocast, linen, "
-          "NNX) do not take FP4 recipes (m=nvfp4/m=mxfp4, issue 29 item 1); the FP4 "
-          "matmul is measured by tests/test_fp4_matmul.py and examples/fp4_parity.py")
+  if dry_run:
+    return None
+  device = jax.devices()[0]
+  capability = str(getattr(device, "compute_capability", None))
+  if not capability.startswith(FP4_COMPUTE_CAPABILITIES):
+    return (f"FP4 tensor cores are Blackwell only (compute capability 10.x or "
+            f"12.x); this GPU, {device.device_kind}, has {capability}: skipped")
+  return None
+
+
+def fp4_info(mode: str, optimized_hlo: str) -> dict[str, Any]:
+  """The FP4 case's recipe and the path its compiled program took: the
+  native block-scaled GEMM (cuDNN, Blackwell) or the exact emulation."""
+  native = CUDNN_BLOCK_SCALED in optimized_hlo
+  platform = jax.devices()[0].platform
+  return {"recipe": mode, "native_gemm": native,
+          "fp4_path": ("native block-scaled GEMM" if native else
+                       f"emulation ({platform}: dequantized operands, one "
+                       "float32 dot)")}
 
 
 def skip_reason(workload: str, library: str, mode: str, torchao: str | None,
@@ -389,7 +404,12 @@ def skip_reason(workload: str, library: str, mode: str, torchao: str | None,
   if mode in FP4_MODES:
     if library == "torch":
       return MODE_DESCRIPTIONS["torch"][mode]
-    return fp4
+    if fp4:
+      return fp4
+    if workload == "resnet":
+      return ("no FP4 matmul: the convolutions stay in bf16 (FP4 covers "
+              "dot_general) and the output head is kept out of FP4")
+    return None
   if mode not in FP8_MODES:
     return None
   if workload == "resnet":

@@ -77,8 +77,10 @@ def split(tmp_path_factory):
 
 def _skipped(entry, library, mode, report):
   """Why the case must be skipped (a phrase of its reason), or None."""
-  if mode in FP4_MODES:   # the dry run: FP4 could run, the routes lack it
-    return "prototype" if library == "torch" else "do not take FP4 recipes"
+  if mode in FP4_MODES:   # the dry run runs FP4 through the policy routes
+    if library == "torch":
+      return "prototype"
+    return "no FP4 matmul" if entry["workload"] == "resnet" else None
   if mode not in FP8_MODES:
     return None
   if entry["workload"] == "resnet":
@@ -146,6 +148,7 @@ def test_every_jax_case_ran_with_consistent_figures(split):
     assert cases["bf16"]["loss_scale"] == 1.0  # NoOpLossScale
     if entry["workload"] == "resnet":
       assert not set(FP8_MODES) & set(cases)  # skipped: no float8 matmul
+      assert not set(FP4_MODES) & set(cases)  # nor FP4
       continue
     for mode in FP8_MODES:
       info = cases[mode]["fp8"]
@@ -158,11 +161,19 @@ def test_every_jax_case_ran_with_consistent_figures(split):
     mx = cases["mxfp8"]["fp8"]
     assert mx["fp8_flop_share"] is None and mx["native_gemm"] is False
     assert mx["mx_path"].startswith("emulation (cpu"), mx
+    # The FP4 rows ran through with_policy, emulated on the CPU.
+    for mode in FP4_MODES:
+      info = cases[mode]["fp4"]
+      assert info["recipe"] == mode and info["native_gemm"] is False, info
+      assert info["fp4_path"].startswith("emulation (cpu"), info
+      assert cases[mode]["loss_scale"] == 1.0
+      assert "speedup_vs_bf16" in cases[mode]
 
 
 def test_fp4_modes_skip_off_blackwell_and_say_why(monkeypatch):
   """An H100 (compute capability 9.0) says FP4 is Blackwell only and skips;
-  a Blackwell GPU gets the routes' reason; so does the dry run."""
+  a Blackwell GPU and the dry run run the FP4 rows (ResNet-50 excepted: no
+  matmul of it would run in FP4)."""
   from benchmarks import gpu_suite
 
   class Device:
@@ -173,11 +184,14 @@ def test_fp4_modes_skip_off_blackwell_and_say_why(monkeypatch):
   reason = gpu_suite.fp4_problem(dry_run=False)
   assert "Blackwell only" in reason and "H100" in reason and "9.0" in reason
   Device.device_kind, Device.compute_capability = "NVIDIA B200", "10.0"
-  assert "do not take FP4 recipes" in gpu_suite.fp4_problem(dry_run=False)
-  assert "do not take FP4 recipes" in gpu_suite.fp4_problem(dry_run=True)
+  assert gpu_suite.fp4_problem(dry_run=False) is None
+  assert gpu_suite.fp4_problem(dry_run=True) is None
   for mode in FP4_MODES:
     assert gpu_suite.skip_reason("mlp", "jax", mode, None, reason) == reason
     assert "prototype" in gpu_suite.skip_reason("mlp", "torch", mode, None, reason)
+    assert gpu_suite.skip_reason("mlp", "jax", mode, None, None) is None
+    assert "no FP4 matmul" in gpu_suite.skip_reason("resnet", "jax", mode, None,
+                                                    None)
   assert gpu_suite.skip_reason("mlp", "jax", "bf16", None, reason) is None
 
 
