@@ -232,3 +232,61 @@ def test_cast_to_compute_says_fp4_does_not_apply():
       "p=f32,c=bf16,o=f32,m=nvfp4(native=false;include_batched=true)")
   with pytest.warns(UserWarning, match=r"not in FP4 \(nvfp4\(native=false"):
     policy.cast_to_compute(jnp.ones(2))
+
+
+def test_nnx_keeps_blocks_in_bf16_by_path():
+  """The NNX keep-list: a path rule of jmp_lite.nnx.ModuleRules."""
+  rngs = nnx.Rngs(0)
+  module = nnx.Sequential(*[nnx.Linear(32, 32, rngs=rngs) for _ in range(4)],
+                          nnx.Linear(32, 16, rngs=rngs))
+  rules = jnnx.ModuleRules(
+      ("layers/[2-3]", "p=f32,c=bf16,o=bf16")) + jnnx.DEFAULT_MODULE_RULES
+  model = jnnx.apply_policy(module, "mixed_nvfp4", module_rules=rules)
+  policies = {k: str(v) for k, v in model.module_policies().items()}
+  assert policies["layers/1"].endswith("m=nvfp4")
+  assert "m=" not in policies["layers/2"] and "m=" not in policies["layers/3"]
+  graph, state = nnx.split(model)
+  ops = jmp_lite.op_dtypes(lambda s, x: nnx.merge(graph, s)(x), state,
+                           jnp.ones((8, 32)))
+  assert len(_fp4_ops(ops)) == 2       # layers 0-1; layers/4 is the head
+
+
+_UPGRADE_FLAGS = ("jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
+
+
+@pytest.fixture
+def upgrade_flags():
+  """JAX's upgrade flags on where this jax has them (jax 0.12), restored."""
+  old = {f: getattr(jax.config, f) for f in _UPGRADE_FLAGS
+         if hasattr(jax.config, f)}
+  for flag in old:
+    jax.config.update(flag, True)
+  yield
+  for flag, value in old.items():
+    jax.config.update(flag, value)
+
+
+def test_fp4_inside_scan_and_remat(upgrade_flags):
+  """with_policy enters scan and checkpoint: the FP4 products inside equal
+  the unrolled hand-written program, and gradients flow (under the upgrade
+  flags where this jax has them)."""
+  del upgrade_flags
+  ws, x = _normal(0, (3, 32, 32), 0.2), _normal(1, (8, 32))
+  head = jnp.ones((32, 16))
+
+  def f(ws, x):
+    def body(h, w):
+      return jax.checkpoint(lambda h, w: jnp.tanh(h @ w))(h, w), None
+    h, _ = jax.lax.scan(body, x, ws)
+    return h @ head.astype(h.dtype)
+
+  def ref(ws, x):
+    h = x.astype(_BF16)
+    for i in range(3):
+      h = jnp.tanh(fp4.fp4_dot_general(h, ws[i].astype(_BF16), _DN))
+    return (h @ head.astype(_BF16)).astype(jnp.float32)
+
+  fn = jmp_lite.with_policy(f, "p=f32,c=bf16,o=f32,m=nvfp4")
+  np.testing.assert_array_equal(jax.jit(fn)(ws, x), jax.jit(ref)(ws, x))
+  grads = jax.jit(jax.grad(lambda ws: fn(ws, x).sum()))(ws)
+  assert bool(jnp.all(jnp.isfinite(grads))) and bool(jnp.any(grads != 0))
