@@ -419,3 +419,36 @@ def test_with_state_dtype_door_and_its_errors():
   with pytest.raises(ValueError, match=r"dtype=.* with keep=, block_size="):
     jmp_lite.with_state_dtype(optax.adam(1e-2), jnp.bfloat16, keep=("e",),
                               block_size=64)
+
+
+def test_4bit_adam_is_adam_on_the_reference_codes():
+  """4-bit moments train slower over the first steps than float32 ones (the
+  codes' error: docs/precision.md): Adam whose moments are rounded through
+  the independent NumPy reference's 4-bit codes after every step takes the
+  same steps as quantized_states, so the lag is not an encoding bug."""
+  from tests import state_codes_reference as ref  # pylint: disable=import-outside-toplevel
+  params = {"w": _params()["w"]}
+  adam = optax.adam(1e-2)
+
+  def round_trip(x, fmt, non_negative):
+    codes, scales = ref.quantize(np.asarray(x), fmt, non_negative)
+    return jnp.asarray(ref.dequantize(codes, scales, fmt, non_negative,
+                                      x.shape[-1]))
+
+  opt = quantized_states(adam, mu="4bit", nu="4bit")
+  state, ref_state = opt.init(params), adam.init(params)
+  p, ref_p = params, params
+  for i in range(3):
+    g = _grads(params, i)
+    updates, state = opt.update(g, state, p)
+    p = optax.apply_updates(p, updates)
+    ref_updates, ref_state = adam.update(g, ref_state, ref_p)
+    ref_p = optax.apply_updates(ref_p, ref_updates)
+    s = ref_state[0]
+    ref_state = (s._replace(
+        mu={"w": round_trip(s.mu["w"], "4bit", False)},
+        nu={"w": round_trip(s.nu["w"], "4bit", True)}),) + ref_state[1:]
+    np.testing.assert_allclose(p["w"], ref_p["w"], rtol=0, atol=1e-6)
+  # and the codes cost something: float32 Adam moves elsewhere.
+  f32_p, _ = _run(adam, params)
+  assert np.max(np.abs(np.asarray(f32_p["w"] - p["w"]))) > 1e-3
