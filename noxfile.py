@@ -139,4 +139,4 @@ def bench(session: nox.Session) -> None:
   _versions(session)
   session.run("python", "-c", "import torch; print('torch', torch.__version__, "
               "'| CUDA', torch.version.cuda)")
-  session.run(*PYTEST, "tests/test_gpu_suite.py", *session.posargs)
+  session.run(*PYTEST, *ALL, "tests/test_gpu_suite.py", *session.posargs)

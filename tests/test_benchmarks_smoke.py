@@ -19,6 +19,9 @@ import pytest
 from helpers import example_env
 from helpers import ROOT
 
+#: end-to-end benchmark runs: the slow stage (pytest -m slow).
+pytestmark = pytest.mark.slow
+
 VARIANTS = ("jmp_lite", "hand", "raise", "unchecked")
 WRAPPER_RATIOS = ("ratio_a_over_b", "raise_over_a", "a_over_unchecked")
 

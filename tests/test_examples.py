@@ -141,6 +141,7 @@ def _rows(table):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.standard_promotion
 def test_bytes_per_parameter_tables_in_the_docs_are_recomputed():
   """Both tables in docs/precision.md (digits MLP, GPT-2 small shape) are

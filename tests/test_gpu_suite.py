@@ -26,6 +26,9 @@ import pytest
 from helpers import ROOT
 from helpers import example_env
 
+#: the GPU suite's dry runs compile every workload: the slow stage.
+pytestmark = pytest.mark.slow
+
 MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4")
 FP8_MODES = ("fp8", "fp8_rowwise", "mxfp8")
 FP4_MODES = ("nvfp4", "mxfp4")
