@@ -184,28 +184,6 @@ def _random_config(rng):
   return fp8.Fp8Config(**fields), fields
 
 
-def test_random_policies_round_trip_exactly():
-  """``get_policy(str(p)) == p`` (and equal hashes) over many random float8
-  recipes, every field varied, in every compute dtype a recipe takes."""
-  rng = np.random.default_rng(0)
-  covered = set()
-  for _ in range(300):
-    config, fields = _random_config(rng)
-    covered |= set(fields)
-    policy = jmp_lite.Policy(
-        *[("f32", "bf16", "f16")[i] for i in rng.integers(3, size=3)],
-        matmul_precision=config)
-    text = str(policy)
-    again = jmp_lite.get_policy(text)
-    assert again == policy and hash(again) == hash(policy), text
-    assert str(again) == text
-    recipe = again.matmul_precision
-    assert (recipe if isinstance(recipe, fp8.Fp8Config) else
-            fp8.Fp8Config(**recipes_lib.FP8_RECIPES[recipe])) == config, text
-  assert covered == {f.name for f in dataclasses.fields(fp8.Fp8Config)} - {
-      "compute_dtype"}, "a new Fp8Config field: add it to _random_config"
-
-
 def _random_fp4_config(rng):
   """A random valid Fp4Config: every field but ``recipe``'s spelling varied
   (the generator covers every field: see the test below)."""
@@ -225,14 +203,19 @@ def _random_fp4_config(rng):
   return fp4.Fp4Config(**fields), fields
 
 
-def test_random_fp4_policies_round_trip_exactly():
-  """``get_policy(str(p)) == p`` (and equal hashes) over many random FP4
-  recipes, every field varied, in every compute dtype a recipe takes; the
-  policy's resolved recipe is the config."""
-  rng = np.random.default_rng(1)
+@pytest.mark.parametrize("family", ["float8", "fp4"])
+def test_random_policies_round_trip_exactly(family):
+  """``get_policy(str(p)) == p`` (and equal hashes) over many random float8
+  and FP4 recipes, every field varied, in every compute dtype a recipe takes;
+  the policy's resolved recipe is the config."""
+  random_config, config_cls, seed, count, unvaried = {
+      "float8": (_random_config, fp8.Fp8Config, 0, 300, {"compute_dtype"}),
+      "fp4": (_random_fp4_config, fp4.Fp4Config, 1, 200, set()),
+  }[family]
+  rng = np.random.default_rng(seed)
   covered = set()
-  for _ in range(200):
-    config, fields = _random_fp4_config(rng)
+  for _ in range(count):
+    config, fields = random_config(rng)
     covered |= set(fields)
     policy = jmp_lite.Policy(
         *[("f32", "bf16", "f16")[i] for i in rng.integers(3, size=3)],
@@ -242,9 +225,10 @@ def test_random_fp4_policies_round_trip_exactly():
     assert again == policy and hash(again) == hash(policy), text
     assert str(again) == text
     assert again.fp8_recipe == config, text
-    assert jmp_lite.get_policy(text.upper()) == policy, text
-  assert covered == {f.name for f in dataclasses.fields(fp4.Fp4Config)}, (
-      "a new Fp4Config field: add it to _random_fp4_config")
+    if family == "fp4":
+      assert jmp_lite.get_policy(text.upper()) == policy, text
+  assert covered == {f.name for f in dataclasses.fields(config_cls)} - unvaried, (
+      f"a new {config_cls.__name__} field: add it to {random_config.__name__}")
 
 
 @pytest.mark.parametrize("recipe", fp4.FP4_RECIPES)
