@@ -23,7 +23,7 @@ from jmp_lite import op_dtypes
 from jmp_lite._src import compat
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite.autocast_rules import DEFAULT_OP_RULES
-from jmp_lite.autocast_rules import OP_RULE_NAMES
+from jmp_lite._src.autocast.rules import OP_RULE_NAMES
 from jmp_lite.autocast_rules import OpRuleContext
 
 from helpers import all_eqns

@@ -359,3 +359,11 @@ def test_jmp_public_names_exist():
   ):
     assert name in jmp.__all__
     assert hasattr(jmp, name)
+
+
+def test_removed_public_name_names_its_replacement():
+  import jmp_lite.autocast_rules as rules  # pylint: disable=import-outside-toplevel
+  with pytest.raises(AttributeError, match="'lower', 'f32', 'promote'"):
+    rules.OP_RULE_NAMES  # pylint: disable=pointless-statement
+  with pytest.raises(AttributeError, match="no attribute 'NOPE'"):
+    rules.NOPE  # pylint: disable=pointless-statement
