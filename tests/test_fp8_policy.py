@@ -295,7 +295,8 @@ def test_fp4_dtypes_are_no_policy_dtypes(field):
   dtypes = dict(param_dtype=jnp.float32, compute_dtype=jnp.bfloat16,
                 output_dtype=jnp.float32)
   dtypes[field] = jnp.float4_e2m1fn
-  with pytest.raises(ValueError, match="FP4 holds no params.*mixed_nvfp4"):
+  with pytest.raises(ValueError,
+                     match=r"FP4 \(float4_e2m1fn\) holds no params.*mixed_nvfp4"):
     jmp_lite.Policy(**dtypes)
 
 

@@ -327,7 +327,7 @@ def test_in_float32_inside_a_linen_module():
     ("f16_f16_f32", ValueError, ["not a precision for float32 matmuls",
                                  "float16 inputs"]),
     ("any_f8_any_f8_f32", ValueError, ["float8 inputs"]),
-    (3, TypeError, ["matmul_precision must be a precision name", "int: 3"]),
+    (3, TypeError, ["matmul_precision must be a name", "int: 3"]),
 ])
 def test_in_float32_refuses_precisions_that_defeat_the_island(
     precision, error, words):

@@ -122,36 +122,22 @@ ISLAND_PRECISION = (
 def _island_policy(matmul_precision: Any) -> Policy:
   """The float32 policy of an island with ``matmul_precision``, checked."""
   owner = "jmp_lite.in_float32"
-  value = matmul_precision
-  if isinstance(value, jax.lax.DotAlgorithmPreset):
-    value = value.name
-  if isinstance(value, recipes_lib.RECIPE_TYPES) or value is None:
-    what = ("leaves the island's matmuls at JAX's default precision"
-            if value is None else "is a float8 recipe"
-            if isinstance(value, recipes_lib.Fp8Config) else "is an FP4 recipe")
-    shown = repr(value) if value is None else repr(value.spec())
-    raise ValueError(
-        f"{owner}: matmul_precision={shown} {what}. {ISLAND_PRECISION}")
-  if not isinstance(value, str):
-    raise TypeError(
-        f"{owner}: matmul_precision must be a precision name such as 'f32' "
-        f"or 'tf32', got {type(value).__name__}: {value!r}. "
-        f"{ISLAND_PRECISION}")
-  name = "".join(value.split()).lower()
-  if name == "default" or name.partition("(")[0] in recipes_lib.RECIPE_NAMES:
-    what = ("leaves the island's matmuls at JAX's default precision"
-            if name == "default" else "is an FP4 recipe"
-            if name.partition("(")[0] in recipes_lib.FP4_RECIPES
-            else "is a float8 recipe")
-    raise ValueError(
-        f"{owner}: matmul_precision={value!r} {what}. {ISLAND_PRECISION}")
   f32 = dtypes.FLOAT32
   try:
-    return Policy(f32, f32, f32, matmul_precision=value)
-  except ValueError as err:
+    policy = Policy(f32, f32, f32, matmul_precision=matmul_precision)
+  except (TypeError, ValueError) as err:
+    raise type(err)(
+        f"{owner}: matmul_precision={matmul_precision!r} is not a precision "
+        f"for float32 matmuls ({err}). {ISLAND_PRECISION}") from None
+  recipe = policy.fp8_recipe
+  if policy.matmul_precision is None or recipe is not None:
+    what = ("leaves the island's matmuls at JAX's default precision"
+            if recipe is None else "is an FP4 recipe"
+            if isinstance(recipe, recipes_lib.Fp4Config) else "is a float8 recipe")
+    shown = repr(matmul_precision if recipe is None else recipe.spec())
     raise ValueError(
-        f"{owner}: matmul_precision={value!r} is not a precision for float32 "
-        f"matmuls ({err}). {ISLAND_PRECISION}") from None
+        f"{owner}: matmul_precision={shown} {what}. {ISLAND_PRECISION}")
+  return policy
 
 
 def in_float32(

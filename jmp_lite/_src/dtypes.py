@@ -39,6 +39,14 @@ FLOAT8_POLICY_DTYPE = (
     "accumulate in float32. Write e.g. get_policy('mixed_fp8') or "
     "'p=f32,c=bf16,o=f32,m=fp8' (docs/fp8.md)."
 )
+#: Why FP4 is no policy dtype, and what to write instead.
+FP4_POLICY_DTYPE = (
+    "FP4 (float4_e2m1fn) holds no params, activations or outputs in "
+    "jmp_lite: it is a matmul recipe, whose matmuls quantize their operands "
+    "to E2M1 with block scales and accumulate in float32. Write e.g. "
+    "get_policy('mixed_nvfp4') or 'p=f32,c=bf16,o=f32,m=nvfp4' "
+    "(docs/fp4.md)."
+)
 
 # The canonical form of each policy dtype: JAX's scalar type, as jmp returns
 # them (``policy.compute_dtype is jnp.float16``; ``half_dtype()(2 ** 15)`` makes
@@ -85,23 +93,25 @@ def parse_dtype(value: str) -> np.dtype:
     The ``numpy.dtype``.
 
   Raises:
-    TypeError: if ``value`` is not a string.
     ValueError: if the name is unknown.
   """
-  if not isinstance(value, str):
-    raise TypeError(
-        f"A dtype name must be a string, got {type(value).__name__}: {value!r}."
-    )
   name = value.strip().lower()
   if name == "half":
     return np.dtype(half_dtype())
   try:
     return _NAME_TO_DTYPE[name]
   except KeyError:
-    raise ValueError(
-        f"Unknown dtype {value!r}. Valid dtype names are: "
-        f"{', '.join(DTYPE_NAMES)}."
-    ) from None
+    raise ValueError(f"Unknown dtype {value!r}. Valid dtype names are: "
+                     f"{', '.join(DTYPE_NAMES)}.") from None
+
+
+def _no_policy_dtype_hint(dtype: np.dtype, example: str) -> str:
+  """Why ``dtype`` is refused, and what to write instead."""
+  if dtype.name.startswith("float4"):
+    return FP4_POLICY_DTYPE
+  if is_floating(dtype) and dtype.itemsize == 1:
+    return FLOAT8_POLICY_DTYPE
+  return f"Use e.g. {example}."
 
 
 def floating_dtype(dtype: Any, what: str = "dtype", *, policy: bool = True,
@@ -124,48 +134,26 @@ def floating_dtype(dtype: Any, what: str = "dtype", *, policy: bool = True,
   Raises:
     TypeError: if ``dtype`` is not dtype-like (``None``, an object, an unknown
       name).
-    ValueError: if it is a dtype but not an allowed floating one.
+    ValueError: if it is a dtype but not an allowed floating one (or, with
+      ``policy``, an unknown dtype name).
   """
-  if isinstance(dtype, str):
-    try:
-      return parse_dtype(dtype)
-    except ValueError as err:
-      if policy:
-        raise
-      try:
-        dtype = np.dtype(dtype.strip())  # A numpy name: judged below.
-      except TypeError:
-        raise TypeError(
-            f"{what} must be a floating dtype or a dtype name, got {dtype!r}."
-            f" {err} Or pass e.g. {example}.") from None
-  if dtype is None:  # np.dtype(None) would silently mean float64.
-    raise TypeError(
-        f"{what} must be a floating dtype or a dtype name, got None. Use e.g."
-        f" {example}."
-    )
-  try:
-    result = np.dtype(dtype)
+  if isinstance(dtype, str) and (policy or dtype.strip().lower() in DTYPE_NAMES):
+    return parse_dtype(dtype)
+  try:  # np.dtype(None) would silently mean float64.
+    result = None if dtype is None else np.dtype(
+        dtype.strip() if isinstance(dtype, str) else dtype)
   except TypeError:
+    result = None
+  if result is None:
     raise TypeError(
         f"{what} must be a floating dtype or a dtype name, got "
-        f"{type(dtype).__name__}: {dtype!r}. Use e.g. {example}."
-    ) from None
-  if policy and result not in _DTYPE_NAMES:
-    hint = (FLOAT8_POLICY_DTYPE if is_floating(result) and result.itemsize == 1
-            else "Mixed-precision policies only hold floating dtypes.")
-    if result.name.startswith("float4"):  # FP4 is a matmul recipe too
-      hint = hint.replace("float8", "FP4").replace(
-          "mixed_fp8", "mixed_nvfp4").replace("m=fp8", "m=nvfp4").replace(
-          "fp8.md", "fp4.md")
-    raise ValueError(
-        f"{what} must be one of float32, float16, bfloat16 or float64, got "
-        f"{result.name}. {hint}"
-    )
-  if not is_floating(result):
-    raise ValueError(
-        f"{what} must be a floating dtype, got {result.name}. Use e.g. "
-        f"{example}."
-    )
+        f"{type(dtype).__name__}: {dtype!r}. Valid dtype names are: "
+        f"{', '.join(DTYPE_NAMES)}; or use e.g. {example}.")
+  if not is_floating(result) or (policy and result not in _DTYPE_NAMES):
+    allowed = ("one of float32, float16, bfloat16 or float64" if policy
+               else "a floating dtype")
+    raise ValueError(f"{what} must be {allowed}, got {result.name}. "
+                     f"{_no_policy_dtype_hint(result, example)}")
   return result
 
 

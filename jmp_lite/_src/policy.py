@@ -73,35 +73,14 @@ MATMUL_PRECISIONS: tuple[str, ...] = ("tf32", "f32", "bf16", *_PRESETS_BY_NAME)
 #: quantized from them and its results come back in them).
 _FP8_COMPUTE = tuple(np.dtype(d) for d in ("float32", "bfloat16", "float16"))
 
-#: Why FP4 is no policy dtype, and what to write instead.
-FP4_POLICY_DTYPE = (
-    "FP4 (float4_e2m1fn) holds no params, activations or outputs in "
-    "jmp_lite: it is a matmul recipe, whose matmuls quantize their operands "
-    "to E2M1 with block scales and accumulate in float32. Write e.g. "
-    "get_policy('mixed_nvfp4') or 'p=f32,c=bf16,o=f32,m=nvfp4' "
-    "(docs/fp4.md)."
+#: What a matmul precision may be (``m=``), for errors naming a bad one.
+MATMUL_PRECISION_HELP = (
+    "Valid: {names} (tf32/f32/bf16 for float32 compute; the others are "
+    "jax.lax.DotAlgorithmPreset names), 'default', a float8 recipe: {fp8} "
+    "(custom: 'fp8_delayed(margin=1)' or a jmp_lite.fp8.Fp8Config; see "
+    "docs/fp8.md), or an FP4 recipe: {fp4} (custom: 'nvfp4(rht=false)' or a "
+    "jmp_lite.fp4.Fp4Config; see docs/fp4.md)."
 )
-
-
-def _fp8_recipe(value: Any, compute: np.dtype) -> "str | recipes_lib.Fp8Config | recipes_lib.Fp4Config":
-  """A float8 or FP4 recipe (name or config), canonical and checked."""
-  if compute not in _FP8_COMPUTE:
-    fp4 = (isinstance(value, recipes_lib.Fp4Config)
-           or value in recipes_lib.FP4_RECIPES)
-    family, preset, spec = (("an FP4", "mixed_nvfp4", "m=nvfp4") if fp4 else
-                            ("a float8", "mixed_fp8", "m=fp8"))
-    raise ValueError(
-        f"matmul_precision {_recipe_text(value)!r} is {family} recipe, which "
-        "quantizes float32, bfloat16 or float16 operands, but the policy "
-        f"computes in {compute.name}. Use e.g. {preset!r} "
-        f"(p=f32,c=bf16,o=f32,{spec}).")
-  if isinstance(value, str):
-    return value
-  value.check_policy_use()
-  spec = value.spec()
-  # A recipe equal to a named one is stored by its name, so that the two
-  # spellings make equal (and equally hashing) policies.
-  return spec if spec in recipes_lib.RECIPE_NAMES else value
 
 
 def _recipe_text(value: Any) -> str:
@@ -110,60 +89,63 @@ def _recipe_text(value: Any) -> str:
 
 def _matmul_precision(
     value: Any, compute_dtype: Any) -> "str | recipes_lib.Fp8Config | None":
-  """Validates a matmul precision for a compute dtype; its canonical form."""
-  if value is None:
-    return None
-  compute = np.dtype(compute_dtype)
-  if isinstance(value, recipes_lib.RECIPE_TYPES):
-    return _fp8_recipe(value, compute)
+  """Validates a matmul precision for a compute dtype; its canonical form.
+
+  A recipe equal to a named one is stored by its name, so that the two
+  spellings make equal (and equally hashing) policies.
+  """
+  given = value
   if isinstance(value, jax.lax.DotAlgorithmPreset):
     value = value.name
-  if not isinstance(value, str):
+  if isinstance(value, str):
+    compact = "".join(value.split())
+    name = compact.lower()
+    if "(" in name:  # The recipe's fields keep their case (axis names).
+      value = recipes_lib.from_spec(compact)
+    else:
+      value = _PRECISION_ALIASES.get(name, name)
+  if value is None or value == "default":
+    return None
+  if isinstance(value, recipes_lib.RECIPE_TYPES) or (
+      value in recipes_lib.RECIPE_NAMES):
+    if not isinstance(value, str):
+      value.check_policy_use()
+      value = value.spec() if value.spec() in recipes_lib.RECIPE_NAMES else value
+    fp4 = (isinstance(value, recipes_lib.Fp4Config)
+           or value in recipes_lib.FP4_RECIPES)
+    family, preset, spec = (("an FP4", "mixed_nvfp4", "m=nvfp4") if fp4 else
+                            ("a float8", "mixed_fp8", "m=fp8"))
+    kind, supported = f"is {family} recipe, which", _FP8_COMPUTE
+    fix = f"Use e.g. {preset!r} (p=f32,c=bf16,o=f32,{spec})."
+  elif not isinstance(value, str):
     raise TypeError(
         "matmul_precision must be a name such as 'tf32', 'fp8' or "
         "'bf16_bf16_f32_x3', a jax.lax.DotAlgorithmPreset, a "
         "jmp_lite.fp8.Fp8Config or a jmp_lite.fp4.Fp4Config, got "
-        f"{type(value).__name__}: {value!r}."
-    )
-  compact = "".join(value.split())
-  name = compact.lower()
-  if name == "default":
-    return None
-  if name in recipes_lib.RECIPE_NAMES:
-    return _fp8_recipe(name, compute)
-  if "(" in name:
-    # The recipe's fields keep their case (axis names are case-sensitive).
-    return _fp8_recipe(recipes_lib.from_spec(compact), compute)
-  name = _PRECISION_ALIASES.get(name, name)
-  if name in _JAX_PRECISION:
-    if compute != dtypes.FLOAT32:
-      raise ValueError(
-          f"matmul_precision {value!r} sets how float32 matmuls run, but the "
-          f"policy computes in {compute.name}. Use a float32 compute dtype "
-          "(e.g. get_policy('tf32') or 'p=f32,c=f32,o=f32,m=tf32'), or leave "
-          "the matmul precision unset for half-precision compute."
-      )
-    return name
-  preset = _PRESETS_BY_NAME.get(name)
-  if preset is None:
+        f"{type(value).__name__}: {value!r}.")
+  elif value in _JAX_PRECISION:
+    kind, supported = "(how float32 matmuls run)", (dtypes.FLOAT32,)
+    fix = ("Use a float32 compute dtype (e.g. get_policy('tf32') or "
+           "'p=f32,c=f32,o=f32,m=tf32'), or leave the matmul precision unset "
+           "for half-precision compute.")
+  elif value in _PRESETS_BY_NAME:
+    preset = _PRESETS_BY_NAME[value]
+    kind = f"({preset.name})"
+    supported = tuple(np.dtype(t) for t in preset.supported_lhs_types or ())
+    fix = "Choose a preset for those inputs or change the compute dtype."
+  else:
     raise ValueError(
-        f"Unknown matmul precision {value!r}. Valid: {', '.join(MATMUL_PRECISIONS)}"
-        " (tf32/f32/bf16 for float32 compute; the others are "
-        "jax.lax.DotAlgorithmPreset names), 'default', or a float8 recipe: "
-        f"{', '.join(recipes_lib.FP8_RECIPES)} (custom: 'fp8_delayed(margin=1)' or a "
-        "jmp_lite.fp8.Fp8Config; see docs/fp8.md), or an FP4 recipe: "
-        f"{', '.join(recipes_lib.FP4_RECIPES)} (custom: 'nvfp4(rht=false)' or a "
-        "jmp_lite.fp4.Fp4Config; see docs/fp4.md)."
-    )
-  supported = preset.supported_lhs_types or ()
-  if not any(np.dtype(t) == compute for t in supported):
-    allowed = ", ".join(np.dtype(t).name for t in supported) or "float8"
+        f"Unknown matmul precision {given!r}. " + MATMUL_PRECISION_HELP.format(
+            names=", ".join(MATMUL_PRECISIONS),
+            fp8=", ".join(recipes_lib.FP8_RECIPES),
+            fp4=", ".join(recipes_lib.FP4_RECIPES)))
+  compute = np.dtype(compute_dtype)
+  if compute not in supported:
+    allowed = ", ".join(d.name for d in supported) or "float8"
     raise ValueError(
-        f"matmul_precision {value!r} ({preset.name}) takes {allowed} inputs, "
-        f"but the policy computes in {compute.name}. Choose a preset for "
-        f"{compute.name} inputs or change the compute dtype."
-    )
-  return name
+        f"matmul_precision {_recipe_text(value)!r} {kind} takes {allowed} "
+        f"inputs, but the policy computes in {compute.name}. {fix}")
+  return value
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -387,38 +369,37 @@ def _spec_error(spec: str, problem: str) -> ValueError:
   )
 
 
-def _split_entries(spec: str, text: str) -> list[str]:
+def _split_entries(text: str) -> list[str]:
   """Splits ``text`` at the commas outside a recipe's parentheses."""
   parts, depth, start = [], 0, 0
   for i, char in enumerate(text):
-    if char == "(":
-      depth += 1
-    elif char == ")":
-      depth -= 1
-      if depth < 0:
-        raise _spec_error(spec, f"it has a ')' with no '(' before it at "
-                          f"{text[start:i + 1]!r}")
-    elif char == "," and depth == 0:
+    depth += (char == "(") - (char == ")")
+    if char == "," and depth == 0:
       parts.append(text[start:i])
       start = i + 1
   parts.append(text[start:])
   return parts
 
 
-def _recipe_entry_error(spec: str, value: str) -> ValueError | None:
-  """The error of a recipe value with unbalanced parentheses or fields
-  separated by ``,``; None if it has neither."""
-  if value.count("(") != value.count(")"):
-    return _spec_error(
-        spec, f"the float8 recipe {value!r} does not close its parenthesis: "
-        "write name(field=value;...), e.g. "
-        "'m=fp8_delayed(margin=1;history_length=32)'")
-  if "," in value:
-    return _spec_error(
-        spec, f"the float8 recipe {value!r} separates its fields with ','. "
-        "Fields inside a recipe are separated by ';' (',' separates the "
-        f"policy's keys): write {value.replace(',', ';')!r}")
-  return None
+def _entry_problem(part: str, key: str, value: str,
+                   chosen: dict[str, tuple[str, str]]) -> str | None:
+  """What is wrong with one ``key=value`` entry of a spec, or None."""
+  if not part:
+    return "it has an empty entry (a stray comma?)"
+  if value.count("(") < value.count(")"):
+    return f"it has a ')' with no '(' before it at {part!r}"
+  if value.count("(") > value.count(")"):
+    return (f"the float8 recipe {value!r} does not close its parenthesis: "
+            "write name(field=value;...), e.g. "
+            "'m=fp8_delayed(margin=1;history_length=32)'")
+  if "=" not in part or ("=" in value and "(" not in value):
+    return f"entry {part!r} is not a single key=value pair"
+  if key not in _KEYS:
+    return f"unknown key {key!r} (valid keys: {', '.join(_KEYS)})"
+  if _KEYS[key] in chosen:
+    return (f"key {key!r} sets {_KEYS[key]} which "
+            f"{chosen[_KEYS[key]][0]!r} already set")
+  return None if value else f"key {key!r} has no value"
 
 
 def _parse_pairs(spec: str, text: str) -> dict[str, tuple[str, str]]:
@@ -427,32 +408,20 @@ def _parse_pairs(spec: str, text: str) -> dict[str, tuple[str, str]]:
   Keys are lowercased, and values but for a custom float8 recipe's fields,
   which sit in parentheses, separated by ``;``:
   ``"c=bf16,m=fp8_delayed(margin=1;history_length=32)"`` (their values keep
-  their case: axis names are case-sensitive).
+  their case: axis names are case-sensitive); the recipe's own grammar is
+  checked where it is read (``fp8/config.py``).
   """
   chosen: dict[str, tuple[str, str]] = {}
-  for raw_part in _split_entries(spec, text):
+  for raw_part in _split_entries(text):
     part = raw_part.strip()
-    if not part:
-      raise _spec_error(spec, "it has an empty entry (a stray comma?)")
     key, _, value = (s.strip() for s in part.partition("="))
     key = key.lower()
     head, paren, fields = value.partition("(")
     value = head.lower() + paren + fields
-    if paren:
-      error = _recipe_entry_error(spec, value)
-      if error is not None:
-        raise error
-    if "=" not in part or ("=" in value and "(" not in value):
-      raise _spec_error(spec, f"entry {part!r} is not a single key=value pair")
-    if key not in _KEYS:
-      raise _spec_error(spec, f"unknown key {key!r} (valid keys: {', '.join(_KEYS)})")
-    field = _KEYS[key]
-    if field in chosen:
-      raise _spec_error(
-          spec, f"key {key!r} sets {field} which {chosen[field][0]!r} already set")
-    if not value:
-      raise _spec_error(spec, f"key {key!r} has no value")
-    chosen[field] = (key, value)
+    problem = _entry_problem(part, key, value, chosen)
+    if problem:
+      raise _spec_error(spec, problem)
+    chosen[_KEYS[key]] = (key, value)
   return chosen
 
 
@@ -461,7 +430,7 @@ def _parse_dtype(spec: str, value: str, problem: str) -> np.dtype:
     return dtypes.parse_dtype(value)
   except ValueError:
     if _looks_fp4(value):
-      problem += ". " + FP4_POLICY_DTYPE[:-1]
+      problem += ". " + dtypes.FP4_POLICY_DTYPE[:-1]
     elif _looks_fp8(value):
       problem += ". " + dtypes.FLOAT8_POLICY_DTYPE[:-1]
     raise _spec_error(spec, problem) from None
@@ -533,18 +502,14 @@ def get_policy(spec: str | Policy) -> Policy:
   if isinstance(spec, Policy):
     return spec
   if not isinstance(spec, str):
-    raise TypeError(
-        "get_policy expects a spec string such as 'params=f32,compute=f16' or a"
-        f" Policy, got {type(spec).__name__}: {spec!r}."
-    )
+    raise TypeError("get_policy expects a spec string such as 'params=f32,"
+                    f"compute=f16' or a Policy, got {type(spec).__name__}: {spec!r}.")
   text = spec.strip()
   lowered = text.lower()
-  if not text:
-    raise _spec_error(spec, "it is empty")
   if lowered in PRESETS:
     return get_policy(PRESETS[lowered])
   if "=" not in text:
-    dtype = _parse_dtype(spec, lowered,
+    dtype = _parse_dtype(spec, lowered, "it is empty" if not text else
                          f"Unknown dtype or preset {lowered!r}")
     return Policy(dtype, dtype, dtype)
   if "(" in text:
