@@ -83,35 +83,36 @@ def _shown(x: Any) -> str:
 # -- numbers -----------------------------------------------------------------------
 
 
-def real_scalar(x: Any, what: str, owner: str) -> None:
-  """A real scalar: a number or a 0-d array (tracers too), not a bool."""
-  if is_bool(x) or _is_complex(x) or not (is_real_number(x) or is_array(x)):
-    shown = f"a bool ({x!r})" if is_bool(x) else _shown(x)
-    raise TypeError(
-        f"{owner}: {what} must be a number, got {shown}. Pass a real number "
-        "or a scalar array, e.g. 2.0**15."
-    )
+def real_scalar(x: Any, what: str, owner: str, kind: str = "a number",
+                static: bool = False) -> None:
+  """A real scalar: a number or a 0-d array (tracers too, unless ``static``:
+  static configuration is read in Python), not a bool; ``kind`` says which."""
+  if (is_bool(x) or _is_complex(x) or not (is_real_number(x) or is_array(x))
+      or (static and not is_concrete(x))):
+    shown = (f"a bool ({x!r})" if is_bool(x) else "a traced value (it is "
+             "static configuration: pass a Python number)"
+             if not is_concrete(x) else _shown(x))
+    raise TypeError(f"{owner}: {what} must be {kind}, got {shown}.")
   if np.ndim(x) != 0:
-    raise ValueError(
-        f"{owner}: {what} must be a scalar, got an array of shape "
-        f"{np.shape(x)}. Pass a single number such as 2.0**15."
-    )
+    raise ValueError(f"{owner}: {what} must be a scalar, got an array of shape "
+                     f"{np.shape(x)}. Pass a single number.")
 
 
-def static_number(x: Any, what: str, owner: str) -> float:
-  """Static configuration: a finite real number (Python, numpy, or a concrete
-  0-d array), never a traced value."""
-  if not is_concrete(x):
-    raise TypeError(
-        f"{owner}: {what} is static configuration and cannot be a traced "
-        "value; pass a Python number."
-    )
-  if is_bool(x) or _is_complex(x) or not (
-      is_real_number(x) or (is_array(x) and np.ndim(x) == 0)):
-    raise TypeError(f"{owner}: {what} must be a real number, got {_shown(x)}.")
+def number(x: Any, what: str, owner: str, *, low: float = -math.inf,
+           high: float = math.inf, low_open: bool = False,
+           meaning: str = "") -> float:
+  """Static configuration: a finite real number (Python, numpy or a concrete
+  0-d array, never a traced value) in ``[low, high]`` (``(low, high]`` with
+  ``low_open``); ``meaning`` says what it is for."""
+  real_scalar(x, what, owner, static=True)
   value = float(x)
-  if not math.isfinite(value):
-    raise ValueError(f"{owner}: {what} must be finite, got {value}.")
+  above = value > low if low_open else value >= low
+  if not (math.isfinite(value) and above and value <= high):
+    bounds = (f" in {'(' if low_open else '['}{low:g}, {high:g}]"
+              if math.isfinite(high) else f" {'>' if low_open else '>='} {low:g}"
+              if math.isfinite(low) else "")
+    raise ValueError(f"{owner}: {what} must be a finite number{bounds}, got "
+                     f"{x!r}{'; ' + meaning if meaning else ''}.")
   return value
 
 
@@ -120,20 +121,17 @@ def integer(x: Any, what: str, owner: str, low: int = 0,
   """An integer in ``[low, high]`` (static). With ``whole_floats``, a float
   such as ``5.0`` is accepted too (jmp accepts ``period=5.0``)."""
   if whole_floats:
-    value = static_number(x, what, owner)
-    if not value.is_integer():
-      raise ValueError(f"{owner}: {what} must be a whole number, got {x!r}.")
+    value = number(x, what, owner)
   elif is_bool(x) or not isinstance(x, (numbers.Integral, np.integer)):
     raise TypeError(
         f"{owner}: {what} must be an int >= {low}, got {_shown(x)}.")
   else:
     value = x
-  if not low <= value <= high:
+  if not (float(value).is_integer() and low <= value <= high):
     bounds = (f"an int >= {low}" if high == INT32_MAX
               else f"between {low} and {high}")
-    why = (" (it is stored as an int32)" if value > high == INT32_MAX
-           else "")
-    raise ValueError(f"{owner}: {what} must be {bounds}{why}, got {int(value)!r}.")
+    why = " (it is stored as an int32)" if value > high == INT32_MAX else ""
+    raise ValueError(f"{owner}: {what} must be {bounds}{why}, got {x!r}.")
   return int(value)
 
 
@@ -161,18 +159,11 @@ FP8_MARGIN_RANGE = (
 def fp8_margin(x: Any, owner: str, what: str = "margin") -> int:
   """A float8 scale's margin: a whole number in ``[0, FP8_MARGIN_MAX]``,
   returned as an int (a whole float such as ``1.0`` is accepted)."""
-  if is_bool(x) or _is_complex(x) or not (is_real_number(x) or (
-      is_array(x) and np.ndim(x) == 0 and is_concrete(x)
-      and np.issubdtype(np.asarray(x).dtype, np.number))):
-    raise TypeError(
-        f"{owner}: {what} must be a whole number from 0 to {FP8_MARGIN_MAX}, "
-        f"got {_shown(x)}. {FP8_MARGIN_RANGE}")
+  real_scalar(x, what, owner, f"a whole number from 0 to {FP8_MARGIN_MAX}")
   value = float(x)
-  if not (math.isfinite(value) and value.is_integer()
-          and 0 <= value <= FP8_MARGIN_MAX):
-    raise ValueError(
-        f"{owner}: {what}={x!r} is not a whole number from 0 to "
-        f"{FP8_MARGIN_MAX}. {FP8_MARGIN_RANGE}")
+  if not (value.is_integer() and 0 <= value <= FP8_MARGIN_MAX):
+    raise ValueError(f"{owner}: {what}={x!r} is not a whole number from 0 to "
+                     f"{FP8_MARGIN_MAX}. {FP8_MARGIN_RANGE}")
   return int(value)
 
 
@@ -180,14 +171,13 @@ def choice(x: Any, what: str, owner: str, valid: Sequence[str],
            help_text: str = "", aliases: Mapping[str, str] | None = None) -> str:
   """One of ``valid`` names (case and surrounding space ignored; ``aliases``
   map other spellings to them), canonical; ``help_text`` says what each is."""
-  tail = f" {help_text}" if help_text else (
-      f" Valid: {', '.join(map(repr, valid))}.")
+  tail = help_text or f"Valid: {', '.join(map(repr, valid))}."
   if not isinstance(x, str):
-    raise TypeError(f"{owner}: {what} must be a string, got {_shown(x)}.{tail}")
+    raise TypeError(f"{owner}: {what} must be a string, got {_shown(x)}. {tail}")
   key = x.strip().lower()
   key = (aliases or {}).get(key, key)
   if key not in valid:
-    raise ValueError(f"{owner}: unknown {what} {x!r}.{tail}")
+    raise ValueError(f"{owner}: unknown {what} {x!r}. {tail}")
   return key
 
 
@@ -196,25 +186,6 @@ def flag(x: Any, what: str, owner: str) -> bool:
   if not isinstance(x, (bool, np.bool_)):
     raise TypeError(f"{owner}: {what} must be a bool, got {_shown(x)}.")
   return bool(x)
-
-
-def number(x: Any, what: str, owner: str, *, low: float,
-           high: float = math.inf, low_open: bool = False,
-           meaning: str = "") -> float:
-  """A finite real number in ``[low, high]`` (``(low, high]`` with
-  ``low_open``); ``meaning`` says what it is for."""
-  if is_bool(x) or not is_real_number(x):
-    raise TypeError(
-        f"{owner}: {what} must be a number, got {_shown(x)}.")
-  value = float(x)
-  above = value > low if low_open else value >= low
-  if not (math.isfinite(value) and above and value <= high):
-    bounds = (f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-              if math.isfinite(high) else f"{'>' if low_open else '>='} {low:g}")
-    raise ValueError(
-        f"{owner}: {what} must be a finite number {bounds}, got "
-        f"{x!r}{'; ' + meaning if meaning else ''}.")
-  return value
 
 
 def at_least(x: Any, what: str, owner: str, low: float, meaning: str) -> float:
@@ -231,26 +202,28 @@ def share(x: Any, what: str, owner: str, *, zero_allowed: bool) -> float:
 # -- arrays ------------------------------------------------------------------------
 
 
+#: What a quantizer takes, and why.
+FLOAT_ARRAY = (
+    "Pass a float32, bfloat16 or float16 array (cast others first, e.g. "
+    "x.astype(jnp.float32)): the quantizer computes the scale from the "
+    "high-precision values and casts them itself."
+)
+
+
 def float_array(x: Any, what: str, *, float8: bool = False) -> jax.Array:
   """A floating array (float32, bfloat16, float16; float8 only if allowed),
   returned as a ``jax.Array``; None, bools, integers and objects are
   refused with a TypeError naming ``what``."""
   try:
-    x = jax.numpy.asarray(x)
+    x, got = jax.numpy.asarray(x), None
   except (TypeError, ValueError):  # None, strings, objects
-    raise TypeError(
-        f"{what} must be a floating array, got {_shown(x)}.") from None
-  dtype = np.dtype(x.dtype)
-  if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-    raise TypeError(
-        f"{what} must be a floating array (float32, bfloat16, float16), got "
-        f"dtype {dtype.name}. Cast it first, e.g. x.astype(jnp.float32): "
-        "float8 quantization scales real values.")
-  if not float8 and dtype.itemsize == 1:
-    raise TypeError(
-        f"{what} is already float8 ({dtype.name}). Pass the high-precision "
-        "array (float32, bfloat16 or float16): the quantizer computes the "
-        "scale from it and casts it itself.")
+    got = f"must be a floating array, got {_shown(x)}"
+  if got is None and not jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+    got = f"must be a floating array, got dtype {np.dtype(x.dtype).name}"
+  elif got is None and not float8 and np.dtype(x.dtype).itemsize == 1:
+    got = f"is already float8 ({np.dtype(x.dtype).name})"
+  if got is not None:
+    raise TypeError(f"{what} {got}. {FLOAT_ARRAY}")
   return x
 
 
@@ -296,50 +269,48 @@ def no_fp8_state(tree: Any, owner: str) -> None:
 # -- loss scales -------------------------------------------------------------------
 
 
-def loss_scale_value(x: Any, what: str, owner: str) -> float | None:
+def loss_scale_value(x: Any, what: str, owner: str,
+                     hint: str = "") -> float | None:
   """A concrete scale in [SCALE_MIN, SCALE_MAX], as a float; None for a traced
   value (which cannot be checked: the loss scales clamp it instead)."""
   if not is_concrete(x):
     return None
-  value = static_number(x, what, owner)
-  if value <= 0:
-    raise ValueError(f"{owner}: {what} must be positive, got {value}.")
+  real_scalar(x, what, owner, static=True)
+  value = float(x)
   if not SCALE_MIN <= value <= SCALE_MAX:
-    raise ValueError(
-        f"{owner}: {what}={value:g} is outside {SCALE_RANGE}.")
+    problem = (f" must be finite, got {value}" if not math.isfinite(value)
+               else f" must be positive, got {value}" if value <= 0
+               else f"={value:g} is outside {SCALE_RANGE}")
+    raise ValueError(f"{owner}: {what}{problem}.{hint}")
   return value
 
 
 # -- predicates and mapped axes ------------------------------------------------------
 
 
+#: What a predicate is, and how to make one.
+PREDICATE = ("Pass a bool or a bool array of shape (), e.g. "
+             "jmp_lite.all_finite(grads) or jnp.all(x > 0).")
+
+
 def predicate(pred: Any, what: str) -> jax.Array:
   """A scalar boolean (array or Python/numpy bool), returned as an array."""
-  if isinstance(pred, (bool, np.bool_)):
-    return jax.numpy.asarray(pred)
   if not is_bool(pred):
-    raise TypeError(
-        f"{what} must be a scalar boolean array (e.g. the result of "
-        f"jmp_lite.all_finite), got {_shown(pred)}. Compare explicitly, e.g. "
-        "`x > 0`, or use jmp_lite.all_finite(...)."
-    )
+    raise TypeError(f"{what} must be a scalar boolean, got {_shown(pred)}. "
+                    f"{PREDICATE}")
   if np.ndim(pred) != 0:
-    raise ValueError(
-        f"{what} must be a scalar (shape ()), got shape {np.shape(pred)}. "
-        "Reduce it first, e.g. with jnp.all(...) or jmp_lite.all_finite(...)."
-    )
-  return pred
+    raise ValueError(f"{what} must be a scalar (shape ()), got shape "
+                     f"{np.shape(pred)}. {PREDICATE}")
+  return jax.numpy.asarray(pred)
 
 
 def axis_name(name: Any) -> None:
   """A mapped axis is named by a string (or a tuple of strings)."""
   names = name if isinstance(name, (tuple, list)) else (name,)
   if not names or not all(isinstance(n, str) for n in names):
-    raise TypeError(
-        "axis_name must be the name of a pmap/shard_map axis (a string such "
-        f"as 'batch') or a tuple of names, got {name!r}. (An integer would be "
-        "taken as a positional array axis.)"
-    )
+    raise TypeError(f"axis_name must be a pmap/shard_map axis name (a string "
+                    f"such as 'batch') or a tuple of them, got {name!r}. "
+                    "(An integer would be a positional array axis.)")
 
 
 def bound_axis(name: Any, owner: str) -> None:
@@ -353,8 +324,7 @@ def bound_axis(name: Any, owner: str) -> None:
   try:
     lax.psum(1, name)
   except (NameError, AssertionError) as err:
-    raise ValueError(
-        f"{owner}(axis_name={name!r}) {UNBOUND_AXIS}. ({err})") from None
+    raise ValueError(f"{owner}(axis_name={name!r}) {UNBOUND_AXIS}. ({err})") from None
 
 
 # -- functions and transformations ---------------------------------------------------
@@ -370,37 +340,37 @@ def optax_transformation(
     inner: Any, owner: str) -> optax.GradientTransformationExtraArgs:
   """An optax ``GradientTransformation``, with extra-args support."""
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise TypeError(
-        f"{owner} expects an optax GradientTransformation such as "
-        f"optax.adam(1e-3) as its first argument, got {_shown(inner)}."
-    )
+    raise TypeError(f"{owner} expects an optax GradientTransformation such "
+                    f"as optax.adam(1e-3) first, got {_shown(inner)}.")
   return optax.with_extra_args_support(inner)
 
 
 def argnums(nums: Any, what: str, owner: str) -> tuple[int, ...]:
   """An int or a sequence of distinct non-negative ints."""
   values = tuple(nums) if isinstance(nums, (tuple, list)) else (nums,)
-  if not values:
-    raise ValueError(
-        f"{owner}: {what} must name at least one argument, got {nums!r}.")
   for n in values:
     integer(n, what, owner)
-  if len(set(values)) != len(values):
-    raise ValueError(f"{owner}: {what} has duplicates: {nums!r}.")
+  if not values or len(set(values)) != len(values):
+    raise ValueError(f"{owner}: {what} must name one or more distinct "
+                     f"arguments, got {nums!r}.")
   return tuple(int(n) for n in values)
+
+
+#: An argument index beyond those of a call.
+ARGNUMS_RANGE = (
+    "{owner}: {what}={nums!r} but the function was called with {nargs} "
+    "positional argument(s) (valid indices: 0..{last}). Pass the batch "
+    "positionally, or fix {what}."
+)
 
 
 def argnums_in_range(nums: Sequence[int], what: str, nargs: int,
                      owner: str) -> None:
   """Each index names one of the ``nargs`` positional arguments of a call."""
-  bad = [n for n in nums if n >= nargs]
-  if bad:
-    raise ValueError(
-        f"{owner}: {what}={nums if len(nums) > 1 else nums[0]!r} but the "
-        f"function was called with {nargs} positional argument(s) (valid "
-        f"indices: 0..{nargs - 1}). Pass the batch positionally, or fix "
-        f"{what}."
-    )
+  if max(nums) >= nargs:
+    raise ValueError(ARGNUMS_RANGE.format(
+        owner=owner, what=what, nargs=nargs, last=nargs - 1,
+        nums=nums if len(nums) > 1 else nums[0]))
 
 
 # -- files ---------------------------------------------------------------------------
@@ -409,7 +379,5 @@ def argnums_in_range(nums: Sequence[int], what: str, nargs: int,
 def path(value: Any, what: str, owner: str) -> None:
   """A file path (str or os.PathLike)."""
   if not isinstance(value, (str, os.PathLike)):
-    raise TypeError(
-        f"{owner}: {what} must be a file path (a str or os.PathLike such as "
-        f"'grads.png'), got {_shown(value)}."
-    )
+    raise TypeError(f"{owner}: {what} must be a file path (a str or "
+                    f"os.PathLike such as 'grads.png'), got {_shown(value)}.")

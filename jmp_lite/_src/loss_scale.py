@@ -56,43 +56,31 @@ def _counter_leaf(x: Any, owner: str) -> jax.Array:
   return _scalar_leaf(x, _I32)
 
 
-def _growth(x: Any, what: str, owner: str) -> float:
-  value = checks.static_number(x, what, owner)
-  if not np.float32(value) > 1:
+def _factor(x: Any, what: str, owner: str, grows: bool) -> float:
+  """A growth factor (> 1) or a back-off factor (in (0, 1)), in float32."""
+  value = checks.number(x, what, owner)
+  f32 = np.float32(value)
+  if not (f32 > 1 if grows else 0 < f32 < 1):
+    rule, default = (("> 1", "2 (the default)") if grows
+                     else ("in (0, 1)", "0.5 (torch's default)"))
+    rounds = " (it rounds to 1)" if grows and value > 1 else ""
     raise ValueError(
-        f"{owner}: {what} must be > 1 in float32 (the scale is multiplied by "
-        f"it to grow), got {value!r}{' (it rounds to 1)' if value > 1 else ''}."
-        " Use 2 (the default)."
-    )
+        f"{owner}: {what} must be {rule} in float32 (the scale is multiplied "
+        f"by it to {'grow' if grows else 'back off'}), got {value!r}{rounds}. "
+        f"Use {default}.")
   return value
 
 
-def _backoff(x: Any, what: str, owner: str) -> float:
-  value = checks.static_number(x, what, owner)
-  if not 0 < np.float32(value) < 1:
-    raise ValueError(
-        f"{owner}: {what} must be in (0, 1) in float32 (the scale is "
-        f"multiplied by it to back off), got {value!r}. Use 0.5 (torch's "
-        "default)."
-    )
-  return value
+#: What min_loss_scale=0 means.
+NO_FLOOR = (" Use min_loss_scale=0 for no floor of your own (the scale then "
+            "stops at 2**-126).")
 
 
 def _floor(x: Any, owner: str) -> float:
   """``min_loss_scale``: 0 (no floor of one's own) or a valid scale."""
-  value = checks.static_number(x, "min_loss_scale", owner)
-  if value == 0:
+  if checks.number(x, "min_loss_scale", owner) == 0:
     return 0.0
-  if value < 0:
-    raise ValueError(f"{owner}: min_loss_scale must be >= 0, got {value}.")
-  if value < SCALE_MIN:
-    raise ValueError(
-        f"{owner}: min_loss_scale={value:g} is below 2**-126, where float32 "
-        "scales stop being normal numbers (it would round to 0). Use 0 for no"
-        " floor of your own (the scale then stops at 2**-126), or a value of "
-        "at least 2**-126."
-    )
-  return checks.loss_scale_value(value, "min_loss_scale", owner)
+  return checks.loss_scale_value(x, "min_loss_scale", owner, NO_FLOOR)
 
 
 def _register(cls):
@@ -369,8 +357,9 @@ class DynamicLossScale:
         min_loss_scale, max_loss_scale,
     )
     checks.real_scalar(loss_scale, "loss_scale", owner)
-    _check_within(checks.loss_scale_value(loss_scale, "loss_scale", owner),
-                  config, owner)
+    _check_within("loss_scale",
+                  checks.loss_scale_value(loss_scale, "loss_scale", owner),
+                  config["min_loss_scale"], config["max_loss_scale"], owner)
     scale_leaf = _scalar_leaf(loss_scale, _F32)
     counter_leaf = _counter_leaf(counter, owner)
     for name, value in (("loss_scale", scale_leaf), ("counter", counter_leaf),
@@ -451,29 +440,21 @@ def _dynamic_config(
     min_loss_scale, max_loss_scale,
 ) -> dict[str, Any]:
   """Validates DynamicLossScale's static configuration; returns its fields."""
-  factor = _growth(factor, "factor", owner)
+  factor = _factor(factor, "factor", owner, grows=True)
   if growth_factor is not None:
-    growth = _growth(growth_factor, "growth_factor", owner)
+    growth = _factor(growth_factor, "growth_factor", owner, grows=True)
     if factor not in (2.0, growth):
-      raise ValueError(
-          f"{owner}: growth_factor={growth} contradicts factor={factor}; they"
-          " are the same setting (torch's name and jmp's): give one of them."
-      )
+      raise ValueError(f"{owner}: growth_factor={growth} contradicts factor="
+                       f"{factor}; they are the same setting (torch's name and "
+                       "jmp's): give one of them.")
     factor = growth
-  if backoff_factor is None:
-    backoff = 1.0 / factor
-  else:
-    backoff = _backoff(backoff_factor, "backoff_factor", owner)
+  backoff = 1.0 / factor if backoff_factor is None else _factor(
+      backoff_factor, "backoff_factor", owner, grows=False)
   floor = _floor(min_loss_scale, owner)
-  cap = None
-  if max_loss_scale is not None:
-    checks.static_number(max_loss_scale, "max_loss_scale", owner)  # Static.
-    cap = checks.loss_scale_value(max_loss_scale, "max_loss_scale", owner)
-    if cap < floor:
-      raise ValueError(
-          f"{owner}: max_loss_scale ({cap}) must be >= min_loss_scale "
-          f"({floor})."
-      )
+  cap = None if max_loss_scale is None else checks.loss_scale_value(
+      checks.number(max_loss_scale, "max_loss_scale", owner),
+      "max_loss_scale", owner)
+  _check_within("max_loss_scale", cap, floor, None, owner)
   return dict(
       period=checks.integer(period, "period", owner, 1, whole_floats=True),
       factor=factor,
@@ -485,21 +466,14 @@ def _dynamic_config(
   )
 
 
-def _check_within(value: float | None, config: dict[str, Any], owner: str) -> None:
-  """A concrete initial scale must lie between the floor and the cap."""
-  if value is None:
-    return
-  if value < config["min_loss_scale"]:
+def _check_within(what: str, value: float | None, low: float,
+                  high: float | None, owner: str) -> None:
+  """A concrete scale (the initial one, the cap) within ``[low, high]``."""
+  if value is not None and not low <= value <= (high or value):
     raise ValueError(
-        f"{owner}: loss_scale ({value}) is below min_loss_scale "
-        f"({config['min_loss_scale']}). Start at or above the minimum, or "
-        "lower min_loss_scale."
-    )
-  if config["max_loss_scale"] is not None and value > config["max_loss_scale"]:
-    raise ValueError(
-        f"{owner}: loss_scale ({value}) is above max_loss_scale "
-        f"({config['max_loss_scale']})."
-    )
+        f"{owner}: {what}={value} must be >= min_loss_scale ({low})"
+        f"{f' and <= max_loss_scale ({high})' if high else ''}. Change it or "
+        "the bounds.")
 
 
 _register(NoOpLossScale)
