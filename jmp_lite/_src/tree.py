@@ -92,6 +92,21 @@ def find(tree: Any, state_type: type, field: str) -> list[Any]:
       tree, field, filtering=in_state)]
 
 
+def find_one(tree: Any, state_type: type, field: str, owner: str,
+             what: str, build: str) -> Any:
+  """The one ``field`` of a ``state_type`` inside ``tree`` (:func:`find`);
+  a ValueError naming ``what`` was found, and ``build`` to make one, if
+  there is none or more than one."""
+  found = find(tree, state_type, field)
+  if len(found) != 1:
+    fix = (f"Build the optimizer with {build} and pass the state its init "
+           "returned." if not found else "Which one to use is ambiguous: "
+           "pass the sub-state of the optimizer you mean.")
+    raise ValueError(f"{owner} found {len(found) or 'no'} {what} in the "
+                     f"optimizer state (a {type(tree).__name__}). {fix}")
+  return found[0]
+
+
 def cast_floating(tree: T, dtype: Any, is_leaf: Any = None) -> T:
   """Casts every floating array leaf of ``tree`` to ``dtype``.
 
@@ -212,9 +227,10 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     A tree with the structure of ``a``.
 
   Raises:
-    TypeError: if ``pred`` is not boolean, or leaves differ in dtype or cannot
-      be selected.
-    ValueError: if ``pred`` is not a scalar, or the trees or leaf shapes differ.
+    TypeError: if ``pred`` is not boolean, array leaves differ in shape or
+      dtype (from ``lax.select``), or other leaves differ.
+    ValueError: if ``pred`` is not a scalar, or the trees' structures differ
+      (from ``jax.tree.map``).
 
   Example:
     >>> import jax.numpy as jnp, jmp_lite
@@ -222,34 +238,10 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     {'w': Array([1., 1.], dtype=float32)}
   """
   pred = checks.predicate(pred, "select_tree's predicate")
-  a_leaves, a_def = jax.tree.flatten_with_path(a)
-  b_leaves, b_def = jax.tree.flatten(b)
-  if a_def != b_def:
-    raise ValueError(
-        "select_tree needs two trees of the same structure, got\n"
-        f"  a: {a_def}\n  b: {b_def}\n"
-        "Make both branches return the same containers and keys."
-    )
 
   def select(path, x, y):
-    where = jax.tree_util.keystr(path) or "<root>"
-    if checks.is_array(x) or checks.is_array(y):
-      if not (checks.is_array(x) and checks.is_array(y)):
-        raise TypeError(
-            f"select_tree: leaf {where} is an array in one tree and "
-            f"{type(y if checks.is_array(x) else x).__name__} in the other."
-        )
-      if np.shape(x) != np.shape(y):
-        raise ValueError(
-            f"select_tree: leaf {where} has shape {np.shape(x)} in a and "
-            f"{np.shape(y)} in b; both trees must have the same shapes."
-        )
-      if x.dtype != y.dtype:
-        raise TypeError(
-            f"select_tree: leaf {where} has dtype {x.dtype} in a and {y.dtype}"
-            " in b; cast one side first so both have the same dtype."
-        )
-      return lax.select(pred, x, y)
+    if checks.is_array(x) and checks.is_array(y):
+      return lax.select(pred, x, y)  # JAX names differing shapes or dtypes.
     if x is y:
       return x
     if (checks.is_real_number(x) and not checks.is_array(x)
@@ -259,13 +251,12 @@ def select_tree(pred: Any, a: T, b: T) -> T:
       same = bool(x == y)
     except Exception:  # pylint: disable=broad-except
       same = False
-    if same:
-      return x
-    raise TypeError(
-        f"select_tree: leaf {where} is a non-array value that differs between"
-        f" the trees ({x!r} vs {y!r}); only arrays can be selected under jit."
-    )
+    if not same:
+      raise TypeError(
+          f"select_tree: leaf {jax.tree_util.keystr(path) or '<root>'} differs "
+          f"between the trees and is not an array in both ({x!r} vs {y!r}); "
+          "only arrays can be selected under jit.")
+    return x
 
-  return jax.tree.unflatten(
-      a_def, [select(p, x, y) for (p, x), y in zip(a_leaves, b_leaves)]
-  )
+  # JAX reports trees of different structures.
+  return jax.tree.map_with_path(select, a, b)
