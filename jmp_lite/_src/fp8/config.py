@@ -94,13 +94,10 @@ def check_granularity(name: Any, valid: tuple[str, ...], help_text: str, *,
                       owner: str) -> str:
   """Canonicalises a granularity name of ``valid`` or raises a teaching error
   (an old spelling: an error naming the one spelling)."""
-  if isinstance(name, str):
-    key = name.strip().lower()
-    if key in RENAMED_GRANULARITIES:
-      raise ValueError(
-          f"{owner}: granularity {name!r} is now spelled "
-          f"{RENAMED_GRANULARITIES[key]!r} (one name per granularity). "
-          f"{help_text}")
+  key = name.strip().lower() if isinstance(name, str) else None
+  if key in RENAMED_GRANULARITIES:
+    help_text = (f"{name!r} is now spelled {RENAMED_GRANULARITIES[key]!r} "
+                 f"(one name per granularity). {help_text}")
   return checks.choice(name, "granularity", owner, valid, help_text)
 
 #: The scaling modes.
@@ -151,7 +148,37 @@ POLICY_COMPUTE_DTYPE = (
     "(e.g. dataclasses.replace(config, compute_dtype=None))."
 )
 
+MXFP8_POWER_OF_TWO = (
+    "granularity='mxfp8' uses E8M0 scales, which are powers of two: "
+    "power_of_two_scales=False is not possible with it."
+)
+BLOCK_SIZE_ONLY = (
+    "block_size only applies to granularity='blockwise'; leave it None. "
+    "MXFP8 blocks are always 32 elements."
+)
+
 _OWNER = "Fp8Config"
+#: The boolean fields of :class:`Fp8Config`.
+_FLAGS = ("power_of_two_scales", "include_output_head", "include_batched",
+          "native_mx")
+#: Fields that only some granularities or scaling modes take: (the fields a
+#: refusal shows, whether the given fields conflict, why and how to fix it).
+_CONFLICTS = (
+    (("scaling", "granularity"),
+     lambda f: f["scaling"] == "delayed" and f["granularity"] != "tensor",
+     DELAYED_GRANULARITY_HELP),
+    (("granularity", "power_of_two_scales"),
+     lambda f: f["granularity"] == "mxfp8" and not f["power_of_two_scales"],
+     MXFP8_POWER_OF_TWO),
+    (("block_size", "granularity"),
+     lambda f: f["block_size"] is not None and f["granularity"] != "blockwise",
+     BLOCK_SIZE_ONLY),
+    (("history_length", "margin", "amax_algorithm", "scaling"),
+     lambda f: f["scaling"] != "delayed" and (
+         f["history_length"], f["margin"], f["amax_algorithm"]) != (
+             None, 0, None),
+     DELAYED_ONLY_HELP),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,80 +272,50 @@ class Fp8Config:
   axis_name: Any = None
 
   def __post_init__(self):
-    fwd = formats_lib.get_format(self.forward_format, "forward_format").name
-    grad = formats_lib.get_format(self.gradient_format, "gradient_format").name
-    granularity = check_granularity(
-        self.granularity, MATMUL_GRANULARITIES, MATMUL_GRANULARITY_HELP,
-        owner=_OWNER)
-    scaling = checks.choice(self.scaling, "scaling", _OWNER, SCALING_MODES,
-                            SCALING_HELP)
-    if scaling == "delayed" and granularity != "tensor":
-      raise ValueError(
-          f"scaling='delayed' with granularity={granularity!r} is not "
-          f"supported. {DELAYED_GRANULARITY_HELP}")
-    power_of_two = checks.flag(self.power_of_two_scales, "power_of_two_scales",
-                               _OWNER)
-    if granularity == "mxfp8" and not power_of_two:
-      raise ValueError(
-          "granularity='mxfp8' uses E8M0 scales, which are powers of two: "
-          "power_of_two_scales=False is not possible with it.")
-    block_size = self._block_size(granularity)
-    history, margin, algorithm = self._delayed_fields(scaling)
     fields = dict(
-        forward_format=fwd, gradient_format=grad, granularity=granularity,
-        scaling=scaling, power_of_two_scales=power_of_two,
-        block_size=block_size, history_length=history, margin=margin,
-        amax_algorithm=algorithm,
-        include_output_head=checks.flag(
-            self.include_output_head, "include_output_head", _OWNER),
-        include_batched=checks.flag(self.include_batched, "include_batched",
-                                    _OWNER),
+        forward_format=formats_lib.get_format(
+            self.forward_format, "forward_format").name,
+        gradient_format=formats_lib.get_format(
+            self.gradient_format, "gradient_format").name,
+        granularity=check_granularity(
+            self.granularity, MATMUL_GRANULARITIES, MATMUL_GRANULARITY_HELP,
+            owner=_OWNER),
+        scaling=checks.choice(self.scaling, "scaling", _OWNER, SCALING_MODES,
+                              SCALING_HELP),
+        block_size=self.block_size, history_length=self.history_length,
+        margin=checks.fp8_margin(self.margin, _OWNER),
+        amax_algorithm=self.amax_algorithm,
         dim_multiple=checks.integer(self.dim_multiple, "dim_multiple", _OWNER,
                                     low=1),
         compute_dtype=None if self.compute_dtype is None else
         dtypes_lib.canonical_dtype(self.compute_dtype,
                                    "Fp8Config.compute_dtype"),
-        native_mx=checks.flag(self.native_mx, "native_mx", _OWNER),
         axis_name=_canonical_axis_name(self.axis_name),
     )
+    for name in _FLAGS:
+      fields[name] = checks.flag(getattr(self, name), name, _OWNER)
+    for names, conflict, why in _CONFLICTS:
+      if conflict(fields):
+        shown = ", ".join(f"{n}={fields[n]!r}" for n in names)
+        raise ValueError(f"{_OWNER}({shown}): {why}")
+    if fields["granularity"] == "blockwise":
+      size = fields["block_size"] = checks.integer(
+          DEFAULT_BLOCK_SIZE if self.block_size is None else self.block_size,
+          "block_size", _OWNER)
+      if size < 16 or size % 16:
+        raise ValueError(f"Fp8Config.block_size={size} is not a positive "
+                         f"multiple of 16. {BLOCK_SIZE_HELP}")
+    if fields["scaling"] == "delayed":
+      fields["history_length"] = checks.integer(
+          DEFAULT_HISTORY_LENGTH if self.history_length is None
+          else self.history_length, "history_length", _OWNER, low=1,
+          high=2**20)
+      fields["amax_algorithm"] = checks.choice(
+          DEFAULT_AMAX_ALGORITHM if self.amax_algorithm is None
+          else self.amax_algorithm, "amax_algorithm", _OWNER,
+          AMAX_ALGORITHMS, AMAX_ALGORITHM_HELP)
     for name, value in fields.items():
       object.__setattr__(self, name, value)
-
-  def _block_size(self, granularity: str) -> int | None:
-    block_size = self.block_size
-    if granularity != "blockwise":
-      if block_size is not None:
-        raise ValueError(
-            f"Fp8Config.block_size={block_size!r} only applies to "
-            f"granularity='blockwise' (got {granularity!r}); leave it None. "
-            "MXFP8 blocks are always 32 elements.")
-      return None
-    if block_size is None:
-      return DEFAULT_BLOCK_SIZE
-    block_size = checks.integer(block_size, "block_size", _OWNER)
-    if block_size < 16 or block_size % 16:
-      raise ValueError(
-          f"Fp8Config.block_size={block_size} is not a positive multiple "
-          f"of 16. {BLOCK_SIZE_HELP}")
-    return int(block_size)
-
-  def _delayed_fields(self, scaling: str) -> tuple[Any, int, Any]:
-    history, algorithm = self.history_length, self.amax_algorithm
-    margin = checks.fp8_margin(self.margin, _OWNER)
-    if scaling != "delayed":
-      if history is not None or algorithm is not None or margin != 0:
-        raise ValueError(
-            f"Fp8Config: history_length={history!r}, margin={self.margin!r}, "
-            f"amax_algorithm={algorithm!r} with scaling='current'. "
-            f"{DELAYED_ONLY_HELP}")
-      return None, 0, None
-    history = DEFAULT_HISTORY_LENGTH if history is None else checks.integer(
-        history, "history_length", _OWNER, low=1, high=2**20)
-    algorithm = checks.choice(
-        DEFAULT_AMAX_ALGORITHM if algorithm is None else algorithm,
-        "amax_algorithm", _OWNER, AMAX_ALGORITHMS,
-        AMAX_ALGORITHM_HELP)
-    return history, margin, algorithm
 
   @property
   def forward(self) -> formats_lib.Fp8Format:
@@ -349,19 +346,17 @@ class Fp8Config:
   def check_policy_use(self) -> None:
     """Raises if the config cannot be a policy's recipe: a compute dtype, or
     an axis name the policy grammar cannot write."""
-    if self.compute_dtype is not None:
-      raise ValueError(
-          f"{self.spec()}: compute_dtype="
-          f"{np.dtype(self.compute_dtype).name}. {POLICY_COMPUTE_DTYPE}")
-    axis = getattr(self, "axis_name", None)
-    if axis is not None:
-      names = axis if isinstance(axis, tuple) else (axis,)
-      if not names or not all(
-          isinstance(n, str) and _AXIS_NAME.match(n) and n.lower() != "none"
-          for n in names):
-        raise ValueError(
-            f"Fp8Config(axis_name={axis!r}) cannot be written in the policy "
-            f"grammar. {AXIS_NAME_SPELLING}")
+    axis = self.axis_name
+    names = axis if isinstance(axis, tuple) else (axis,)
+    problem = (
+        f"compute_dtype={np.dtype(self.compute_dtype).name}. "
+        f"{POLICY_COMPUTE_DTYPE}" if self.compute_dtype is not None else
+        f"axis_name={axis!r} cannot be written in the policy grammar. "
+        f"{AXIS_NAME_SPELLING}" if axis is not None and not (names and all(
+            isinstance(n, str) and _AXIS_NAME.match(n) and n.lower() != "none"
+            for n in names)) else None)
+    if problem:
+      raise ValueError(f"{self.spec()}: {problem}")
 
 
 def _canonical_axis_name(name: Any) -> Any:
@@ -373,11 +368,11 @@ def _canonical_axis_name(name: Any) -> Any:
 
 
 def _base_name(granularity: str, scaling: str) -> str:
-  for name, fields in FP8_RECIPES.items():
-    if (fields.get("granularity", "tensor") == granularity
-        and fields.get("scaling", "current") == scaling):
-      return name
-  raise AssertionError(f"no named recipe for {granularity}/{scaling}")
+  """The named recipe with this granularity and scaling (each pair has one:
+  ``_CONFLICTS`` refuses delayed scaling but per tensor)."""
+  return {(fields.get("granularity", "tensor"),
+           fields.get("scaling", "current")): name
+          for name, fields in FP8_RECIPES.items()}[granularity, scaling]
 
 
 @functools.lru_cache(maxsize=None)
@@ -688,14 +683,21 @@ def _spec_help(kind: type = Fp8Config) -> str:
                           fields=", ".join(_grammar_fields(Fp8Config)))
 
 
-def check_field_separators(text: str) -> None:
-  """Raises if a recipe's fields are separated by ``,`` instead of ``;``."""
-  _, paren, rest = text.partition("(")
-  if paren and "," in rest:
-    raise ValueError(
-        f"The float8 recipe {text!r} separates its fields with ','. "
-        f"{FIELD_SEPARATOR_HELP}: write "
-        f"{text.replace(',', ';')!r}.")
+def _spec_problem(text: str, name: str, paren: str, rest: str,
+                  family: str) -> str | None:
+  """What is wrong with a recipe's text as a whole, or None."""
+  if name not in RECIPE_NAMES:
+    return f"Malformed float8 recipe {text!r}: {name!r} names no recipe."
+  extra = rest.count(")") - rest.count("(") - 1  # ')' beyond the fields'
+  if paren and (extra < 0 or not rest.endswith(")")):
+    return (f"The {family} recipe {text!r} does not close its parenthesis: "
+            "write name(field=value;...).")
+  if paren and extra > 0:
+    return f"The {family} recipe {text!r} has a ')' with no '(' before it."
+  if "," in rest:
+    return (f"The {family} recipe {text!r} separates its fields with ','. "
+            f"{FIELD_SEPARATOR_HELP}: write {text.replace(',', ';')!r}.")
+  return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -721,32 +723,29 @@ def from_spec(text: str) -> Fp8Config | Fp4Config:
   name = name.lower()
   kind = Fp4Config if name in FP4_RECIPES else Fp8Config
   family = "FP4" if kind is Fp4Config else "float8"
-  if name not in RECIPE_NAMES or (paren and not rest.endswith(")")):
-    raise ValueError(f"Malformed float8 recipe {text!r}. {_spec_help()} "
-                     f"{_spec_help(Fp4Config)}")
-  check_field_separators(compact)
-  fields = (dict(FP8_RECIPES[name]) if kind is Fp8Config
+  problem = _spec_problem(compact, name, paren, rest, family)
+  fields = (dict(FP8_RECIPES.get(name, {})) if kind is Fp8Config
             else {"recipe": name})
   names = set(_grammar_fields(kind))
-  body = rest[:-1]
   given: dict[str, str] = {}
-  for entry in body.split(";") if body else ():
+  for entry in rest[:-1].split(";") if rest[:-1] and not problem else ():
     key, eq, value = entry.partition("=")
     key = key.lower()
-    if not eq or not key or not value:
-      raise ValueError(
-          f"Malformed entry {entry!r} in the {family} recipe {text!r}: write "
-          f"field=value. {_spec_help(kind)}")
-    if key not in names:
-      raise ValueError(
-          f"Unknown field {key!r} in the {family} recipe {text!r}. "
-          f"{_spec_help(kind)}")
-    if key in given:
-      raise ValueError(
-          f"Field {key!r} is given twice in the {family} recipe {text!r} "
-          f"({given[key]}, then {entry}): give each field once.")
+    where = f"in the {family} recipe {text!r}"
+    problem = (
+        f"Malformed entry {entry!r} {where}: write field=value."
+        if not (eq and key and value) else
+        f"Unknown field {key!r} {where}." if key not in names else
+        f"Field {key!r} is given twice {where} ({given[key]}, then {entry}):"
+        " give each field once." if key in given else None)
+    if problem:
+      break
     given[key] = entry
     fields[key] = _parse_value(key, value)
+  if problem:
+    help_text = (_spec_help(kind) if name in RECIPE_NAMES else
+                 f"{_spec_help()} {_spec_help(Fp4Config)}")
+    raise ValueError(f"{problem} {help_text}")
   return kind(**fields)
 
 
