@@ -1,5 +1,7 @@
 """quantized_states: low-bit moments for any optax optimizer."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -246,8 +248,15 @@ def test_rank1_is_for_second_moments_only():
 def test_unknown_format():
   with pytest.raises(ValueError, match=r"unknown nu format 'int8'.*'8bit'"):
     quantized_states(optax.adam(1e-3), nu="int8")
-  with pytest.raises(TypeError, match="mu must be a format name"):
+  with pytest.raises(TypeError, match="mu format must be a string.*'8bit'"):
     quantized_states(optax.adam(1e-3), mu=object())
+
+
+def test_bad_roles_and_patterns():
+  with pytest.raises(ValueError, match=r"unknown role of 'sq' 'second'.*'nu'"):
+    quantized_states(optax.adam(1e-3), mu="8bit", roles={"sq": "second"})
+  with pytest.raises(re.error):  # Python's own report of a bad expression.
+    quantized_states(optax.adam(1e-3), mu="8bit", keep=("[",))
 
 
 def test_bad_block_size():

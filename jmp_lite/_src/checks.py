@@ -29,6 +29,8 @@ SCALE_MIN = 2.0**-126
 #: The largest loss scale, 2**126: its reciprocal is still a normal float32.
 SCALE_MAX = 2.0**126
 INT32_MAX = 2**31 - 1
+#: The largest seed: jax.random.key takes any uint32 on every configuration.
+UINT32_MAX = 2**32 - 1
 
 #: Why loss scales live in [2**-126, 2**126].
 SCALE_RANGE = (

@@ -66,11 +66,43 @@ FORMAT_HELP = (
     "stores every moment in one floating dtype."
 )
 
+ROLE_HELP = ("A role is 'mu' (signed, mu='s format), 'nu' (non-negative, "
+             "nu='s format) or 'keep' (float32).")
+
+BLOCK_SIZE = (
+    "it must be a power of two from 32 to 4096, so that 4-bit pairs never "
+    "straddle a block and blocks tile the padded last axis (the last block of "
+    "a row is zero-padded). Leave it None for each format's own (256, 4-bit "
+    "128)."
+)
+
+#: A wrapper around loss_scaling (jmp_lite's optimizer-side wrappers).
+LOSS_SCALING_INSIDE = (
+    "{owner} wraps loss_scaling, which must be the outermost transformation "
+    "(a skipped step must leave {owner}'s state untouched too): write "
+    "loss_scaling({owner}(inner, ...), loss_scale)."
+)
+
+#: A wrapper that stores moments around master_weights.
+MASTER_WEIGHTS_INSIDE = (
+    "{owner} wraps an optimizer containing master_weights, which must see the "
+    "params in their own dtype (and whose float32 master copy is no moment to "
+    "store narrower). Put it inside instead: master_weights({owner}(inner, "
+    "...))."
+)
+
 RANK1_SIGNED = (
     "{owner}: mu={value!r}: rank-1 normalisation scales by row and column "
     "maxima, which only non-negative (second-moment-like) leaves have. Use "
     "it for nu (nu='4bit_rank1') and a signed format for mu, e.g. "
     "mu='4bit'."
+)
+
+PARAM_DTYPE = (
+    "{owner}: the param {path} is {dtype}; low-bit optimizer states are for "
+    "float32, bfloat16 or float16 params. Keep integer leaves out of the "
+    "optimizer (optax.partition, or a params tree without them); float8 "
+    "belongs to the matmul recipe (m=fp8), not to the params."
 )
 
 HYPERPARAMETER_DTYPE = (
@@ -109,83 +141,38 @@ class QuantizedStatesState(NamedTuple):
 
 def _format(value: Any, role: str, owner: str) -> state_codes.StateFormat:
   if not isinstance(value, str):
-    try:
-      dtype = np.dtype(value)
+    try:  # A dtype (jnp.bfloat16) names its format.
+      value = np.dtype(value).name
     except TypeError:
-      raise TypeError(
-          f"{owner}: {role} must be a format name, got "
-          f"{type(value).__name__}: {value!r}. {FORMAT_HELP}") from None
-    value = {np.dtype(np.float32): "float32",
-             np.dtype(jnp.bfloat16): "bfloat16",
-             np.dtype(jnp.float8_e4m3fn): "e4m3"}.get(dtype, dtype.name)
-  name = value.strip().lower()
-  name = state_codes.ALIASES.get(name, name)
-  if name not in state_codes.FORMATS:
-    raise ValueError(f"{owner}: unknown {role} format {value!r}. {FORMAT_HELP}")
+      pass  # checks.choice names it.
+  name = checks.choice(value, f"{role} format", owner,
+                       tuple(state_codes.FORMATS), FORMAT_HELP,
+                       state_codes.ALIASES)
   fmt = state_codes.FORMATS[name]
   if fmt.kind == "rank1" and role != "nu":
     raise ValueError(RANK1_SIGNED.format(owner=owner, value=value))
   return fmt
 
 
-def _patterns(value: Any, what: str, owner: str) -> tuple[re.Pattern, ...]:
-  if isinstance(value, str):
-    value = (value,)
-  try:
-    items = tuple(value)
-  except TypeError:
-    raise TypeError(
-        f"{owner}: {what} must be a sequence of regular expressions matched "
-        f"against state paths, got {type(value).__name__}: {value!r}. E.g. "
-        f"{what}=('embed',).") from None
-  out = []
-  for item in items:
-    if not isinstance(item, str):
-      raise TypeError(
-          f"{owner}: {what} must hold regular expressions (strings), got "
-          f"{type(item).__name__}: {item!r}.")
-    try:
-      out.append(re.compile(item))
-    except re.error as err:
-      raise ValueError(
-          f"{owner}: {what} holds {item!r}, which is not a regular "
-          f"expression ({err}).") from None
-  return tuple(out)
+def _patterns(value: Any) -> tuple[re.Pattern, ...]:
+  """Regular expressions (``re`` reports one that is not)."""
+  return tuple(re.compile(item) for item in (
+      (value,) if isinstance(value, str) else value))
 
 
 def _role_rules(roles: Any, owner: str) -> tuple[tuple[re.Pattern, str], ...]:
-  if roles is None:
-    return ()
-  if not isinstance(roles, Mapping):
-    raise TypeError(
-        f"{owner}: roles must map path patterns to 'mu', 'nu' or 'keep', got "
-        f"{type(roles).__name__}: {roles!r}. E.g. roles={{'sq_avg': 'nu'}}.")
-  rules = []
-  for pattern, role in roles.items():
-    (compiled,) = _patterns((pattern,), "roles", owner)
-    if role not in ROLES:
-      raise ValueError(
-          f"{owner}: roles[{pattern!r}] is {role!r}; a role is 'mu' (signed, "
-          "mu='s format), 'nu' (non-negative, nu='s format) or 'keep' "
-          "(float32).")
-    rules.append((compiled, role))
-  return tuple(rules)
+  return tuple((re.compile(pattern), checks.choice(
+      role, f"role of {pattern!r}", owner, ROLES, ROLE_HELP))
+               for pattern, role in (roles or {}).items())
 
 
 def _block_size(value: Any, owner: str) -> int | None:
   if value is None:
     return None
-  if checks.is_bool(value) or not isinstance(value, (int, np.integer)):
-    raise TypeError(
-        f"{owner}: block_size must be an int, got {type(value).__name__}: "
-        f"{value!r}. Leave it None for each format's own (256, 4-bit 128).")
-  if int(value) not in state_codes.BLOCK_SIZES:
-    raise ValueError(
-        f"{owner}: block_size={value!r}; it must be a power of two from 32 to "
-        "4096, so that 4-bit pairs never straddle a block and blocks tile "
-        "the padded last axis (the last block of a row is zero-padded). "
-        "Leave it None for each format's own (256, 4-bit 128).")
-  return int(value)
+  value = checks.integer(value, "block_size", owner, 1)
+  if value not in state_codes.BLOCK_SIZES:
+    raise ValueError(f"{owner}: block_size={value!r}; {BLOCK_SIZE}")
+  return value
 
 
 def _holds(state: Any, tuple_name: str, field: str) -> bool:
@@ -194,6 +181,15 @@ def _holds(state: Any, tuple_name: str, field: str) -> bool:
   return bool(optax.tree.get_all_with_path(
       state, field,
       filtering=lambda p, v: getattr(p[-1], "tuple_name", None) == tuple_name))
+
+
+def refuse_wrapped(state: Any, owner: str, master_weights: bool = True) -> None:
+  """Refuses an inner state holding loss_scaling (which must be outermost)
+  or, with ``master_weights``, master_weights (which must be outside)."""
+  if _holds(state, "LossScaleState", "loss_scale"):
+    raise TypeError(LOSS_SCALING_INSIDE.format(owner=owner))
+  if master_weights and _holds(state, "MasterWeightsState", "master_params"):
+    raise ValueError(MASTER_WEIGHTS_INSIDE.format(owner=owner))
 
 
 def _structural_role(state: Any, path: tuple[Any, ...]) -> str | None:
@@ -265,7 +261,7 @@ def quantized_states(
   """
   inner = checks.optax_transformation(inner, owner)
   mu_fmt, nu_fmt = _format(mu, "mu", owner), _format(nu, "nu", owner)
-  keep_rules = _patterns(keep, "keep", owner)
+  keep_rules = _patterns(keep)
   role_rules = _role_rules(roles, owner)
   min_size = checks.integer(min_size, "min_size", owner, low=0)
   size = _block_size(block_size, owner)
@@ -273,11 +269,7 @@ def quantized_states(
     mu_fmt, nu_fmt = (state_codes.with_block_size(f, size) if f.blocked else f
                       for f in (mu_fmt, nu_fmt))
   stochastic = mu_fmt.stochastic or nu_fmt.stochastic
-  if checks.is_bool(seed) or not isinstance(seed, (int, np.integer)) or not (
-      0 <= seed < 2**32):
-    raise TypeError(
-        f"{owner}: seed must be an int between 0 and 2**32 - 1, got "
-        f"{type(seed).__name__}: {seed!r}.")
+  seed = checks.integer(seed, "seed", owner, 0, checks.UINT32_MAX)
   names = {"mu": mu_fmt, "nu": nu_fmt}
 
   def plan(state: Any) -> list[_Leaf | None]:
@@ -314,12 +306,9 @@ def quantized_states(
       dtype = np.dtype(p.dtype)
       narrow_float = dtypes.is_floating(dtype) and dtype.itemsize == 1
       if not dtypes.is_floating(dtype) or narrow_float:
-        raise ValueError(
-            f"{owner}: the param {jax.tree_util.keystr(path) or '<root>'} is "
-            f"{dtype.name}; low-bit optimizer states are for float32, "
-            "bfloat16 or float16 params. Keep integer leaves out of the "
-            "optimizer (optax.partition, or a params tree without them); "
-            "float8 belongs to the matmul recipe (m=fp8), not to the params.")
+        raise ValueError(PARAM_DTYPE.format(
+            owner=owner, dtype=dtype.name,
+            path=jax.tree_util.keystr(path) or "<root>"))
 
   def check_hyperparameters(state: Any) -> None:
     for path, leaf in jax.tree.leaves_with_path(state):
@@ -361,17 +350,7 @@ def quantized_states(
     check_params(params)
     state = inner.init(float32_params(params))
     check_hyperparameters(state)
-    if _holds(state, "LossScaleState", "loss_scale"):
-      raise TypeError(
-          f"{owner} wraps loss_scaling, which must be the outermost "
-          "transformation (a skipped step must leave the stored moments "
-          f"untouched too): write loss_scaling({owner}(inner, ...), "
-          "loss_scale).")
-    if _holds(state, "MasterWeightsState", "master_params"):
-      raise ValueError(
-          f"{owner} wraps an optimizer containing master_weights, whose "
-          "master copy is no moment to quantize. Put it inside instead: "
-          f"master_weights({owner}(inner, mu=..., nu=...)).")
+    refuse_wrapped(state, owner)
     key = None
     if stochastic:
       key = jax.random.key(seed)
@@ -401,6 +380,9 @@ def quantized_states(
           owner=owner, mu=mu_fmt.name, nu=nu_fmt.name,
           block_size=size or "format default", detail=detail))
 
+    if not isinstance(state, QuantizedStatesState):
+      fail(f"it is a {type(state).__name__}, not the QuantizedStatesState "
+           "made by this optimizer's init")
     if (state.rng_key is None) == stochastic:
       fail("its random key is " + ("missing" if stochastic else
                                    "present, but no format rounds "
@@ -419,12 +401,6 @@ def quantized_states(
              f"{np.dtype(spec.dtype).name}{list(spec.shape)}")
 
   def update_fn(updates, state, params=None, **extra_args):
-    if not isinstance(state, QuantizedStatesState):
-      raise TypeError(
-          f"{owner}'s update expects the QuantizedStatesState made by its "
-          f"init, got {type(state).__name__}. Pass the state returned by "
-          "opt.init (or restore a checkpoint into a target made by "
-          "jax.eval_shape(opt.init, params)).")
     expected, leaves_plan = expected_state(updates)
     check_layout(state, expected)
     inner_state = decode_state(state.inner_state, leaves_plan)
