@@ -569,7 +569,14 @@ def _kahan_write(params, state, inner_params, inner_updates):
       return u, c
     fmt = _FORMATS[np.dtype(p.dtype)]
     target = x + u
-    new_p = _round_half_up(target, fmt)
+    # The new param, materialised in its own dtype (exact: the rounded value
+    # is one of the format's) before the compensation reads it. Without the
+    # barrier each output re-derives it from the old param and compensation,
+    # so XLA copies both donated buffers (4 bytes per param) before writing
+    # either in place; with it, the step's compiled peak is below the master
+    # copy's (benchmarks/results/update_rounding.md).
+    new_p = lax.optimization_barrier(_round_half_up(target, fmt).astype(p.dtype))
+    new_p = new_p.astype(_F32)
     return new_p - p.astype(_F32), _compensation(target - new_p, new_p, fmt)
 
   pairs = jax.tree.map(write, params, state.compensation, inner_params,
