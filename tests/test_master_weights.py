@@ -775,8 +775,8 @@ def test_update_without_params_raises():
 def test_update_with_a_foreign_state_raises():
   opt = master_weights(optax.sgd(0.1))
   params = {"w": jnp.ones(2, BF16)}
-  with pytest.raises(TypeError,
-                     match="MasterWeightsState made by its init, got"):
+  with pytest.raises(ValueError, match=r"got a .*, not the MasterWeightsState "
+                     r"made by its init.*opt.init"):
     opt.update(params, optax.sgd(0.1).init(params), params)
 
 

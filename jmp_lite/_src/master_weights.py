@@ -41,11 +41,15 @@ from jmp_lite._src import tree as tree_lib
 def _check_enabled(dtype: np.dtype, what: str) -> None:
   """float64 needs x64 mode; without it JAX silently makes float32 arrays."""
   if jax.dtypes.canonicalize_dtype(dtype) != dtype:
-    raise ValueError(
-        f"{what} is {dtype.name}, but JAX is running without "
-        "jax_enable_x64, so arrays of that dtype cannot be made. Enable it "
-        "(jax.config.update('jax_enable_x64', True)) or use jnp.float32."
-    )
+    raise ValueError(f"{what} is {dtype.name}, but {NO_X64}")
+
+
+#: Why float64 needs x64 mode.
+NO_X64 = (
+    "JAX is running without jax_enable_x64, so arrays of that dtype cannot "
+    "be made. Enable it (jax.config.update('jax_enable_x64', True)) or use "
+    "jnp.float32."
+)
 
 
 def _represents(wide: np.dtype, narrow: np.dtype) -> bool:
@@ -79,8 +83,35 @@ _F32 = np.dtype(jnp.float32)
 #: Kahan compensation: an int16 count of 2**-16 of the param's spacing.
 _COMPENSATION_DTYPE = np.dtype(jnp.int16)
 _COMPENSATION_UNITS = 2.0**16
-#: The largest seed: jax.random.key takes any uint32 on every configuration.
-_SEED_MAX = 2**32 - 1
+
+METHOD_HELP = (
+    "Choose 'copy' (a float32 master copy, the default), "
+    "'stochastic_rounding' (no per-parameter state) or 'kahan' (a 2-byte "
+    "compensation per parameter)."
+)
+
+#: A PRNG key where the seed goes.
+SEED_IS_KEY = (
+    "{owner}: seed must be an int, got an array of shape {shape} and dtype "
+    "{dtype} (a PRNG key?). The optimizer derives its random keys from the "
+    "seed and keeps them in its state: pass an int such as 0, and no key per "
+    "step."
+)
+
+#: A master dtype that cannot hold the params.
+UNREPRESENTED = (
+    "{owner}: the master dtype {dtype} cannot represent every value of the "
+    "params {params}; the master copy must be at least as precise as the "
+    "params it keeps. Use {owner}(inner, dtype=jnp.float32) (the default) for "
+    "float16 or bfloat16 params; float32 params need no master copy."
+)
+
+#: Stochastic rounding and Kahan compensation with float8 params.
+OTHER_NARROW = (
+    "{owner}(method={method!r}) rounds to bfloat16 or float16 params, got "
+    "{found}. Use method='copy' for those params (it keeps a float32 copy of "
+    "any narrower float)."
+)
 
 #: Why stochastic rounding and Kahan compensation need half-precision params.
 NOTHING_TO_ROUND = (
@@ -139,10 +170,8 @@ class MasterWeightsState(NamedTuple):
 
 #: A state made by another method (or not by master_weights at all).
 OTHER_METHOD = (
-    "{owner}(method={method!r})'s update got a state made by "
-    "method={made!r} (it holds {holds}). A state works only with the method "
-    "that made it: build the optimizer with method={made!r} (and restore a "
-    "checkpoint into that optimizer's init), or start from opt.init(params)."
+    "{owner}(method={method!r})'s update got {got}. A state works only with "
+    "the optimizer that made it: {fix}, or start from opt.init(params)."
 )
 #: Params whose dtypes differ from those the state was made for.
 OTHER_PARAMS = (
@@ -186,61 +215,19 @@ def _holds_value(slot: Any, p: Any) -> bool:
       np.size(p) > 0 or np.dtype(slot.dtype) != _dtype_of(p))
 
 
-def _refuse_loss_scaling_inside(inner_state: Any, owner: str) -> None:
-  # Imported here: loss_scaling's module imports this one's neighbours only.
-  from jmp_lite._src import loss_scaling  # pylint: disable=g-import-not-at-top
-  if tree_lib.find(inner_state, loss_scaling.LossScaleState, "loss_scale"):
-    raise TypeError(
-        f"{owner} wraps loss_scaling, which must be the outermost "
-        "transformation (a skipped step must leave this wrapper's state "
-        f"untouched too): write loss_scaling({owner}(inner, ...), loss_scale)."
-    )
-
-
-def _check_method(method: Any, owner: str) -> str:
-  if not isinstance(method, str):
-    raise TypeError(
-        f"{owner}: method must be one of {', '.join(map(repr, METHODS))}, got "
-        f"{type(method).__name__}: {method!r}."
-    )
-  if method not in METHODS:
-    raise ValueError(
-        f"{owner}: unknown method {method!r}. Choose 'copy' (a float32 master "
-        "copy, the default), 'stochastic_rounding' (no per-parameter state) "
-        "or 'kahan' (a 2-byte compensation per parameter)."
-    )
-  return method
-
-
 def _check_seed(seed: Any, method: str, owner: str) -> int | None:
   """The seed of stochastic rounding (0 by default); None for the others."""
-  if method != "stochastic_rounding":
-    if seed is not None:
-      raise ValueError(
-          f"{owner}: seed={seed!r} was given, but method={method!r} draws no "
-          "random bits. Only method='stochastic_rounding' takes a seed: "
-          "remove seed=, or choose that method."
-      )
-    return None
-  if seed is None:
-    return 0
-  if checks.is_array(seed) and np.ndim(seed) != 0:
-    raise TypeError(
-        f"{owner}: seed must be an int, got an array of shape "
-        f"{np.shape(seed)} and dtype {seed.dtype} (a PRNG key?). The "
-        "optimizer derives its random keys from the seed and keeps them in "
-        "its state: pass an int such as 0, and no key per step."
-    )
-  if checks.is_bool(seed) or not isinstance(seed, (int, np.integer)):
-    raise TypeError(
-        f"{owner}: seed must be an int, got {type(seed).__name__}: {seed!r}. "
-        "Pass an int such as 0."
-    )
-  if not 0 <= seed <= _SEED_MAX:
+  if method != "stochastic_rounding" and seed is not None:
     raise ValueError(
-        f"{owner}: seed must be an int between 0 and 2**32 - 1, got {seed!r}."
-    )
-  return int(seed)
+        f"{owner}: seed={seed!r} was given, but method={method!r} draws no "
+        "random bits. Only method='stochastic_rounding' takes a seed: remove "
+        "seed=, or choose that method.")
+  if method != "stochastic_rounding" or seed is None:
+    return None if method != "stochastic_rounding" else 0
+  if checks.is_array(seed) and np.ndim(seed) != 0:
+    raise TypeError(SEED_IS_KEY.format(owner=owner, shape=np.shape(seed),
+                                       dtype=seed.dtype))
+  return checks.integer(seed, "seed", owner, 0, checks.UINT32_MAX)
 
 
 def master_weights(
@@ -307,15 +294,15 @@ def master_weights(
     TypeError: if ``inner`` is not an optax transformation, ``dtype`` is not
       a floating dtype, ``method`` is not a string or ``seed`` not an int (a
       PRNG key included); from ``init``, if ``inner`` contains
-      :func:`loss_scaling`; from ``update``, if the state is not this
-      wrapper's.
+      :func:`loss_scaling`.
     ValueError: if ``method`` is unknown, a ``seed`` is given to a method
       that draws no random bits, or ``dtype`` is not float32 for
       ``"stochastic_rounding"``/``"kahan"``; from ``init``, if ``dtype``
       cannot represent some floating param (e.g. a bfloat16 master for float32
       params), or, for ``"stochastic_rounding"``/``"kahan"``, if no param is
       bfloat16 or float16 or some param is another narrow float (float8);
-      from ``update``, if ``params`` is not given.
+      from ``update``, if ``params`` is not given or the state is not one
+      this wrapper's init made (with this method, for these params).
 
   Example:
     >>> import jax.numpy as jnp, optax, jmp_lite
@@ -340,14 +327,13 @@ def master_weights(
   master_dtype = dtypes.floating_dtype(
       dtype, f"{owner}'s dtype", policy=False,
       example="jnp.float32 (the default)")
-  method = _check_method(method, owner)
+  method = checks.choice(method, "method", owner, METHODS, METHOD_HELP)
   seed = _check_seed(seed, method, owner)
   if method != "copy" and master_dtype != _F32:
     raise ValueError(
         f"{owner}(method={method!r}) computes in float32, got dtype="
-        f"{master_dtype.name}. Leave dtype at jnp.float32; a {master_dtype.name}"
-        " master copy is method='copy'."
-    )
+        f"{master_dtype.name}. Leave dtype at jnp.float32; a "
+        f"{master_dtype.name} master copy is method='copy'.")
 
   def narrower(p):
     """A floating param this wrapper keeps precision for."""
@@ -363,13 +349,9 @@ def master_weights(
         and not _represents(master_dtype, np.dtype(p.dtype))
     ]
     if unrepresented:
-      raise ValueError(
-          f"{owner}: the master dtype {master_dtype.name} cannot represent "
-          f"every value of the params {_shown_paths(unrepresented)}; the "
-          "master copy must be at least as precise as the params it keeps. "
-          f"Use {owner}(inner, dtype=jnp.float32) (the default) for float16 "
-          "or bfloat16 params; float32 params need no master copy."
-      )
+      raise ValueError(UNREPRESENTED.format(
+          owner=owner, dtype=master_dtype.name,
+          params=_shown_paths(unrepresented)))
     if method != "copy":
       _check_rounded_params(params, method, owner)
     # Every per-param leaf is made from its param by jax.tree.map (so
@@ -396,26 +378,24 @@ def master_weights(
           inner_state=None, master_params=None, rng_key=key)
       inner_params = _as_f32(params)
     inner_state = inner.init(inner_params)
-    _refuse_loss_scaling_inside(inner_state, owner)
+    quantized_states_lib.refuse_wrapped(inner_state, owner,
+                                        master_weights=False)
     return state._replace(inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
-    if not isinstance(state, MasterWeightsState):
-      raise TypeError(
-          f"{owner}'s update expects the MasterWeightsState made by its init, "
-          f"got {type(state).__name__}. Pass the state returned by opt.init."
-      )
     made = _made_by(state)
     if made != method:
       raise ValueError(OTHER_METHOD.format(
-          owner=owner, method=method, made=made, holds=_HOLDS.get(
-              made, "none of a master copy, a compensation or a key")))
+          owner=owner, method=method, got=f"a state made by method={made!r} "
+          f"(it holds {_HOLDS[made]})" if made else f"a {type(state).__name__}"
+          ", not the MasterWeightsState made by its init",
+          fix=f"build the optimizer with method={made!r} (and restore a "
+          "checkpoint into that optimizer's init)" if made else
+          "pass the state returned by opt.init"))
     if params is None:
-      raise ValueError(
-          f"{owner}'s update needs the current params, to return the updates "
-          "that take them to their new values: call "
-          "opt.update(grads, state, params)."
-      )
+      raise ValueError(f"{owner}'s update needs the current params, to "
+                       "return the updates that take them to their new "
+                       "values: call opt.update(grads, state, params).")
     if method == "copy":
       _check_fits(params, state.master_params, narrower,
                   f"{owner}(method={method!r})'s update", method,
@@ -458,28 +438,26 @@ def _as_f32(params: Any) -> Any:
 
 def _check_fits(params: Any, slots: Any, keeps: Any, where: str, method: str,
                 what: str, narrow: str) -> None:
-  """The per-param tree ``slots`` must hold a value exactly for the params
-  ``keeps`` selects (host-side, on shapes and dtypes: trace-time)."""
+  """The per-param tree ``slots`` must have the params' structure and hold a
+  value exactly for the params ``keeps`` selects (host-side, on shapes and
+  dtypes: trace-time); ``keeps=None`` checks the structure only."""
   leaves, treedef = jax.tree.flatten_with_path(params)
   try:
     flat_slots = treedef.flatten_up_to(slots)
+    wrong = [
+        f"{jax.tree_util.keystr(path) or '<root>'} is "
+        f"{_dtype_of(p).name}{list(np.shape(p))} and the state keeps "
+        f"{'nothing' if keeps(p) else what} for it"
+        for (path, p), slot in zip(leaves, flat_slots)
+        if keeps and checks.is_array(p) and keeps(p) != _holds(slot, p)]
   except (ValueError, TypeError):
+    wrong = [f"the structure of the params is {treedef}, the state was made "
+             f"for {jax.tree.structure(slots)}"]
+  if wrong:
     raise ValueError(OTHER_PARAMS.format(
         where=where, method=method, what=what, narrow=narrow,
-        found=f"params of structure {treedef}, state made for "
-        f"{jax.tree.structure(slots)}")) from None
-  wrong = [
-      f"{jax.tree_util.keystr(path) or '<root>'} is "
-      f"{_dtype_of(p).name}{list(np.shape(p))} and the state keeps "
-      f"{'nothing' if keeps(p) else what} for it"
-      for (path, p), slot in zip(leaves, flat_slots)
-      if checks.is_array(p) and keeps(p) != _holds(slot, p)
-  ]
-  if wrong:
-    shown = "; ".join(wrong[:3]) + (
-        f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")
-    raise ValueError(OTHER_PARAMS.format(
-        where=where, method=method, what=what, narrow=narrow, found=shown))
+        found="; ".join(wrong[:3]) + (
+            f" and {len(wrong) - 3} more" if len(wrong) > 3 else "")))
 
 
 def _shown_paths(entries: list[tuple[str, np.dtype]]) -> str:
@@ -497,21 +475,15 @@ def _check_rounded_params(params: Any, method: str, owner: str) -> None:
       if tree_lib.is_float(p) and np.dtype(p.dtype) != _F32
   ]
   others = [(path, d) for path, d in narrow if d not in _FORMATS]
-  if others:
-    raise ValueError(
-        f"{owner}(method={method!r}) rounds to bfloat16 or float16 params, "
-        f"got {_shown_paths(others)}. Use method='copy' for those params (it "
-        "keeps a float32 copy of any narrower float)."
-    )
   leaves = jax.tree.leaves(params)
   # No leaves at all (empty params, or optax.tree_map_params' placeholder for
   # the whole tree): nothing to check.
-  if not narrow and leaves:
-    found = sorted({
+  if others or (not narrow and leaves):
+    found = ", ".join(sorted({
         np.dtype(x.dtype).name if checks.is_array(x) else type(x).__name__
-        for x in leaves})
-    raise ValueError(NOTHING_TO_ROUND.format(
-        owner=owner, method=method, found=", ".join(found)))
+        for x in leaves}))
+    raise ValueError((OTHER_NARROW if others else NOTHING_TO_ROUND).format(
+        owner=owner, method=method, found=_shown_paths(others) or found))
 
 
 def _inner_params(params: Any, state: MasterWeightsState) -> Any:
@@ -737,34 +709,22 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
     >>> jmp_lite.get_master_params(opt.init(params), params)["w"]
     Array([1., 1.], dtype=float32)
   """
-  fields = ("master_params", "compensation", "rng_key")
-  found = [tree_lib.find(opt_state, MasterWeightsState, f) for f in fields]
-  if not found[0]:
-    raise ValueError(
-        "get_master_params found no master weights in the optimizer state "
-        f"(a {type(opt_state).__name__}). Build the optimizer with "
-        "jmp_lite.master_weights(inner) and pass the state its init returned."
-    )
-  if len(found[0]) > 1:
-    raise ValueError(
-        f"get_master_params found {len(found[0])} master-weights states in "
-        "the optimizer state, so which one to return is ambiguous. Pass the "
-        "sub-state of the optimizer you mean."
-    )
-  state = MasterWeightsState(None, *(values[0] for values in found))
+  master = tree_lib.find_one(opt_state, MasterWeightsState, "master_params",
+                             "get_master_params", "master weights",
+                             "jmp_lite.master_weights(inner)")
+  state = MasterWeightsState(None, master, *(
+      tree_lib.find(opt_state, MasterWeightsState, f)[0]
+      for f in ("compensation", "rng_key")))
   if state.rng_key is not None:
     # Stochastic rounding keeps nothing more precise than the params.
     return params
   if state.compensation is not None:
     _check_fits(params, state.compensation, _rounded, "get_master_params",
                 "kahan", "a compensation", "bfloat16 or float16")
-  try:
-    return _inner_params(params, state)
-  except ValueError as err:
-    raise ValueError(
-        "get_master_params: params must have the structure of the params "
-        f"the optimizer state was made for. ({err})"
-    ) from None
+  else:
+    _check_fits(params, state.master_params, None, "get_master_params",
+                "copy", "a master copy", "narrower than the master dtype")
+  return _inner_params(params, state)
 
 
 # -- optimizer-state dtypes --------------------------------------------------
@@ -860,21 +820,20 @@ def with_state_dtype(
     ((64, 260), (64, 136))
   """
   owner = "with_state_dtype"
-  if mu is not None or nu is not None:
-    if dtype is not None:
-      raise ValueError(DTYPE_OR_FORMATS.format(
-          got=f"dtype={dtype!r} and mu={mu!r}, nu={nu!r}"))
+  formats = mu is not None or nu is not None
+  extras = [k + "=" for k, given in (
+      ("keep", keep != ()), ("roles", roles is not None),
+      ("min_size", min_size != quantized_states_lib.MIN_SIZE),
+      ("block_size", block_size is not None), ("seed", seed != 0)) if given]
+  if (dtype is not None and formats) or (extras and not formats):
+    raise ValueError(DTYPE_OR_FORMATS.format(got=f"dtype={dtype!r}" + (
+        f" and mu={mu!r}, nu={nu!r}" if formats else " with "
+        + ", ".join(extras))))
+  if formats:
     return quantized_states_lib.quantized_states(
         inner, mu="float32" if mu is None else mu,
         nu="float32" if nu is None else nu, keep=keep, roles=roles,
         min_size=min_size, block_size=block_size, seed=seed, owner=owner)
-  extras = {"keep": keep != (), "roles": roles is not None,
-            "min_size": min_size != quantized_states_lib.MIN_SIZE,
-            "block_size": block_size is not None, "seed": seed != 0}
-  if any(extras.values()):
-    raise ValueError(DTYPE_OR_FORMATS.format(
-        got=f"dtype={dtype!r} with "
-        + ", ".join(k + "=" for k, v in extras.items() if v)))
   inner = checks.optax_transformation(inner, owner)
   store_dtype = dtypes.floating_dtype(
       dtype, f"{owner}'s dtype", policy=False,
@@ -892,15 +851,7 @@ def with_state_dtype(
     checks.no_fp8_state(params, "jmp_lite.with_state_dtype")
     _check_enabled(store_dtype, f"{owner}'s dtype")
     state = inner.init(params)
-    _refuse_loss_scaling_inside(state, owner)
-    if tree_lib.find(state, MasterWeightsState, "master_params"):
-      raise ValueError(
-          f"{owner} wraps an optimizer containing master_weights, which "
-          "must see the params in their own dtype (and, with method='copy', "
-          f"whose float32 master copy would be stored in {store_dtype.name} "
-          "too). Put it inside instead: "
-          f"master_weights(with_state_dtype(inner, jnp.{store_dtype.name}))."
-      )
+    quantized_states_lib.refuse_wrapped(state, owner)
     return store(state)
 
   def update_fn(updates, state, params=None, **extra_args):
