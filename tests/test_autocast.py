@@ -674,15 +674,27 @@ def test_rules_key_named_like_a_primitive_gets_a_hint():
 @pytest.mark.parametrize(
     "rules, error, match",
     [
-        ({P.exp_p: "fp32"}, ValueError, "Unknown autocast rule 'fp32'"),
+        ({P.exp_p: "fp32"}, ValueError, "autocast rule 'fp32'.*valid rules"),
         ({P.exp_p: "recurse"}, ValueError, "only applies to higher-order"),
         ({P.exp_p: 3}, TypeError, "must be one of"),
-        ([(P.exp_p, "f32")], TypeError, "must be a mapping"),
+        ({P.exp_p: jnp.float32}, TypeError, "must be one of.*not a rule"),
+        ([(P.exp_p, 3)], TypeError, "must be one of"),
+        (3, TypeError, "not iterable"),  # Python's dict() names the value
     ],
 )
 def test_bad_rules_raise(rules, error, match):
   with pytest.raises(error, match=match):
     autocast(mlp, jnp.float16, op_rules=rules)
+
+
+def test_rules_may_be_given_as_pairs():
+  params, x = mlp_params(), jnp.ones((5, 8))
+  dot = jax.extend.core.primitives.dot_general_p
+  pairs = autocast(mlp, jnp.float16, op_rules=[(dot, "f32")])
+  mapping = autocast(mlp, jnp.float16, op_rules={dot: "f32"})
+  text = str(jax.make_jaxpr(pairs)(params, x))
+  assert text == str(jax.make_jaxpr(mapping)(params, x))
+  assert text != str(jax.make_jaxpr(autocast(mlp, jnp.float16))(params, x))
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, "int8", jnp.complex64, None, object()])

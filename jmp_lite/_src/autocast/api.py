@@ -19,6 +19,20 @@ from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.autocast import default_rules as table_lib
 
+#: What autocast applies.
+AUTOCAST_TARGET = (
+    "a floating compute dtype (float16, bfloat16, float32 or float64, or a "
+    "name such as 'f16' / 'bf16'), a Policy, or a policy spec such as "
+    "'mixed_bfloat16'"
+)
+#: What a function autocast traces must do.
+UNTRACEABLE = (
+    "it must be traceable by jax.jit (no Python control flow on array values "
+    "-- use jnp.where/lax.cond -- and no conversion of traced arrays to NumPy "
+    "or Python values). Pass values that drive Python control flow as Python "
+    "scalars (they are static), or move that code outside autocast."
+)
+
 _TRACING_ERRORS = (
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerArrayConversionError,
@@ -33,11 +47,6 @@ def _resolve_policy(policy_or_dtype: Any) -> policy_lib.Policy:
   A bare compute dtype (``jnp.float16``, ``"bf16"``) is the mixed policy with
   that compute dtype, like the ``mixed_float16`` / ``mixed_bfloat16`` presets.
   """
-  if policy_or_dtype is None:
-    raise TypeError(
-        "autocast needs a compute dtype (e.g. jnp.float16, jnp.bfloat16, 'bf16')"
-        " or a Policy / policy spec (e.g. 'mixed_bfloat16'); got None."
-    )
   if isinstance(policy_or_dtype, policy_lib.Policy):
     return policy_or_dtype
   if isinstance(policy_or_dtype, str):
@@ -47,11 +56,8 @@ def _resolve_policy(policy_or_dtype: Any) -> policy_lib.Policy:
   try:
     compute = dtypes.canonical_dtype(policy_or_dtype, "compute dtype")
   except (TypeError, ValueError) as err:
-    raise type(err)(
-        "autocast needs a floating compute dtype (float16, bfloat16, float32 "
-        "or float64, or a name such as 'f16' / 'bf16'), a Policy, or a policy "
-        f"spec such as 'mixed_bfloat16'; got {policy_or_dtype!r}. {err}"
-    ) from None
+    raise type(err)(f"autocast needs {AUTOCAST_TARGET}; got "
+                    f"{policy_or_dtype!r}. {err}") from None
   wide = dtypes.at_least_f32(compute)
   return policy_lib.Policy(wide, compute, wide)
 
@@ -128,6 +134,7 @@ def autocast(
     # On a jax whose internals autocast cannot read, only autocast fails.
     compat.require("jmp_lite.autocast")
   if compat.available():
+    op_rules = dict(op_rules or {})  # a mapping, or (primitive, rule) pairs
     table = table_lib.resolve_rules(op_rules)
     dot = compat.primitive("dot_general_p")
     if fp8 and dot not in (op_rules or {}):
@@ -155,13 +162,8 @@ def autocast(
       with policy.matmul_context():
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
     except _TRACING_ERRORS as err:
-      raise TypeError(
-          f"autocast could not trace {name}: it must be traceable by jax.jit "
-          "(no Python control flow on array values -- use jnp.where/lax.cond "
-          "-- and no conversion of traced arrays to NumPy or Python values). "
-          "Pass values that drive Python control flow as Python scalars (they "
-          f"are static), or move that code outside autocast.\n{err}"
-      ) from err
+      raise TypeError(f"autocast could not trace {name}: {UNTRACEABLE}\n"
+                      f"{err}") from err
     out_leaves, out_tree = jax.tree.flatten(out_shape)
     outs = interp.eval_closed(closed, dynamic)
     targets = [

@@ -79,60 +79,49 @@ def _is_dtype_like(rule: Any) -> bool:
   return False
 
 
-def resolve_rules(rules: Mapping[Any, Any] | None) -> dict[Any, Any]:
+#: What a rule given as a dtype should be instead.
+DTYPE_RULE = (
+    " A dtype is not a rule: use 'f32' to run the op in float32, 'lower' to "
+    "run it in the compute dtype, 'passthrough' to keep it as traced."
+)
+
+
+def resolve_rules(rules: Any) -> dict[Any, Any]:
   """Validates user rules and merges them over :data:`DEFAULT_OP_RULES`.
 
   Args:
-    rules: ``None`` or a mapping from primitive objects to a rule name or a
-      callable.
+    rules: ``None``, or a mapping (or ``(primitive, rule)`` pairs) from
+      primitive objects to a rule name or a callable.
 
   Returns:
     The merged table.
 
   Raises:
-    TypeError: if ``rules`` is not a mapping, a key is not a primitive, or a
-      rule is neither a rule name nor a callable rule (a dtype such as
-      ``jnp.float32`` is not a rule: use ``"f32"`` or ``"lower"``).
+    TypeError: if a key is not a primitive, or a rule is neither a rule name
+      nor a callable rule (a dtype such as ``jnp.float32`` is not a rule: use
+      ``"f32"`` or ``"lower"``).
     ValueError: for an unknown rule name, or ``"recurse"`` on a primitive
       autocast cannot enter.
   """
   table = dict(DEFAULT_OP_RULES)
-  if rules is None:
-    return table
-  if not isinstance(rules, Mapping):
-    raise TypeError(
-        "autocast's rules must be a mapping {primitive: rule}, e.g. "
-        "{jax.lax.tanh_p: 'f32'}; got "
-        f"{type(rules).__name__}: {rules!r}."
-    )
   names = ", ".join(repr(r) for r in rules_lib.OP_RULE_NAMES)
-  for key, rule in rules.items():
+  entered = ", ".join(p.name for p in interpreter_lib.HIGHER_ORDER)
+  for key, rule in dict(rules or {}).items():
     if not compat.is_primitive(key):
       raise _key_error(key)
-    if isinstance(rule, str):
-      if rule not in rules_lib.OP_RULE_NAMES:
-        raise ValueError(
-            f"Unknown autocast rule {rule!r} for primitive {key.name!r}; valid"
-            f" rules are {names} or a callable rule(ctx, *args, **params)."
-        )
-      if rule == "recurse" and key not in interpreter_lib.HIGHER_ORDER:
-        entered = ", ".join(p.name for p in interpreter_lib.HIGHER_ORDER)
-        raise ValueError(
-            f"The 'recurse' rule only applies to higher-order primitives "
-            f"({entered}); {key.name!r} is not one of them."
-        )
-    elif _is_dtype_like(rule):
-      raise TypeError(
-          f"The autocast rule for primitive {key.name!r} is the dtype "
-          f"{np.dtype(rule).name}, but rules are names or callables: use 'f32' "
-          "to run the op in float32, 'lower' to run it in the compute dtype, "
-          "'passthrough' to keep it as traced."
-      )
-    elif not callable(rule):
+    if isinstance(rule, str) and (
+        rule not in rules_lib.OP_RULE_NAMES
+        or (rule == "recurse" and key not in interpreter_lib.HIGHER_ORDER)):
+      raise ValueError(
+          f"The autocast rule {rule!r} cannot apply to primitive "
+          f"{key.name!r}: valid rules are {names} ('recurse' only applies to "
+          f"higher-order primitives: {entered}) or a callable "
+          "rule(ctx, *args, **params).")
+    if not isinstance(rule, str) and (_is_dtype_like(rule) or not callable(rule)):
       raise TypeError(
           f"The autocast rule for primitive {key.name!r} must be one of "
           f"{names} or a callable rule(ctx, *args, **params); got "
           f"{type(rule).__name__}: {rule!r}."
-      )
+          f"{DTYPE_RULE if _is_dtype_like(rule) else ''}")
     table[key] = rule
   return table

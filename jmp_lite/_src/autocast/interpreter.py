@@ -295,7 +295,7 @@ class Interpreter:
     if eqn.primitive in HIGHER_ORDER:
       recurse = self._child_for(eqn, recipe, is_sink)._recurse
     elif eqn.primitive not in self.rules and not _is_disabled(eqn):
-      _refuse_unknown(eqn)
+      _refuse_unknown(eqn.primitive, eqn.params)
     ctx = rules_lib.OpRuleContext(
         primitive=eqn.primitive,
         compute_dtype=self.compute_dtype,
@@ -345,15 +345,16 @@ _KNOWN_KINDS = ("jit", "closed_call/eval_jaxpr", "checkpoint (remat)", "scan",
                 "while_loop", "cond", "custom_jvp", "custom_vjp", "shard_map")
 
 
-def _refuse_unknown(eqn: Any) -> None:
-  """Raises the teaching error for an unknown higher-order equation."""
-  if eqn.primitive in rules_lib.FIRST_ORDER_WITH_JAXPRS:
+def _refuse_unknown(primitive: Any, params: Any, holding: str = "") -> None:
+  """Raises the teaching error for an unknown higher-order operation (one
+  whose parameters hold a jaxpr); returns for a first-order one."""
+  if primitive in rules_lib.FIRST_ORDER_WITH_JAXPRS:
     return  # scalar combiners (reduce, scatter...): no body to autocast
-  if not any(True for _ in compat.sub_jaxprs(eqn.params)):
+  if not any(True for _ in compat.sub_jaxprs(params)):
     return
   raise ValueError(UNKNOWN_HIGHER_ORDER.format(
-      what=f"the primitive {eqn.primitive.name!r}", version=jax.__version__,
-      known=", ".join(_KNOWN_KINDS)))
+      what=f"the primitive {primitive.name!r}{holding}",
+      version=jax.__version__, known=", ".join(_KNOWN_KINDS)))
 
 
 def kind_of(eqn: Any) -> str | None:
@@ -665,6 +666,8 @@ def _custom_vjp3(interp, ctx, args, params):
   return list(fn(*args))
 
 
+_SCAN3 = (" (traced so under the flag jax_scan3, which JAX itself cannot "
+          "differentiate yet; turn the flag off)")
 _HI_HANDLERS = {"remat": _remat3, "custom_jvp": _custom_jvp3,
                 "custom_vjp": _custom_vjp3}
 
@@ -672,17 +675,11 @@ _HI_HANDLERS = {"remat": _remat3, "custom_jvp": _custom_jvp3,
 def _hi(interp, ctx, args, params):
   """A "hi" primitive (jax 0.12's upgrade flags): by its operation's class."""
   handler = _HI_HANDLERS.get(compat.hi_kind(params))
-  if handler is None and not any(True for _ in compat.sub_jaxprs(params)):
+  if handler is None:
+    _refuse_unknown(ctx.primitive, params, f" holding {compat.hi_name(params)}"
+                    + (_SCAN3 if compat.hi_kind(params) == "scan" else ""))
     # A first-order hi operation (jnp.frexp's Frexp): as traced.
     return ctx.apply("passthrough", *args, **params)
-  if handler is None:
-    raise ValueError(UNKNOWN_HIGHER_ORDER.format(
-        what=f"the primitive {ctx.primitive.name!r} holding "
-        f"{compat.hi_name(params)}" + (
-            " (traced so under the flag jax_scan3, which JAX itself cannot "
-            "differentiate yet; turn the flag off)"
-            if compat.hi_kind(params) == "scan" else ""),
-        version=jax.__version__, known=", ".join(_KNOWN_KINDS)))
   return handler(interp, ctx, args, params)
 
 

@@ -185,20 +185,15 @@ class OpRuleContext:
 
   def apply(self, rule: str, *args: Any, **params: Any) -> Any:
     """Runs the built-in rule named ``rule`` (one of :data:`OP_RULE_NAMES`)."""
-    if rule == "recurse":
-      if self._recurse is None:
-        raise ValueError(
-            "The 'recurse' rule only applies to higher-order primitives "
-            f"(jit, scan, cond, ...), not {self.primitive.name}."
-        )
+    if rule == "recurse" and self._recurse is not None:
       return self._recurse(self, *args, **params)
-    try:
-      builtin = BUILTIN_RULES[rule]
-    except (KeyError, TypeError):
+    builtin = BUILTIN_RULES.get(rule) if isinstance(rule, str) else None
+    if builtin is None:
       raise ValueError(
-          f"Unknown autocast rule {rule!r}; valid rules: {', '.join(OP_RULE_NAMES)}"
-          " or a callable."
-      ) from None
+          f"No built-in autocast rule {rule!r} applies to "
+          f"{self.primitive.name}; valid rules: {', '.join(OP_RULE_NAMES)} "
+          "('recurse' only for higher-order primitives: jit, scan, cond, ...)"
+          " or a callable.")
     return builtin(self, *args, **params)
 
   def cast_outputs(self, out: Any, dtype: Any) -> Any:
