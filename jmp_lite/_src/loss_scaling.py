@@ -61,6 +61,25 @@ _RESTORED_AS_DICT = (
     "(orbax: checkpointer.restore(path, target=opt.init(params)), or "
     "ocp.args.StandardRestore(abstract_state))."
 )
+_WRAP_NUMBER = (
+    "Pass a jmp_lite loss scale: jmp_lite.DynamicLossScale(2.0**15) to adapt "
+    "the scale, jmp_lite.StaticLossScale(value) to keep it fixed, or "
+    "jmp_lite.NoOpLossScale()"
+)
+_RAISE_WITHOUT_LIMIT = (
+    "loss_scaling: on_max_skips='raise' needs max_consecutive_skips, the "
+    "number of skipped steps in a row after which to raise."
+)
+_SHARED_WITH_ACCUMULATION = (
+    "loss_scaling: accumulation_steps needs the wrapper's own loss scale (it "
+    "changes the scale once per window); a shared scale you adjust yourself "
+    "cannot know where windows end. Pass the loss scale."
+)
+_SHARES_A_SCALE = (
+    "get_loss_scale: this loss_scaling shares a loss scale passed to each "
+    "update (it was built without one), so its state holds none: use the "
+    "scale you pass to update."
+)
 _GAVE_UP = (
     "jmp_lite.loss_scaling gave up: {skips} optimizer steps in a row had "
     "non-finite gradients (max_consecutive_skips={limit}); the loss scale is "
@@ -420,12 +439,9 @@ def _check_loss_scale(loss_scale: Any) -> None:
            f"{loss_scale.__name__}("
            f"{'' if loss_scale is loss_scale_lib.NoOpLossScale else '2.0**15'})")
   elif checks.is_real_number(loss_scale) or checks.is_array(loss_scale):
-    got = (f"the number {loss_scale!r}. Wrap it: "
-           "jmp_lite.DynamicLossScale(2.0**15) to adapt the scale, or "
-           "jmp_lite.StaticLossScale(value) to keep it fixed")
+    got = f"the number {loss_scale!r}. {_WRAP_NUMBER}"
   else:
-    got = (f"{type(loss_scale).__name__}: {loss_scale!r}; pass a jmp_lite "
-           "loss scale (NoOpLossScale, StaticLossScale or DynamicLossScale)")
+    got = f"{type(loss_scale).__name__}: {loss_scale!r}. {_WRAP_NUMBER}"
   raise TypeError(f"loss_scaling expects a loss-scale object, got {got}.")
 
 
@@ -508,16 +524,9 @@ def loss_scaling(
   on_max_skips = checks.choice(on_max_skips, "on_max_skips", owner,
                                ON_MAX_SKIPS)
   if on_max_skips == "raise" and max_skips is None:
-    raise ValueError(
-        f"{owner}: on_max_skips='raise' needs max_consecutive_skips, the "
-        "number of skipped steps in a row after which to raise."
-    )
+    raise ValueError(_RAISE_WITHOUT_LIMIT)
   if loss_scale is None and k > 1:
-    raise ValueError(
-        f"{owner}: accumulation_steps needs the wrapper's own loss scale (it "
-        "changes the scale once per window); a shared scale you adjust "
-        "yourself cannot know where windows end. Pass the loss scale."
-    )
+    raise ValueError(_SHARED_WITH_ACCUMULATION)
   if axis_name is not None:
     checks.axis_name(axis_name)
   wrapper = _LossScaling(
@@ -560,10 +569,12 @@ class _LossScaling:
   def init(self, params: Any) -> LossScaleState:
     checks.no_fp8_state(params, "jmp_lite.loss_scaling")
     inner_state = self.inner.init(params)
-    if tree_lib.find(inner_state, LossScaleState, "loss_scale"):
-      raise TypeError(_NESTED)
-    if tree_lib.find(inner_state, optax.MultiStepsState, "mini_step"):
-      raise TypeError(_MULTISTEPS_INSIDE)
+    problem = (_NESTED if tree_lib.find(inner_state, LossScaleState,
+                                        "loss_scale")
+               else _MULTISTEPS_INSIDE if tree_lib.find(
+                   inner_state, optax.MultiStepsState, "mini_step") else None)
+    if problem:
+      raise TypeError(problem)
     accumulating = dict(
         accumulated=jax.tree.map(
             lambda p: jnp.zeros(p.shape, dtypes.at_least_f32(p.dtype))
@@ -588,10 +599,9 @@ class _LossScaling:
 
   def update(self, updates, state, params=None, **extra_args):
     if not isinstance(state, LossScaleState):
-      raise TypeError(
-          "loss_scaling's update expects the LossScaleState made by its init, "
-          f"got {type(state).__name__}. Pass the state returned by opt.init."
-      )
+      raise TypeError("loss_scaling's update expects the LossScaleState made "
+                      f"by its init, got {type(state).__name__}. Pass the "
+                      "state returned by opt.init.")
     self._check_fits(state)
     current = _scale_for_update(state.loss_scale,
                                 extra_args.pop("loss_scale", None))
@@ -637,11 +647,9 @@ class _LossScaling:
     """A state must have been made by a wrapper with the same accumulation
     (a checkpoint restored into another configuration, say)."""
     accumulates = state.micro_step is not None
-    if accumulates == (self.k > 1):
-      return
-    if accumulates:
-      raise ValueError(_STATE_ACCUMULATES)
-    raise ValueError(_STATE_DOES_NOT_ACCUMULATE.format(k=self.k))
+    if accumulates != (self.k > 1):
+      raise ValueError(_STATE_ACCUMULATES if accumulates
+                       else _STATE_DOES_NOT_ACCUMULATE.format(k=self.k))
 
   def _window(self, grads: Any, finite: Any, state: LossScaleState) -> _Window:
     """Accumulation: where this micro-batch's unscaled gradients go."""
@@ -692,13 +700,11 @@ class _LossScaling:
 
 def _scale_for_update(own: Any, shared: Any) -> Any:
   """The loss scale this update unscales with: the state's, or the shared one."""
+  if (own is None) == (shared is None):
+    raise TypeError(_NO_SHARED_SCALE if own is None else _OWN_AND_SHARED)
   if own is None:
-    if shared is None:
-      raise TypeError(_NO_SHARED_SCALE)
     _check_loss_scale(shared)
     return shared
-  if shared is not None:
-    raise TypeError(_OWN_AND_SHARED)
   return _restored(own)
 
 
@@ -743,28 +749,14 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
   """
   if isinstance(opt_state, loss_scale_lib.LossScale):
     return opt_state
-  found = tree_lib.find(opt_state, LossScaleState, "loss_scale")
-  if not found:
-    raise ValueError(
-        "get_loss_scale found no loss-scaling state in the optimizer state (a"
-        f" {type(opt_state).__name__}). Build the optimizer with "
-        "jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**15)) and "
-        "pass the state its init returned."
-    )
-  _check_layout(opt_state)
-  if len(found) > 1:
-    raise ValueError(
-        f"get_loss_scale found {len(found)} loss-scaling states in the "
-        "optimizer state, so which scale to use is ambiguous. Pass the "
-        "sub-state of the optimizer whose loss you are scaling."
-    )
-  if found[0] is None:
-    raise ValueError(
-        "get_loss_scale: this loss_scaling shares a loss scale passed to each "
-        "update (it was built without one), so its state holds none: use the "
-        "scale you pass to update."
-    )
-  return _fields_as_arrays(_restored(found[0]))
+  _check_layout(opt_state)  # Before the count: a wrapper may hold several.
+  found = tree_lib.find_one(
+      opt_state, LossScaleState, "loss_scale", "get_loss_scale",
+      "loss-scaling states", "jmp_lite.loss_scaling(inner, "
+      "jmp_lite.DynamicLossScale(2.0**15))")
+  if found is None:
+    raise ValueError(_SHARES_A_SCALE)
+  return _fields_as_arrays(_restored(found))
 
 
 def _as_array(x: Any) -> Any:
@@ -828,10 +820,8 @@ def scaled_value_and_grad(
     out = fun(*args, **kwargs)
     if has_aux:
       if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise TypeError(
-            "scaled_value_and_grad(has_aux=True) needs fun to return a pair "
-            f"(loss, aux), got {type(out).__name__}."
-        )
+        raise TypeError("scaled_value_and_grad(has_aux=True) needs fun to "
+                        f"return a pair (loss, aux), got {type(out).__name__}.")
       loss, aux = out
     else:
       loss, aux = out, None
