@@ -111,6 +111,17 @@ RULE_MATCHERS = (
     r"compiled str regex (e.g. re.compile(r'block_\d+/attn'))."
 )
 
+#: What a rule's policy can be (the hint of one that is none of them).
+RULE_POLICIES = (
+    "A rule's policy is a jmp_lite.Policy, a spec string such as "
+    "'p=f32,c=f32,o=f16', or FullPrecision() (an instance, not the class)."
+)
+#: What a rule looks like.
+RULE_EXAMPLE = (
+    "Example: (nn.LayerNorm, FullPrecision()) or ('decoder/*', "
+    "'p=f32,c=f32,o=f16')."
+)
+
 Override = Union[policy_lib.Policy, FullPrecision]
 Matcher = Union[tuple, str, "re.Pattern[str]"]
 
@@ -212,11 +223,9 @@ class ModuleRulesBase:
   @classmethod
   def _normalise_entry(cls, index: int, entry: Any) -> tuple[Matcher, Override]:
     if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
-      raise TypeError(
-          f"{cls.__qualname__} entry {index} must be a (match, policy) pair, got"
-          f" {type(entry).__name__}: {entry!r}. Example: "
-          "(nn.LayerNorm, FullPrecision()) or ('decoder/*', 'p=f32,c=f32,o=f16')."
-      )
+      raise TypeError(f"{cls.__qualname__} entry {index} must be a (match, "
+                      f"policy) pair, got {type(entry).__name__}: {entry!r}. "
+                      f"{RULE_EXAMPLE}")
     match, override = entry
     return cls._normalise_match(index, match), cls._normalise_override(
         index, match, override
@@ -262,18 +271,11 @@ class ModuleRulesBase:
     where = f"{cls.__qualname__} entry {index} ({_describe_match_raw(match)})"
     if isinstance(override, (policy_lib.Policy, FullPrecision)):
       return override
-    if isinstance(override, str):
-      try:
-        return policy_lib.get_policy(override)
-      except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    got = ("the class FullPrecision; use an instance: FullPrecision()"
-           if override is FullPrecision
-           else f"{type(override).__name__}: {override!r}")
-    raise TypeError(
-        f"{where}: the policy must be a jmp_lite.Policy, a spec string such as"
-        f" 'p=f32,c=f32,o=f16', or FullPrecision(); got {got}."
-    )
+    try:
+      return policy_lib.get_policy(override)
+    except (TypeError, ValueError) as e:
+      hint = f" {RULE_POLICIES}" if isinstance(e, TypeError) else ""
+      raise type(e)(f"{where}: {e}{hint}") from None
 
   # -- use --------------------------------------------------------------------
 
