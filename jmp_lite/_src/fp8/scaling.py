@@ -425,6 +425,14 @@ def quantize_mx_last(x: jax.Array, fmt: formats_lib.Fp8Format) -> Quantized:
 # ---------------------------------------------------------------------------
 
 
+#: Why MX blocks take neither a given scale nor non-power-of-two scales.
+MX_SCALES_FIXED = (
+    "granularity 'mxfp8' computes each block's E8M0 scale (always a power of "
+    "two) from the block itself: it takes no precomputed scale and no "
+    "power_of_two=False. Use granularity 'tensor' for delayed scaling."
+)
+
+
 def check_granularity(name: Any, valid: Sequence[str] = GRANULARITIES,
                       help_text: str = GRANULARITY_HELP, *,
                       owner: str = _OWNER) -> str:
@@ -504,37 +512,25 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
   x = checks.float_array(x, "x")
   block_size = _check_block_size(block_size, granularity)
   ndim = x.ndim
-  if granularity == "tensor":
-    if axis is not None:
-      raise ValueError(
-          f"granularity 'tensor' takes no axis, got axis={axis!r}. Use "
-          "granularity='row' for one scale per row.")
-    block_shape, scale_shape = tuple(max(n, 1) for n in x.shape), ()
+  default = {"tensor": (), "block": (-2, -1)}.get(granularity, -1)
+  # NumPy reports an axis out of range or repeated.
+  axes = normalize_axis_tuple(default if axis is None else axis, ndim)
+  need = {"tensor": 0, "tile": 1, "mxfp8": 1, "block": 2}.get(
+      granularity, max(len(axes), 1))
+  if len(axes) != need:
+    raise ValueError(
+        f"granularity {granularity!r} takes {need} axis/axes, got "
+        f"axis={axis!r} (granularity='row' gives one scale per row).")
+  if granularity in ("tensor", "row"):
+    block_shape = tuple(max(n, 1) if i in axes or granularity == "tensor"
+                        else 1 for i, n in enumerate(x.shape))
   else:
-    default = (-2, -1) if granularity == "block" else -1
-    # NumPy reports an axis out of range or repeated.
-    axes = normalize_axis_tuple(default if axis is None else axis, ndim)
-    need = {"tile": 1, "mxfp8": 1, "block": 2}.get(granularity, len(axes))
-    if len(axes) != need:
-      raise ValueError(
-          f"granularity {granularity!r} blocks along {need} axis/axes, got "
-          f"axis={axis!r}.")
-    if granularity == "row":
-      block_shape = tuple(max(n, 1) if i in axes else 1
-                          for i, n in enumerate(x.shape))
-    else:
-      block_shape = tuple(block_size if i in axes else 1 for i in range(ndim))
-    scale_shape = _num_blocks(x.shape, block_shape)
+    block_shape = tuple(block_size if i in axes else 1 for i in range(ndim))
+  scale_shape = () if granularity == "tensor" else _num_blocks(
+      x.shape, block_shape)
   if granularity == "mxfp8":
-    if not power_of_two:
-      raise ValueError(
-          "MXFP8 scales are E8M0, always powers of two: power_of_two=False is "
-          "not possible with granularity 'mxfp8'.")
-    if scale is not None:
-      raise ValueError(
-          "MXFP8 computes each block's E8M0 scale from the block itself; it "
-          "takes no precomputed scale. Use granularity 'tensor' for delayed "
-          "scaling.")
+    if not power_of_two or scale is not None:
+      raise ValueError(MX_SCALES_FIXED)
     (ax,) = axes
     moved = jnp.moveaxis(x, ax, -1)
     q = quantize_mx_last(moved, fmt)
@@ -542,11 +538,8 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
                      jnp.moveaxis(q.scale, -1, ax),
                      jnp.moveaxis(q.amax, -1, ax), block_shape)
   if scale is not None:
-    scale = check_given_scale(scale, "scale")
-    if tuple(scale.shape) != tuple(scale_shape):
-      raise ValueError(
-          f"scale must have shape {tuple(scale_shape)} (one per "
-          f"{granularity} block of x, shape {x.shape}), got {scale.shape}.")
+    # A scale of another shape: JAX's broadcasting names both shapes.
+    scale = jnp.broadcast_to(check_given_scale(scale, "scale"), scale_shape)
   return quantize_blocks(x, fmt, block_shape, scale, power_of_two,
                          scalar_scale=granularity == "tensor")
 
