@@ -115,7 +115,7 @@ def test_scan_parameters_of_either_layout():
 
 
 def test_unknown_parameter_layout_is_a_clear_error():
-  with pytest.raises(compat.UnsupportedJaxError, match="scan has neither"):
+  with pytest.raises(compat.UnsupportedJaxError, match=r"none of the parameters \('num_consts',\)"):
     compat.scan_parts({"jaxpr": None, "length": 1}, [])
 
 

@@ -348,12 +348,7 @@ def remat_parts(params: dict[str, Any]) -> tuple[Any, bool, Any]:
 def _group_sizes(params: dict[str, Any], tree_key: str, count_keys: tuple[str, ...]) -> list[int]:
   if tree_key in params:  # jax >= 0.11: a FlatTree of the input groups.
     return [len(group) for group in params[tree_key].unpack()]
-  try:
-    return [params[k] for k in count_keys]
-  except KeyError:
-    raise unsupported(
-        "autocast", f"scan has neither {tree_key!r} nor {count_keys} parameters"
-    ) from None
+  return [_param(params, k) for k in count_keys]
 
 
 def scan_parts(params: dict[str, Any], args: Sequence[Any]) -> tuple[Any, list[Any], list[Any], list[Any]]:

@@ -31,6 +31,14 @@ VALUE_AND_GRAD_OUTPUT = (
     "it returns ((loss, aux), grads), has_aux=False if it returns (loss, grads)."
 )
 
+#: A batch that the groups do not divide.
+GROUPS_DO_NOT_DIVIDE = (
+    "{caller}: num_groups={num_groups} does not divide the leading (batch) "
+    "axis of batch leaf {where}, of size {size} (shape {shape}). Use a batch "
+    "size that is a multiple of num_groups (the data-parallel device count), "
+    "e.g. {fit}."
+)
+
 
 def _split_value(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any, Any]:
   """``(loss, aux, grads)`` from a value-and-grad function's output."""
@@ -39,8 +47,7 @@ def _split_value(out: Any, has_aux: bool, caller: str) -> tuple[Any, Any, Any]:
                          else checks.is_array(out[0]))):
     kind = lambda x: "an array" if checks.is_array(x) else type(x).__name__
     got = f"({kind(out[0])}, grads)" if pair(out) else kind(out)
-    raise TypeError(VALUE_AND_GRAD_OUTPUT.format(caller=caller, got=got,
-                                                 has_aux=has_aux))
+    raise TypeError(VALUE_AND_GRAD_OUTPUT.format(caller=caller, got=got, has_aux=has_aux))
   value, grads = out
   if has_aux:
     return value[0], value[1], grads
@@ -120,14 +127,10 @@ def grouped_value_and_grad(
       return x, None
     size = x.shape[0]
     if size % num_groups:
-      where = jax.tree_util.keystr(path) or "<root>"
-      raise ValueError(
-          f"{caller}: num_groups={num_groups} does not divide the leading "
-          f"(batch) axis of batch leaf {where}, of size {size} (shape "
-          f"{tuple(x.shape)}). Use a batch size that is a multiple of "
-          f"num_groups (the data-parallel device count), e.g. "
-          f"{-(-size // num_groups) * num_groups}."
-      )
+      raise ValueError(GROUPS_DO_NOT_DIVIDE.format(
+          caller=caller, num_groups=num_groups, size=size,
+          where=jax.tree_util.keystr(path) or "<root>", shape=tuple(x.shape),
+          fit=-(-size // num_groups) * num_groups))
     return x.reshape((num_groups, size // num_groups) + tuple(x.shape[1:])), 0
 
   def split_batch(batch, argnum):

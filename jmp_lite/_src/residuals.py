@@ -10,6 +10,14 @@ import numpy as np
 
 from jmp_lite._src import compat
 
+#: save_half_residuals called as something other than a checkpoint policy.
+NOT_A_PRIMITIVE = (
+    "save_half_residuals is a jax.checkpoint policy, which JAX calls with "
+    "each primitive of the function; it got {got}. Pass it as the policy, "
+    "without calling it: jax.checkpoint(loss_fn, "
+    "policy=jmp_lite.save_half_residuals) (it is not a decorator of its own)."
+)
+
 
 def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
   """``jax.checkpoint`` policy: save half-precision values only.
@@ -51,13 +59,7 @@ def save_half_residuals(prim: Any, *avals: Any, **params: Any) -> bool:
   """
   # (On a jax whose internals compat cannot read, the check is skipped.)
   if compat.Primitive is not None and not compat.is_primitive(prim):
-    raise TypeError(
-        "save_half_residuals is a jax.checkpoint policy, which JAX calls with "
-        f"each primitive of the function; it got {type(prim).__name__}: "
-        f"{prim!r}. Pass it as the policy, without calling it: "
-        "jax.checkpoint(loss_fn, policy=jmp_lite.save_half_residuals) (it is "
-        "not a decorator of its own)."
-    )
+    raise TypeError(NOT_A_PRIMITIVE.format(got=f"{type(prim).__name__}: {prim!r}"))
   if getattr(prim, "name", None) in _FREE:
     return False
   try:
