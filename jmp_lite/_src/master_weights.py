@@ -198,6 +198,17 @@ def _made_by(state: "MasterWeightsState") -> str | None:
   return None
 
 
+def _mismatch(state: Any, made: str | None) -> dict[str, str]:
+  """:data:`OTHER_METHOD`'s ``got`` and ``fix`` for a state made by ``made``
+  (None: not by master_weights)."""
+  if made is None:
+    return dict(got=f"a {type(state).__name__}, not the MasterWeightsState "
+                "made by its init", fix="pass the state returned by opt.init")
+  return dict(got=f"a state made by method={made!r} (it holds {_HOLDS[made]})",
+              fix=f"build the optimizer with method={made!r} (and restore a "
+              "checkpoint into that optimizer's init)")
+
+
 def _nothing(p: Any) -> jax.Array:
   """The leaf a param without a master copy or compensation has in the
   per-param trees: empty (no bytes), in the param's dtype, of the param's
@@ -217,17 +228,18 @@ def _holds_value(slot: Any, p: Any) -> bool:
 
 def _check_seed(seed: Any, method: str, owner: str) -> int | None:
   """The seed of stochastic rounding (0 by default); None for the others."""
-  if method != "stochastic_rounding" and seed is not None:
-    raise ValueError(
-        f"{owner}: seed={seed!r} was given, but method={method!r} draws no "
-        "random bits. Only method='stochastic_rounding' takes a seed: remove "
-        "seed=, or choose that method.")
-  if method != "stochastic_rounding" or seed is None:
-    return None if method != "stochastic_rounding" else 0
+  if method != "stochastic_rounding":
+    if seed is not None:
+      raise ValueError(
+          f"{owner}: seed={seed!r} was given, but method={method!r} draws no "
+          "random bits. Only method='stochastic_rounding' takes a seed: "
+          "remove seed=, or choose that method.")
+    return None
   if checks.is_array(seed) and np.ndim(seed) != 0:
     raise TypeError(SEED_IS_KEY.format(owner=owner, shape=np.shape(seed),
                                        dtype=seed.dtype))
-  return checks.integer(seed, "seed", owner, 0, checks.UINT32_MAX)
+  return 0 if seed is None else checks.integer(seed, "seed", owner, 0,
+                                               checks.UINT32_MAX)
 
 
 def master_weights(
@@ -385,13 +397,8 @@ def master_weights(
   def update_fn(updates, state, params=None, **extra_args):
     made = _made_by(state)
     if made != method:
-      raise ValueError(OTHER_METHOD.format(
-          owner=owner, method=method, got=f"a state made by method={made!r} "
-          f"(it holds {_HOLDS[made]})" if made else f"a {type(state).__name__}"
-          ", not the MasterWeightsState made by its init",
-          fix=f"build the optimizer with method={made!r} (and restore a "
-          "checkpoint into that optimizer's init)" if made else
-          "pass the state returned by opt.init"))
+      raise ValueError(OTHER_METHOD.format(owner=owner, method=method,
+                                           **_mismatch(state, made)))
     if params is None:
       raise ValueError(f"{owner}'s update needs the current params, to "
                        "return the updates that take them to their new "
