@@ -358,7 +358,9 @@ def _format_name(fmt: Any) -> str:
         f"{err} For FP4, fmt='e2m1' (or jnp.float4_e2m1fn).") from None
 
 
-def _formats(fmt: Any, role: str) -> tuple[str, ...]:
+def _formats(fmt: Any, role: str, scaled: bool) -> tuple[str, ...]:
+  """The measured format names; with ``scaled`` (a delayed scale given), one
+  float8 format."""
   if fmt is None:
     return (_ROLE_FORMAT[role],)
   many = fmt if isinstance(fmt, (tuple, list)) else (fmt,)
@@ -367,9 +369,12 @@ def _formats(fmt: Any, role: str) -> tuple[str, ...]:
     name = _format_name(f)
     if name not in names:
       names.append(name)
-  if not names or (FP4_FORMAT in names and len(names) > 1):
-    problem = ("mixes FP4 with float8 formats" if names
-               else "must name at least one format")
+  mixed = FP4_FORMAT in names and len(names) > 1
+  if not names or mixed or (scaled and (len(names) > 1 or FP4_FORMAT in names)):
+    problem = ("must name at least one format" if not names
+               else "mixes FP4 with float8 formats" if mixed
+               else "was given with scale=: a delayed scale belongs to one "
+               "format; measure each with its own scale (one call each)")
     raise ValueError(f"fp8_stats: fmt={fmt!r} {problem}. "
                      f"{fp8_formats.FORMAT_HELP} {FP4_FORMAT_HELP}")
   return tuple(names)
@@ -619,15 +624,9 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   how to capture a model's matmul inputs and gradients, and the advice.
   """
   role = checks.choice(role, "role", "fp8_stats", ROLES, ROLE_HELP)
-  formats = _formats(fmt, role)
+  formats = _formats(fmt, role, scale is not None)
   block_size = _block_size(block_size)
   fp4 = formats == (FP4_FORMAT,)
-  if scale is not None and (fp4 or len(formats) > 1):
-    problem = (f"scale= was given with fmt='e2m1'. {FP4_FORMAT_HELP}" if fp4
-               else "a delayed scale belongs to one format, got scale= with "
-               f"fmt={formats}. Measure each format with its own scale (one "
-               "call each).")
-    raise ValueError(f"fp8_stats: {problem}")
   recipes = (FP4_STAT_RECIPES if fp4
              else RECIPES if scale is not None else RECIPES[:-1])
 
