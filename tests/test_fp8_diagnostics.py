@@ -564,3 +564,12 @@ def test_the_guide_shows_what_its_float8_example_prints():
     assert row in printed, row
   quoted = re.search(r"e\.g\. `(Dense_0: row,.*?)`", section, re.DOTALL)
   assert " ".join(quoted.group(1).split()) in printed
+
+
+@pytest.mark.parametrize("ladder,error", [
+    ("row", TypeError), (None, TypeError), ((), ValueError),
+    (("row", "row"), ValueError)])
+def test_advise_fp8_granularities_are_a_tuple_of_distinct_names(ladder, error):
+  stats = {"x": diagnostics.fp8_stats(jnp.ones((2, 16)), "activation")}
+  with pytest.raises(error, match="granularities must be a tuple.*each once"):
+    diagnostics.advise_fp8(stats, granularities=ladder)

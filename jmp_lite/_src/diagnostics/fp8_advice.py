@@ -229,27 +229,22 @@ FP4_LADDER_HELP = (
 
 
 def _granularities(granularities: Any, fp4: bool) -> tuple[str, ...]:
-  if isinstance(granularities, str) or not isinstance(granularities,
-                                                      (tuple, list)):
-    raise TypeError(
-        "advise_fp8: granularities must be a tuple of granularity names, "
-        f"cheapest first, got {type(granularities).__name__}: "
-        f"{granularities!r}; e.g. ('tensor', 'row', 'blockwise').")
-  if fp4:
-    if tuple(granularities) == GRANULARITIES:
-      return FP4_STAT_RECIPES
-    kind, help_text = "FP4 recipe", FP4_LADDER_HELP
-    names = tuple(checks.choice(g, "FP4 recipe", "advise_fp8",
-                                FP4_STAT_RECIPES, help_text)
-                  for g in granularities)
-  else:
-    kind, help_text = "granularity", fp8_config.MATMUL_GRANULARITY_HELP
-    names = tuple(fp8_scaling.check_granularity(g, GRANULARITIES, help_text)
-                  for g in granularities)
+  """The ladder to try: a tuple (or list) of distinct names, cheapest first."""
+  ladder = (tuple(granularities) if isinstance(granularities, (tuple, list))
+            else None)
+  if fp4 and ladder == GRANULARITIES:
+    return FP4_STAT_RECIPES
+  kind, help_text = (("FP4 recipe", FP4_LADDER_HELP) if fp4 else
+                     ("granularity", fp8_config.MATMUL_GRANULARITY_HELP))
+  names = tuple(
+      checks.choice(g, "FP4 recipe", "advise_fp8", FP4_STAT_RECIPES, help_text)
+      if fp4 else fp8_scaling.check_granularity(g, GRANULARITIES, help_text)
+      for g in ladder or ())
   if not names or len(set(names)) != len(names):
-    raise ValueError(
-        f"advise_fp8: granularities must name at least one {kind}, each "
-        f"once, got {granularities!r}. {help_text}")
+    raise (TypeError if ladder is None else ValueError)(
+        f"advise_fp8: granularities must be a tuple naming at least one "
+        f"{kind}, each once, cheapest first, got {granularities!r}; e.g. "
+        f"('tensor', 'row', 'blockwise'). {help_text}")
   return names
 
 
