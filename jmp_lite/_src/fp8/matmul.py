@@ -118,6 +118,17 @@ DELAYED_SCALES_HELP = (
 )
 
 
+NO_OUT_SHARDING = (
+    "Leave it None and constrain the result's sharding with "
+    "jax.lax.with_sharding_constraint instead."
+)
+SCALES_WITH_CURRENT = (
+    "scales were given, but the config uses current scaling "
+    "(Fp8Config(scaling='current')), which computes its own. Pass "
+    "Fp8Config(scaling='delayed') to use precomputed scales."
+)
+
+
 class DelayedScales(NamedTuple):
   """The per-tensor scales of a delayed-scaling float8 matmul.
 
@@ -171,10 +182,7 @@ def _check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):
 def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
   if config.scaling == "current":
     if scales is not None:
-      raise ValueError(
-          "scales were given, but the config uses current scaling "
-          "(Fp8Config(scaling='current')), which computes its own. Pass "
-          "Fp8Config(scaling='delayed') to use precomputed scales.")
+      raise ValueError(SCALES_WITH_CURRENT)
     return None
   if not isinstance(scales, DelayedScales):
     raise TypeError(
@@ -186,10 +194,7 @@ def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
       out.append(None)
       continue
     value = scaling_lib.check_given_scale(value, f"scales.{name}")
-    if value.shape != ():
-      raise ValueError(
-          f"scales.{name} must be a scalar, got shape {value.shape}. "
-          f"{DELAYED_SCALES_HELP}")
+    checks.real_scalar(value, f"scales.{name}", "fp8_dot_general")
     out.append(value.astype(_F32))
   return DelayedScales(*out)
 
@@ -649,10 +654,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
         f"config must be an Fp8Config, got {type(config).__name__}: "
         f"{config!r}. Build one with e.g. Fp8Config(granularity='row').")
   if out_sharding is not None:
-    raise ValueError(
-        f"fp8_dot_general does not support out_sharding (got "
-        f"{out_sharding!r}): leave it None and constrain the result's "
-        "sharding with jax.lax.with_sharding_constraint instead.")
+    raise ValueError(f"fp8_dot_general: out_sharding={out_sharding!r} is not "
+                     f"supported. {NO_OUT_SHARDING}")
   lhs = checks.float_array(lhs, "lhs")
   rhs = checks.float_array(rhs, "rhs")
   del precision
