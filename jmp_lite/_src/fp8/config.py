@@ -412,24 +412,24 @@ SCALE_RULE_NVFP4_HELP = (
     "scales are rounded to nearest. Leave mx_scale_rule unset (None) with "
     "recipe='nvfp4'."
 )
+SCALE_RULE_HELP = (
+    "Valid rules are the strings 'round_up' (the block's largest element is "
+    "never clipped, as cuBLAS and JAX round) and 'floor' (the OCP "
+    "Microscaling spec's rule)."
+)
 _FP4_OWNER = "Fp4Config"
 _FP4_FLAGS = ("rht", "stochastic_rounding", "native", "quantize_forward",
               "include_output_head", "include_batched")
 
 
 def check_scale_rule(rule: Any) -> str:
-  """A valid MXFP4 scale rule (canonical), or a teaching error."""
-  valid = ", ".join(map(repr, MX_SCALE_RULES))
-  if not isinstance(rule, str):
-    raise TypeError(
-        f"The MXFP4 scale rule must be a string, one of {valid}; got "
-        f"{type(rule).__name__}: {rule!r}.")
-  name = rule.strip().lower().replace("-", "_")
+  """A valid MXFP4 scale rule (canonical), or a teaching error (a TypeError
+  for a non-string)."""
+  name = rule.strip().lower().replace("-", "_") if isinstance(rule, str) else None
   if name not in MX_SCALE_RULES:
-    raise ValueError(
-        f"Unknown MXFP4 scale rule {rule!r}. Valid rules: {valid} "
-        "('round_up': the block's largest element is never clipped, as "
-        "cuBLAS and JAX round; 'floor': the OCP Microscaling spec's rule).")
+    raise (ValueError if isinstance(rule, str) else TypeError)(
+        f"Unknown MXFP4 scale rule {rule!r} ({type(rule).__name__}). "
+        f"{SCALE_RULE_HELP}")
   return name
 
 
