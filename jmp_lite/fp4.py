@@ -1,5 +1,4 @@
-"""FP4 matmuls (NVFP4, MXFP4): the recipe type, the FP4 ``dot_general`` and
-the quantizers.
+"""FP4 matmuls (NVFP4, MXFP4): the recipe type and the FP4 ``dot_general``.
 
 FP4 training multiplies E2M1 values (``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``) with
 small block scales and float32 accumulation: NVIDIA's NVFP4 recipe (1x16
@@ -26,30 +25,10 @@ Example:
   True
 """
 
-from jmp_lite._src.fp8.fp4 import dequantize_fp4
-from jmp_lite._src.fp8.fp4 import MX_SCALE_RULES
-from jmp_lite._src.fp8.fp4 import Mxfp4Tensor
-from jmp_lite._src.fp8.fp4 import Nvfp4Tensor
-from jmp_lite._src.fp8.fp4 import quantize_mxfp4
-from jmp_lite._src.fp8.fp4 import quantize_nvfp4
-from jmp_lite._src.fp8.fp4 import random_hadamard_transform
-from jmp_lite._src.fp8.fp4 import RHT_SIGNS
-from jmp_lite._src.fp8.fp4 import SR_RANDOM_BITS
-from jmp_lite._src.fp8.fp4_matmul import FP4_RECIPES
 from jmp_lite._src.fp8.fp4_matmul import Fp4Config
 from jmp_lite._src.fp8.fp4_matmul import fp4_dot_general
 
 __all__ = (
-    "FP4_RECIPES",
     "Fp4Config",
-    "MX_SCALE_RULES",
-    "Mxfp4Tensor",
-    "Nvfp4Tensor",
-    "RHT_SIGNS",
-    "SR_RANDOM_BITS",
-    "dequantize_fp4",
     "fp4_dot_general",
-    "quantize_mxfp4",
-    "quantize_nvfp4",
-    "random_hadamard_transform",
 )

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 import fp4_reference as ref
+import jmp_lite
 from jmp_lite import fp4
+from jmp_lite._src.fp8 import fp4 as fp4_lib
+from jmp_lite._src.fp8 import fp4_matmul
 
 MATMUL = (((1,), (0,)), ((), ()))  # x (M, K) @ w (K, N)
 _DN = (((2,), (2,)), ((0,), (0,)))
@@ -382,19 +385,25 @@ def test_config_errors():
 
 
 def test_matmul_errors():
+  """The one dtype validator refuses narrow and integer operands and results
+  (naming which); JAX reports a bad key where the backward pass uses it."""
   x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
-  with pytest.raises(TypeError, match="float4_e2m1fn.*dequantize_fp4"):
+  with pytest.raises(ValueError, match="lhs must be one of float32.*got "
+                     "float4_e2m1fn.*quantize their operands"):
     fp4.fp4_dot_general(x.astype(jnp.float4_e2m1fn), w, MATMUL)
-  with pytest.raises(TypeError, match="float8_e4m3fn"):
+  with pytest.raises(ValueError, match="rhs must be.*got float8_e4m3fn"):
     fp4.fp4_dot_general(x, w.astype(jnp.float8_e4m3fn), MATMUL)
-  with pytest.raises(TypeError, match="preferred_element_type=float4_e2m1fn"):
+  with pytest.raises(ValueError, match="lhs must be.*got int32"):
+    fp4.fp4_dot_general(x.astype(jnp.int32), w, MATMUL)
+  with pytest.raises(ValueError, match="preferred_element_type must be.*got "
+                     "float4_e2m1fn"):
     fp4.fp4_dot_general(x, w, MATMUL, preferred_element_type=jnp.float4_e2m1fn)
   with pytest.raises(TypeError, match="config must be an Fp4Config"):
     fp4.fp4_dot_general(x, w, MATMUL, config="nvfp4")
   with pytest.raises(TypeError, match="contracting dimensions to have the same"):
     fp4.fp4_dot_general(x, w, (((0,), (0,)), ((), ())))
   with pytest.raises(TypeError, match="PRNG key"):
-    fp4.fp4_dot_general(x, w, MATMUL, key=0)
+    jax.grad(lambda w: fp4.fp4_dot_general(x, w, MATMUL, key=0).sum())(w)
 
 
 def test_second_derivatives_are_refused():
@@ -425,5 +434,94 @@ def test_finite_inputs_create_no_nan_or_inf_anywhere():
           x, w, MATMUL, config=config), x, w)
       vjp(g)
       fp4.fp4_dot_general(np.zeros_like(x), w, MATMUL, config=config)
-    fp4.quantize_nvfp4(np.zeros((16, 16), F32), two_d=True)
-    fp4.dequantize_fp4(fp4.quantize_mxfp4(np.zeros((32,), F32)))
+    fp4_lib.quantize_nvfp4(np.zeros((16, 16), F32), two_d=True)
+    fp4_lib.dequantize_fp4(fp4_lib.quantize_mxfp4(np.zeros((32,), F32)))
+
+
+# ---------------------------------------------------------------------------
+# Data parallel: NVFP4's tensor amaxes over an axis_name.
+# ---------------------------------------------------------------------------
+
+_N_DEV = 8
+_EXACT = dict(stochastic_rounding=False)  # no random bits: shard-independent
+
+
+def _sharded_data():
+  """x (8 replicas x 16 rows, 32), one replica holding an outlier; w, g."""
+  x = _random((_N_DEV * 16, 32), 40)
+  x[3 * 16 + 2, 5] = 300.0
+  return x, _random((32, 16), 41), _random((_N_DEV * 16, 16), 42)
+
+
+def _per_replica(fn, *args):
+  """fn(x_shard, w, g_shard) on 8 replicas under shard_map, stacked."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:_N_DEV]), ("data",))
+  spec = jax.sharding.PartitionSpec
+  body = lambda x, w, g: jax.tree.map(lambda v: v[None], fn(x, w, g))
+  return jax.jit(jax.shard_map(
+      body, mesh=mesh, in_specs=(spec("data"), spec(), spec("data")),
+      out_specs=spec("data")))(*args)
+
+
+def test_axis_name_makes_nvfp4_tensor_scales_global():
+  """Replicas with different data get the same per-tensor scale (the
+  unsharded tensor's), and the product and both gradients equal the
+  unsharded computation's; without the axis each replica scales its own
+  shard."""
+  x, w, g = _sharded_data()
+
+  def run(config):
+    def fn(x, w, g):
+      y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
+          x, w, MATMUL, config=config), x, w)
+      scale = fp4_matmul._quantize(x[None], config).tensor_scale  # pylint: disable=protected-access
+      return (y,) + vjp(g) + (scale,)
+    return [np.asarray(v) for v in _per_replica(fn, x, w, g)]
+
+  config = fp4.Fp4Config(axis_name="data", **_EXACT)
+  y, dx, dw, scale = run(config)
+  want_y, want_dx, want_dw = _value_and_grads(fp4.Fp4Config(**_EXACT), x, w,
+                                              g)
+  whole = fp4_lib.nvfp4_quantize_f32(jnp.asarray(x))[2]
+  np.testing.assert_array_equal(scale, np.full(_N_DEV, whole))
+  _same(y.reshape(want_y.shape), want_y)
+  _same(dx.reshape(want_dx.shape), want_dx)
+  # The replicated weight's gradient: the sum of the replicas' FP4 products
+  # (shard_map's psum), the unsharded one up to float32 summation order.
+  for replica in dw:
+    np.testing.assert_allclose(replica, want_dw, rtol=1e-5, atol=1e-6)
+  local_y, _, _, local_scale = run(fp4.Fp4Config(**_EXACT))
+  assert len(set(local_scale.tolist())) > 1
+  assert not np.array_equal(local_y.reshape(want_y.shape), want_y)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_axis_name_shares_a_nan_with_every_replica(recipe):
+  """A NaN on one replica makes every replica's product NaN, as unsharded."""
+  x, w, g = _sharded_data()
+  x[5 * 16, 0] = np.nan
+  config = fp4.Fp4Config(recipe, axis_name="data", **_EXACT)
+  y = _per_replica(lambda x, w, g: fp4.fp4_dot_general(
+      x, w, MATMUL, config=config), x, w, g)
+  assert np.isnan(np.asarray(y)).all()
+
+
+def test_unbound_axis_name_teaches():
+  config = fp4.Fp4Config(axis_name="data")
+  with pytest.raises(ValueError, match=r"Fp4Config\(axis_name='data'\).*"
+                     r"jax.pmap or jax.shard_map.*jax.jit with sharded arrays"):
+    fp4.fp4_dot_general(jnp.ones((16, 32)), jnp.ones((32, 16)), MATMUL,
+                        config=config)
+  with pytest.raises(TypeError, match="axis_name"):
+    fp4.Fp4Config(axis_name=0)
+  assert fp4.Fp4Config(axis_name=["a", "b"]).axis_name == ("a", "b")
+  assert fp4.Fp4Config(axis_name=["a", "b"]).spec() == "nvfp4(axis_name=(a|b))"
+  hash(fp4.Fp4Config(axis_name=["a", "b"]))
+  # In a policy: written and read back with its case; an axis name the
+  # grammar cannot write is refused, as float8's.
+  policy = jmp_lite.get_policy("c=bf16,m=nvfp4(axis_name=(Data|fsdp))")
+  assert policy.fp8_recipe == fp4.Fp4Config(axis_name=("Data", "fsdp"))
+  assert jmp_lite.get_policy(str(policy)) == policy
+  with pytest.raises(ValueError, match="axis_name='a b' cannot be written"):
+    jmp_lite.Policy("f32", "bf16", "f32",
+                    matmul_precision=fp4.Fp4Config(axis_name="a b"))

@@ -18,6 +18,7 @@ import jmp_lite
 from jmp_lite import fp4
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
+from jmp_lite._src.fp8 import fp4_matmul
 
 _DN = (((1,), (0,)), ((), ()))
 _BF16 = jnp.bfloat16
@@ -52,7 +53,7 @@ def _fp4_ops(ops):
   return [o for o in ops if "float4_e2m1fn" in o[1] and o[0] != "jit"]
 
 
-@pytest.mark.parametrize("recipe", fp4.FP4_RECIPES)
+@pytest.mark.parametrize("recipe", fp4_matmul.FP4_RECIPES)
 def test_with_policy_runs_fp4_bit_for_bit(recipe):
   params, x = _params(), _normal(0, (8, 32))
   spec = f"p=f32,c=bf16,o=f32,m={recipe}"

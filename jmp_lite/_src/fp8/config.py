@@ -346,15 +346,10 @@ class Fp8Config:
   def check_policy_use(self) -> None:
     """Raises if the config cannot be a policy's recipe: a compute dtype, or
     an axis name the policy grammar cannot write."""
-    axis = self.axis_name
-    names = axis if isinstance(axis, tuple) else (axis,)
     problem = (
         f"compute_dtype={np.dtype(self.compute_dtype).name}. "
         f"{POLICY_COMPUTE_DTYPE}" if self.compute_dtype is not None else
-        f"axis_name={axis!r} cannot be written in the policy grammar. "
-        f"{AXIS_NAME_SPELLING}" if axis is not None and not (names and all(
-            isinstance(n, str) and _AXIS_NAME.match(n) and n.lower() != "none"
-            for n in names)) else None)
+        _unwritable_axis_name(self.axis_name))
     if problem:
       raise ValueError(f"{self.spec()}: {problem}")
 
@@ -365,6 +360,18 @@ def _canonical_axis_name(name: Any) -> Any:
     return None
   checks.axis_name(name)
   return tuple(name) if isinstance(name, (tuple, list)) else name
+
+
+def _unwritable_axis_name(axis: Any) -> str | None:
+  """Why a recipe's (canonical) axis name cannot be written in the policy
+  grammar, or None if it can."""
+  names = axis if isinstance(axis, tuple) else (axis,)
+  if axis is None or (names and all(
+      isinstance(n, str) and _AXIS_NAME.match(n) and n.lower() != "none"
+      for n in names)):
+    return None
+  return (f"axis_name={axis!r} cannot be written in the policy grammar. "
+          f"{AXIS_NAME_SPELLING}")
 
 
 def _base_name(granularity: str, scaling: str) -> str:
@@ -458,8 +465,8 @@ class Fp4Config:
     rht: apply the 16-point random Hadamard transform to both operands of
       the weight-gradient matmul, along its contracting dimension.
     stochastic_rounding: round the incoming gradient stochastically (both
-      backward matmuls), with :data:`~jmp_lite.fp4.SR_RANDOM_BITS`
-      random bits per element; everything else rounds to nearest even.
+      backward matmuls), with 8 random bits per element (as Blackwell's
+      ``cvt.rs``); everything else rounds to nearest even.
     two_d_weights: quantize the weight (the rhs) in 16x16 tiles. None (the
       default) means True for NVFP4 and False for MXFP4, which has no 2D
       tiles (True is refused there).
@@ -482,6 +489,14 @@ class Fp4Config:
       multiples of it. None (the default) means the recipe's block size (16
       for NVFP4, 32 for MXFP4); 1 admits every shape (``fp4_dot_general``
       zero-pads K, and N for 16x16 tiles: exact, at the cost of a copy).
+    axis_name: under ``jax.pmap``/``jax.shard_map``, the mapped axis (a
+      string, or a tuple of strings) over which NVFP4's per-tensor amaxes
+      are reduced (``lax.pmax``, as ``Fp8Config.axis_name``), so that every
+      replica uses the same tensor scales; a NaN or inf on one replica makes
+      every replica's product NaN, as it would unsharded. Block scales (and
+      all of MXFP4's) are local by construction. None (default): each
+      replica scales from its own shard. Not needed under ``jax.jit`` with
+      sharded arrays, where amaxes are global already.
 
   Raises:
     TypeError: for a non-string recipe or rule, or a non-bool switch.
@@ -512,6 +527,7 @@ class Fp4Config:
   include_output_head: bool = False
   include_batched: bool = False
   dim_multiple: int | None = None
+  axis_name: Any = None
 
   def __post_init__(self):
     if not isinstance(self.recipe, str):
@@ -548,6 +564,8 @@ class Fp4Config:
     object.__setattr__(self, "two_d_weights", two_d)
     object.__setattr__(self, "mx_scale_rule", rule)
     object.__setattr__(self, "dim_multiple", int(multiple))
+    object.__setattr__(self, "axis_name",
+                       _canonical_axis_name(self.axis_name))
     for name in _FP4_FLAGS:
       object.__setattr__(self, name, bool(getattr(self, name)))
 
@@ -561,12 +579,6 @@ class Fp4Config:
     """``"current"``: FP4 scales come from each step's own amaxes (the
     routes read this as they read a float8 recipe's)."""
     return "current"
-
-  @property
-  def axis_name(self) -> None:
-    """None: FP4 amaxes are not reduced over a mapped axis (under
-    ``jax.jit`` with sharded arrays they are global already)."""
-    return None
 
   def spec(self) -> str:
     """The recipe in the policy grammar: ``"nvfp4(rht=false)"``.
@@ -584,7 +596,11 @@ class Fp4Config:
     return f"{self.recipe}({';'.join(changed)})" if changed else self.recipe
 
   def check_policy_use(self) -> None:
-    """Every FP4 config can be a policy's recipe (nothing to refuse)."""
+    """Raises if the config cannot be a policy's recipe: an axis name the
+    policy grammar cannot write."""
+    problem = _unwritable_axis_name(self.axis_name)
+    if problem:
+      raise ValueError(f"{self.spec()}: {problem}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -613,7 +629,7 @@ AXIS_NAME_SPELLING = (
     "name such as 'batch' or 'data_parallel' (letters, digits, '_', '.', "
     "'-'; not starting with a digit, and not 'none'); a tuple is written "
     "axis_name=(data|fsdp). Rename the mesh axis, or pass the config to "
-    "jmp_lite.fp8.fp8_dot_general directly."
+    "jmp_lite.fp8.fp8_dot_general (jmp_lite.fp4.fp4_dot_general) directly."
 )
 FIELD_SEPARATOR_HELP = (
     "Fields inside a float8 recipe are separated by ';' (',' separates the "

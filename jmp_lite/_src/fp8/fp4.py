@@ -1,5 +1,7 @@
 """FP4 (E2M1) numerics: the NVFP4 and MXFP4 quantizers, the random Hadamard
-transform and stochastic rounding.
+transform and stochastic rounding (the internals of
+:func:`~jmp_lite._src.fp8.fp4_matmul.fp4_dot_general`; the tests check them
+against an independent reference).
 
 The element format is E2M1 (:data:`jax.numpy.float4_e2m1fn`): 1 sign bit, 2
 exponent bits, 1 mantissa bit, no infinity, no NaN; its values are
@@ -105,15 +107,6 @@ SR_RANDOM_BITS = 8
 #: (the OCP Microscaling spec's).
 MX_SCALE_RULES = recipes_lib.MX_SCALE_RULES
 
-#: Why an FP4 quantizer wants whole blocks, and how to get them.
-WHOLE_BLOCKS_HELP = (
-    "The FP4 quantizers scale whole blocks along the last axis (NVFP4: 16 "
-    "elements, and 16x16 tiles over the last two axes with two_d=True; "
-    "MXFP4: 32). Zero-pad the array (jnp.pad: zeros change no block's amax "
-    "and add nothing to a dot product), or use fp4_dot_general, which pads "
-    "its contracting dimensions itself."
-)
-
 
 class Nvfp4Tensor(NamedTuple):
   """An NVFP4 tensor: E2M1 values, E4M3 block scales, a float32 tensor scale.
@@ -129,13 +122,6 @@ class Nvfp4Tensor(NamedTuple):
       16 rows).
     tensor_scale: a float32 scalar, ``1 / S_enc = amax / 2688`` (1 for an
       all-zero tensor); NaN if the input held NaN or inf.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite import fp4
-    >>> q = fp4.quantize_nvfp4(jnp.arange(16.0))
-    >>> q.values.dtype, q.block_scales.shape
-    (dtype(float4_e2m1fn), (1,))
   """
 
   values: jax.Array
@@ -154,13 +140,6 @@ class Mxfp4Tensor(NamedTuple):
     values: ``float4_e2m1fn``, the input's shape.
     scales: ``float8_e8m0fnu``, the input's shape with the last axis divided
       by 32.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite import fp4
-    >>> q = fp4.quantize_mxfp4(jnp.full((32,), 3.0))
-    >>> fp4.dequantize_fp4(q)[0]
-    Array(3., dtype=float32)
   """
 
   values: jax.Array
@@ -229,6 +208,16 @@ def nonfinite_poison(x: jax.Array) -> jax.Array:
   return jnp.sum(x.astype(_F32) * jnp.zeros((), _F32))
 
 
+def global_tensor_stats(amax: jax.Array, poison: jax.Array,
+                        axis_name: Any) -> tuple[jax.Array, jax.Array]:
+  """A tensor's amax and NaN flag (:func:`nonfinite_poison`) over the mapped
+  axis ``axis_name`` (``lax.pmax``; ``lax.psum``, which keeps a NaN), as
+  if the replicas' shards were one tensor; unchanged for None."""
+  if axis_name is None:
+    return amax, poison
+  return lax.pmax(amax, axis_name), lax.psum(poison, axis_name)
+
+
 def _finite_part(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``x`` as float32 with NaN and inf replaced by 0, and where it was finite."""
   x = x.astype(_F32)
@@ -266,17 +255,22 @@ def _tile_amax(magnitude: jax.Array) -> jax.Array:
 
 
 def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
-                       key: Any = None) -> tuple[jax.Array, jax.Array,
-                                                 jax.Array]:
+                       key: Any = None,
+                       axis_name: Any = None) -> tuple[jax.Array, jax.Array,
+                                                       jax.Array]:
   """NVFP4 of ``x`` (last axis a multiple of 16; with ``two_d`` the last
   two): ``(values, block_scales, tensor_scale)`` as float32 arrays whose
   values lie on the E2M1 and E4M3 grids. The tensor scale is NaN if ``x``
-  held NaN or inf. ``key`` rounds the elements stochastically."""
-  xf, finite = _finite_part(x)
+  held NaN or inf. ``key`` rounds the elements stochastically. With
+  ``axis_name`` (a bound ``pmap``/``shard_map`` axis) the tensor's amax and
+  its NaN flag are those of the whole tensor across the axis
+  (:func:`global_tensor_stats`); block scales stay local."""
+  xf, _ = _finite_part(x)
   magnitude = jnp.abs(xf)
   amax = jnp.max(magnitude) if x.size else jnp.zeros((), _F32)
+  amax, poison = global_tensor_stats(amax, nonfinite_poison(x), axis_name)
   encode, decode = nvfp4_tensor_scales(amax)
-  tensor_scale = decode + nonfinite_poison(x)
+  tensor_scale = decode + poison
   if two_d:
     block_amax = _tile_amax(magnitude)
   else:
@@ -373,137 +367,30 @@ def hadamard_f32(x: jax.Array) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------
-# The public quantizers.
+# Encoded tensors (the tests' view of the quantizers; no argument checking:
+# fp4_dot_general validates its operands, and JAX reports partial blocks and
+# bad keys).
 # ---------------------------------------------------------------------------
-
-
-def _input(x: Any, what: str) -> jax.Array:
-  """A floating array (float64, float32, bfloat16, float16) to quantize."""
-  if x is None or isinstance(x, (bool, np.bool_)):
-    raise TypeError(
-        f"{what} must be a floating array (float32, bfloat16 or float16), "
-        f"got {x!r}. Pass the array itself.")
-  try:
-    x = jnp.asarray(x)
-  except TypeError:
-    raise TypeError(
-        f"{what} must be a floating array (float32, bfloat16 or float16), "
-        f"got {type(x).__name__}.") from None
-  dtype = np.dtype(x.dtype)
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise TypeError(
-        f"{what} must be a floating array (float32, bfloat16 or float16), "
-        f"got dtype {dtype.name}. Cast it first, e.g. x.astype(jnp.float32).")
-  if dtype.itemsize == 1 or dtype == E2M1_DTYPE:
-    raise TypeError(
-        f"{what} is already a narrow float ({dtype.name}). Pass the "
-        "high-precision array (float32, bfloat16 or float16): FP4 "
-        "quantization computes its scales from it.")
-  return x
-
-
-def _whole_blocks(x: jax.Array, axes: int, size: int, what: str) -> None:
-  if x.ndim < axes or any(d % size for d in x.shape[-axes:]):
-    last = "last axis" if axes == 1 else f"last {axes} axes"
-    raise ValueError(
-        f"{what} has shape {tuple(x.shape)}, but its {last} must be "
-        f"multiples of {size}. {WHOLE_BLOCKS_HELP}")
-
-
-def _check_key(key: Any, what: str = "key") -> Any:
-  if key is None:
-    return None
-  if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
-    raise TypeError(
-        f"{what} must be a JAX PRNG key (jax.random.key(seed)), got the "
-        f"integer {key!r}. Write jax.random.key({key!r}).")
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-  typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-  raw = (not typed and np.dtype(key.dtype) == _U32 and key.shape == (2,))
-  if not ((typed and key.shape == ()) or raw):
-    raise TypeError(
-        f"{what} must be a single JAX PRNG key (jax.random.key(seed), or a "
-        f"raw uint32 key of shape (2,)), got dtype {key.dtype} and shape "
-        f"{tuple(key.shape)}. Split a batch of keys first.")
-  return key
 
 
 def quantize_nvfp4(x: Any, *, two_d: bool = False,
                    key: Any = None) -> Nvfp4Tensor:
-  """Quantizes an array to NVFP4 along its last axis.
-
-  Blocks of 16 elements get E4M3 scales under a float32 per-tensor scale
-  computed from the current amax (``6 * 448 / amax``), as Transformer
-  Engine's ``NVFP4BlockScaling`` quantizes; ``docs/fp4.md`` gives every
-  rounding step. NaN or inf anywhere in ``x`` gives a NaN tensor scale.
-
-  Args:
-    x: a float32, bfloat16 or float16 array whose last axis is a multiple of
-      16 (with ``two_d``, its last two axes).
-    two_d: one block scale per 16x16 tile of the last two axes (the recipe's
-      weights: the weight and its transpose quantize alike).
-    key: a PRNG key: round the elements stochastically
-      (:data:`SR_RANDOM_BITS` random bits each). None: round to nearest even.
-
-  Returns:
-    An :class:`Nvfp4Tensor`.
-
-  Raises:
-    TypeError: for a non-floating or already narrow ``x``, or a bad key.
-    ValueError: if the blocked axes are not multiples of 16.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite import fp4
-    >>> q = fp4.quantize_nvfp4(jnp.linspace(-1.0, 1.0, 32))
-    >>> float(fp4.dequantize_fp4(q)[-1])
-    1.0
-  """
-  x = _input(x, "x")
-  two_d = bool(two_d)
-  _whole_blocks(x, 2 if two_d else 1, NVFP4_BLOCK_SIZE, "x")
-  values, scales, tensor_scale = nvfp4_quantize_f32(
-      x, two_d=two_d, key=_check_key(key))
+  """NVFP4 of a float32, bfloat16 or float16 array along its last axis (a
+  multiple of 16; with ``two_d``, 16x16 tiles over the last two axes), the
+  elements rounded to nearest even, or stochastically with a PRNG ``key``."""
+  x = jnp.asarray(x)
+  values, scales, tensor_scale = nvfp4_quantize_f32(x, two_d=bool(two_d),
+                                                    key=key)
   return Nvfp4Tensor(values.astype(E2M1_DTYPE), scales.astype(E4M3_DTYPE),
                      tensor_scale)
 
 
 def quantize_mxfp4(x: Any, *, scale_rule: str = "round_up",
                    key: Any = None) -> Mxfp4Tensor:
-  """Quantizes an array to MXFP4 along its last axis.
-
-  Blocks of 32 elements get a power-of-two E8M0 scale built from the
-  exponent bits of the block's amax. NaN or inf in a block gives that block
-  the NaN scale (code 255).
-
-  Args:
-    x: a float32, bfloat16 or float16 array whose last axis is a multiple of
-      32.
-    scale_rule: ``"round_up"`` (the smallest power of two that fits the
-      block's amax into E2M1's range: cuBLAS's and JAX's rule) or
-      ``"floor"`` (the OCP Microscaling spec's: elements beyond 6 are
-      clipped).
-    key: a PRNG key for stochastic rounding, or None (round to nearest even).
-
-  Returns:
-    An :class:`Mxfp4Tensor`.
-
-  Raises:
-    TypeError: for a non-floating or already narrow ``x``, or a bad key.
-    ValueError: for an unknown scale rule, or a last axis that is not a
-      multiple of 32.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite import fp4
-    >>> q = fp4.quantize_mxfp4(jnp.full((2, 32), 7.0))
-    >>> fp4.dequantize_fp4(q)[0, 0]  # round-up scale 2: 7 / 2 = 3.5 -> 4
-    Array(8., dtype=float32)
-  """
-  x = _input(x, "x")
-  rule = check_scale_rule(scale_rule)
-  _whole_blocks(x, 1, MXFP4_BLOCK_SIZE, "x")
-  values, codes = mxfp4_quantize_f32(x, rule=rule, key=_check_key(key))
+  """MXFP4 of a float32, bfloat16 or float16 array along its last axis (a
+  multiple of 32), with the scale rule ``"round_up"`` or ``"floor"``."""
+  values, codes = mxfp4_quantize_f32(
+      jnp.asarray(x), rule=check_scale_rule(scale_rule), key=key)
   return Mxfp4Tensor(values.astype(E2M1_DTYPE),
                      lax.bitcast_convert_type(codes, E8M0_DTYPE))
 
@@ -513,71 +400,15 @@ check_scale_rule = recipes_lib.check_scale_rule
 
 def dequantize_fp4(q: Nvfp4Tensor | Mxfp4Tensor,
                    dtype: Any = jnp.float32) -> jax.Array:
-  """The values an FP4 tensor stands for.
-
-  Args:
-    q: an :class:`Nvfp4Tensor` or :class:`Mxfp4Tensor`.
-    dtype: the result dtype (computed in float32).
-
-  Returns:
-    ``values * block_scale * tensor_scale`` (NVFP4) or ``values * 2**(code -
-    127)`` (MXFP4), NaN where a scale is NaN.
-
-  Raises:
-    TypeError: if ``q`` is neither.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite import fp4
-    >>> x = jnp.array([0.0, 0.4, 1.0, 2.5] * 8)
-    >>> fp4.dequantize_fp4(fp4.quantize_mxfp4(x))[:4]
-    Array([0. , 0.5, 1. , 2. ], dtype=float32)
-  """
+  """The values an :class:`Nvfp4Tensor` (``values * block_scale *
+  tensor_scale``) or :class:`Mxfp4Tensor` (``values * 2**(code - 127)``)
+  stands for, NaN where a scale is NaN."""
   if isinstance(q, Nvfp4Tensor):
     values = _blocks(q.values.astype(_F32), NVFP4_BLOCK_SIZE)
     full = values * q.block_scales.astype(_F32)[..., None]
     return (full.reshape(q.values.shape) *
             jnp.asarray(q.tensor_scale, _F32)).astype(dtype)
-  if isinstance(q, Mxfp4Tensor):
-    codes = lax.bitcast_convert_type(q.scales, _U8)
-    values = _blocks(q.values.astype(_F32), MXFP4_BLOCK_SIZE)
-    full = values * decode_e8m0_codes(codes)[..., None]
-    return full.reshape(q.values.shape).astype(dtype)
-  raise TypeError(
-      f"dequantize_fp4 takes an Nvfp4Tensor or an Mxfp4Tensor (from "
-      f"quantize_nvfp4/quantize_mxfp4), got {type(q).__name__}.")
-
-
-def random_hadamard_transform(x: Any) -> jax.Array:
-  """The 16-point random Hadamard transform of NVFP4 training, along the last
-  axis.
-
-  Each block of 16 elements ``v`` becomes ``v @ diag(RHT_SIGNS) @ H16 / 4``
-  (``H16`` the Sylvester Hadamard matrix, ``RHT_SIGNS`` Transformer Engine's
-  fixed signs): an orthogonal transform, so the dot product of two
-  transformed vectors is the dot product of the originals, while outliers
-  are spread over their block before quantizing. Computed in float32 with
-  the fast Walsh-Hadamard butterfly. The transform is its own inverse up to
-  the signs: ``x == (random_hadamard_transform(x) reshaped to blocks) @ H16 /
-  4 * RHT_SIGNS``.
-
-  Args:
-    x: a floating array whose last axis is a multiple of 16.
-
-  Returns:
-    The float32 transform, ``x``'s shape.
-
-  Raises:
-    TypeError: for a non-floating ``x``.
-    ValueError: if the last axis is not a multiple of 16.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite import fp4
-    >>> y = fp4.random_hadamard_transform(jnp.eye(16)[0])
-    >>> float(jnp.abs(y).max()), float(jnp.sum(y * y))
-    (0.25, 1.0)
-  """
-  x = _input(x, "x")
-  _whole_blocks(x, 1, RHT_SIZE, "x")
-  return hadamard_f32(x)
+  codes = lax.bitcast_convert_type(q.scales, _U8)
+  values = _blocks(q.values.astype(_F32), MXFP4_BLOCK_SIZE)
+  full = values * decode_e8m0_codes(codes)[..., None]
+  return full.reshape(q.values.shape).astype(dtype)

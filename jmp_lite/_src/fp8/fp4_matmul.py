@@ -40,6 +40,12 @@ but correlated across matmuls that see the same gradient.
 a NaN product (the whole product: the flag travels in the tensor scale,
 which multiplies the float32 result on every platform).
 
+**Data parallel**: with ``config.axis_name`` (a ``pmap``/``shard_map`` axis)
+every operand's tensor amax and NaN flag are reduced over that axis
+(``lax.pmax``/``lax.psum``), so that the replicas share NVFP4's tensor
+scales and see a NaN wherever the unsharded product would; block scales
+(NVFP4's and MXFP4's) are local by construction.
+
 **The platform**: where the program is lowered for CUDA (and
 ``config.native``), the block-scaled product is ``jax.nn.scaled_matmul`` on
 the ``float4_e2m1fn`` values and the E4M3 (NVFP4) or E8M0 (MXFP4) scales:
@@ -66,6 +72,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import checks
+from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
 from jmp_lite._src.fp8 import config as recipes_lib
 from jmp_lite._src.fp8 import fp4 as fp4_lib
@@ -84,12 +92,6 @@ SECOND_ORDER_HELP = (
     "silently give zero. Compute gradient penalties and Hessian-vector "
     "products of this part of the model in high precision (jax.lax."
     "dot_general), or stop the gradient through it."
-)
-NARROW_OPERAND_HELP = (
-    "fp4_dot_general takes high-precision operands (float32, bfloat16, "
-    "float16) and quantizes them itself, with scales computed from them. "
-    "To multiply FP4 tensors you quantized yourself, dequantize them with "
-    "dequantize_fp4 first."
 )
 
 
@@ -137,11 +139,13 @@ def _quantize(x: jax.Array, config: Fp4Config, *, two_d: bool = False,
     if two_d:
       x = _pad_axis(x, -2, fp4_lib.NVFP4_BLOCK_SIZE)
     values, scales, tensor_scale = fp4_lib.nvfp4_quantize_f32(
-        x, two_d=two_d, key=key)
+        x, two_d=two_d, key=key, axis_name=config.axis_name)
   else:
     values, scales = fp4_lib.mxfp4_quantize_f32(
         x, rule=config.mx_scale_rule, key=key)
-    tensor_scale = jnp.ones((), _F32) + fp4_lib.nonfinite_poison(x)
+    _, poison = fp4_lib.global_tensor_stats(
+        jnp.zeros((), _F32), fp4_lib.nonfinite_poison(x), config.axis_name)
+    tensor_scale = jnp.ones((), _F32) + poison
   return jax.lax.stop_gradient(_Operand(values, scales, tensor_scale))
 
 
@@ -195,12 +199,23 @@ def _native_vmap(axis_size, in_batched, *args):
   return out.reshape((axis_size, -1) + out.shape[1:]), True
 
 
+def _native_as_varying(*args):
+  """:func:`_native`, its result varying over the ``shard_map`` axes its
+  operands vary over (``custom_vmap`` drops that type, and both branches of
+  ``platform_dependent`` must agree with the emulation's)."""
+  out = _native(*args)
+  axes = frozenset().union(*map(compat.varying_axes, args))
+  missing = tuple(sorted(axes - compat.varying_axes(out)))
+  return compat.to_varying(out, missing) if missing else out
+
+
 def _product(a: _Operand, b: _Operand, config: Fp4Config, p: int,
              q: int) -> jax.Array:
   """float32 ``(B, p, q)``: the scaled product of two FP4 operands."""
   args = (a.values, a.scales, b.values, b.scales)
   if config.native:
-    acc = jax.lax.platform_dependent(*args, cuda=_native, default=_emulated)
+    acc = jax.lax.platform_dependent(*args, cuda=_native_as_varying,
+                                     default=_emulated)
   else:
     acc = _emulated(*args)
   acc = acc[:, :p, :q]
@@ -316,30 +331,17 @@ def _first_order_only_jvp(primals, tangents):
 
 
 def _operand(x: Any, what: str) -> jax.Array:
-  if x is not None and not isinstance(x, (bool, np.bool_)):
-    try:
-      dtype = np.dtype(jnp.asarray(x).dtype)
-    except TypeError:
-      dtype = None
-    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and (
-        dtype.itemsize == 1 or dtype == fp4_lib.E2M1_DTYPE):
-      raise TypeError(
-          f"{what} has dtype {dtype.name}. {NARROW_OPERAND_HELP}")
-  return fp4_lib._input(x, what)  # pylint: disable=protected-access
+  """A high-precision operand (float32, bfloat16, float16, float64): the one
+  dtype validator refuses FP4, float8 and non-floating operands (the matmul
+  quantizes them itself, with scales computed from the high-precision
+  values); JAX refuses what is no array."""
+  x = jnp.asarray(x)
+  dtypes_lib.canonical_dtype(x.dtype, f"fp4_dot_general's {what}")
+  return x
 
 
 def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
   if preferred_element_type is not None:
-    try:
-      dtype = np.dtype(preferred_element_type)
-    except TypeError:
-      dtype = None
-    if dtype is not None and dtype.itemsize == 1:
-      raise TypeError(
-          f"preferred_element_type={dtype.name}: an FP4 matmul accumulates "
-          "in float32 and returns float32, bfloat16, float16 or float64; FP4 "
-          "and float8 hold no results. Leave it None (the operands' dtype) "
-          "or pass e.g. jnp.bfloat16.")
     return dtypes_lib.canonical_dtype(preferred_element_type,
                                       "preferred_element_type")
   return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
@@ -376,10 +378,11 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     The product, shaped as ``jax.lax.dot_general``'s.
 
   Raises:
-    TypeError: for non-floating, float8 or FP4 operands, a config that is
-      not an ``Fp4Config``, an FP4/float8 ``preferred_element_type`` or a bad
-      key.
-    ValueError: for malformed or inconsistent dimension numbers.
+    TypeError: for a config that is not an ``Fp4Config``, or malformed or
+      inconsistent dimension numbers.
+    ValueError: for non-floating, float8 or FP4 operands or
+      ``preferred_element_type``, or a ``config.axis_name`` that is not
+      bound (outside the ``pmap``/``shard_map`` that names it).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -399,12 +402,15 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   lhs = _operand(lhs, "lhs")
   rhs = _operand(rhs, "rhs")
   del precision
-  key = fp4_lib._check_key(key)  # pylint: disable=protected-access
+  if config.axis_name is not None:
+    checks.bound_axis(config.axis_name, "Fp4Config")
   (lc, rc), (lb, rb) = fp8_matmul_lib._check_dimension_numbers(  # pylint: disable=protected-access
       dimension_numbers, lhs.shape, rhs.shape)
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
   a, lhs_free = fp8_matmul_lib._to_canonical(lhs, lb, lc)  # pylint: disable=protected-access
   b, rhs_free = fp8_matmul_lib._to_canonical(rhs, rb, rc)  # pylint: disable=protected-access
+  # Under shard_map, both operands vary over the same axes (as float8's).
+  a, b = fp8_matmul_lib._same_varying_axes(a, b)  # pylint: disable=protected-access
   shape = ([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lhs_free] +
            [rhs.shape[d] for d in rhs_free])
   if 0 in a.shape or 0 in b.shape:
@@ -438,17 +444,17 @@ def recipe_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, *,
     dimension_numbers: as for ``jax.lax.dot_general``.
     config: the recipe object (``Fp8Config`` or :class:`Fp4Config`).
     preferred_element_type: the result dtype.
-    scales: delayed scaling's precomputed scales (float8 only).
+    scales: delayed scaling's precomputed scales (float8 only; the routes
+      pass none for current scaling, which every FP4 recipe is).
     out_sharding: the result's sharding, as ``jax.lax.dot_general`` takes it.
 
   Returns:
     The product.
   """
   if isinstance(config, Fp4Config):
-    if scales is not None:
-      raise ValueError(
-          "FP4 recipes scale each product from its current amax: they take "
-          f"no delayed-scaling scales (got {type(scales).__name__}).")
+    # FP4 recipes scale from current amaxes (config.scaling == "current"):
+    # the routes hand them no delayed-scaling scales.
+    del scales
     out = fp4_dot_general(lhs, rhs, dimension_numbers,
                           preferred_element_type=preferred_element_type,
                           config=config)
