@@ -80,29 +80,21 @@ def half_dtype() -> type:
   return jnp.bfloat16 if on_tpu else jnp.float16
 
 
-def parse_dtype(value: str) -> np.dtype:
-  """Parses a dtype name such as ``"f16"`` or ``"bfloat16"``.
+def parse_dtype(value: str) -> np.dtype | None:
+  """Looks up a dtype name such as ``"f16"`` or ``"bfloat16"``.
 
-  Case and surrounding whitespace are ignored.
+  Case and surrounding whitespace are ignored. The callers raise for an
+  unknown name (:func:`floating_dtype`, and ``get_policy`` with the spec).
 
   Args:
     value: one of ``full``, ``f32``, ``float32``, ``half``, ``f16``,
       ``float16``, ``bf16``, ``bfloat16``, ``f64``, ``float64``.
 
   Returns:
-    The ``numpy.dtype``.
-
-  Raises:
-    ValueError: if the name is unknown.
+    The ``numpy.dtype``, or None if the name is unknown.
   """
   name = value.strip().lower()
-  if name == "half":
-    return np.dtype(half_dtype())
-  try:
-    return _NAME_TO_DTYPE[name]
-  except KeyError:
-    raise ValueError(f"Unknown dtype {value!r}. Valid dtype names are: "
-                     f"{', '.join(DTYPE_NAMES)}.") from None
+  return np.dtype(half_dtype()) if name == "half" else _NAME_TO_DTYPE.get(name)
 
 
 def _no_policy_dtype_hint(dtype: np.dtype, example: str) -> str:
@@ -137,15 +129,15 @@ def floating_dtype(dtype: Any, what: str = "dtype", *, policy: bool = True,
     ValueError: if it is a dtype but not an allowed floating one (or, with
       ``policy``, an unknown dtype name).
   """
-  if isinstance(dtype, str) and (policy or dtype.strip().lower() in DTYPE_NAMES):
-    return parse_dtype(dtype)
+  named = isinstance(dtype, str) and (
+      policy or dtype.strip().lower() in DTYPE_NAMES)
   try:  # np.dtype(None) would silently mean float64.
-    result = None if dtype is None else np.dtype(
-        dtype.strip() if isinstance(dtype, str) else dtype)
+    result = parse_dtype(dtype) if named else None if dtype is None else (
+        np.dtype(dtype.strip() if isinstance(dtype, str) else dtype))
   except TypeError:
     result = None
-  if result is None:
-    raise TypeError(
+  if result is None:  # An unknown policy dtype name is a ValueError (jmp's).
+    raise (ValueError if named else TypeError)(
         f"{what} must be a floating dtype or a dtype name, got "
         f"{type(dtype).__name__}: {dtype!r}. Valid dtype names are: "
         f"{', '.join(DTYPE_NAMES)}; or use e.g. {example}.")

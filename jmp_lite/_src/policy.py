@@ -426,14 +426,12 @@ def _parse_pairs(spec: str, text: str) -> dict[str, tuple[str, str]]:
 
 
 def _parse_dtype(spec: str, value: str, problem: str) -> np.dtype:
-  try:
-    return dtypes.parse_dtype(value)
-  except ValueError:
-    if _looks_fp4(value):
-      problem += ". " + dtypes.FP4_POLICY_DTYPE[:-1]
-    elif _looks_fp8(value):
-      problem += ". " + dtypes.FLOAT8_POLICY_DTYPE[:-1]
-    raise _spec_error(spec, problem) from None
+  dtype = dtypes.parse_dtype(value)
+  if dtype is None:
+    hint = (dtypes.FP4_POLICY_DTYPE if _looks_fp4(value) else
+            dtypes.FLOAT8_POLICY_DTYPE if _looks_fp8(value) else "")
+    raise _spec_error(spec, f"{problem}. {hint[:-1]}" if hint else problem)
+  return dtype
 
 
 def _dtype_of(spec: str, chosen: dict[str, tuple[str, str]], field: str,
