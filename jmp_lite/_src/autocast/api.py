@@ -95,7 +95,8 @@ def autocast(
     fn: a function ``jax.jit`` could trace (a Flax ``model.apply``, a loss).
     policy_or_dtype: the compute dtype (``jnp.float16``, ``"bf16"``...) or a
       ``Policy`` / policy spec (``"mixed_bfloat16"``, ``"tf32"``).
-    op_rules: optional ``{primitive: rule}`` overrides merged over
+    op_rules: optional ``{primitive: rule}`` overrides (a mapping, or
+      ``(primitive, rule)`` pairs) merged over
       ``jmp_lite.autocast_rules.DEFAULT_OP_RULES``; a rule is one of
       ``OP_RULE_NAMES`` or a callable ``rule(ctx, *args, **params)``.
     enabled: ``False`` returns a wrapper that calls ``fn`` unchanged (a
