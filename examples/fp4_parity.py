@@ -37,7 +37,7 @@ the blocks with the largest error are the final ones (the paper's keep-list).
 
 Run it with::
 
-  python -m examples.fp4_parity             # about 15-20 min on 2 shared CPU cores
+  python -m examples.fp4_parity             # about 10-20 min on 2 shared CPU cores
   python -m examples.fp4_parity --quick --out /tmp/fp4   # the smoke run
 
 It writes ``fp4_parity.md`` and ``fp4_parity.json`` to ``--out`` (a scratch
@@ -93,8 +93,9 @@ KEEP_SHARE = 0.25
 PROJECTIONS = ("q", "k", "v", "o", "up", "down")
 TAIL = 50  # Final train loss: the mean of the last TAIL steps.
 WARMUP_STEPS = 5
-#: Sized to fit about 15-20 min on 2 shared CPU cores (7 runs x 2 seeds; the
-#: FP4 emulation's compiles are a third of it): 300 steps of 8 windows of 32.
+#: Sized to fit 10-20 min on 2 shared CPU cores (the committed run: 584 s;
+#: 7 runs x 2 seeds, the first seed's compiles about half of it): 300 steps of
+#: 8 windows of 32 bytes.
 FULL = dict(steps=300, seeds=(0, 1), d_model=64, heads=4, blocks=4,
             seq_len=32, batch=8, max_chars=400_000, val_windows=256,
             runs=tuple(name for name, *_ in RUNS))
