@@ -7,6 +7,8 @@ and the CUDA program's block-scaled dot on E2M1 operands."""
 
 from __future__ import annotations
 
+import logging
+
 import flax.linen as nn
 from flax import nnx
 import jax
@@ -189,6 +191,33 @@ def test_linen_keeps_the_last_blocks_in_bf16_by_path():
   assert len(_fp4_ops(ops)) == 2
   grads = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(variables)
   assert all(jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("spec,name", [("nvfp4", "NVFP4"), ("mxfp4", "MXFP4"),
+                                       ("fp8", "float8")])
+def test_fallback_records_name_the_recipes_format(spec, name, caplog):
+  """The debug record of a product a recipe leaves out names the recipe's
+  format, through the autocast interpreter (with_policy: the head) and the
+  linen hook (an own dot_general)."""
+  policy = f"p=f32,c=bf16,o=f32,m={spec}"
+  x = _normal(0, (8, 32))
+
+  class Own(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(32, dot_general=jax.lax.dot_general)(x)
+
+  model = jlinen.apply_policy(Own(), policy)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  with caplog.at_level(logging.DEBUG, logger="jmp_lite"):
+    jax.make_jaxpr(jmp_lite.with_policy(_mlp, policy))(_params(), x)
+    jax.make_jaxpr(model.apply)(variables, x)
+  messages = [r.getMessage() for r in caplog.records if r.name == "jmp_lite"]
+  for reason in ("output head", "its own dot_general"):
+    assert any(f"stays out of {name}: " in m and reason in m
+               for m in messages), messages
+  other = {"NVFP4": "float8", "MXFP4": "float8", "float8": "FP4"}[name]
+  assert not any(f"stays out of {other}" in m for m in messages), messages
 
 
 def test_nnx_runs_mxfp4():

@@ -9,8 +9,9 @@ Three kinds, all owned here:
   matmul with one dictionary lookup;
 * a float32 island, :data:`ISLAND_SCOPE` (``jmp_lite.in_float32``): autocast
   leaves what is traced inside as it is;
-* a float8 fallback, ``jmp_lite.fp8_fallback[<reason>]``: a matmul a recipe
-  left out of float8 is bound under it, so ``op_dtypes`` can say why.
+* a low-bit fallback, ``jmp_lite.fp8_fallback[<reason>]``: a matmul a float8
+  or FP4 recipe left out of its format is bound under it, so ``op_dtypes``
+  can say why.
 
 The registry only grows, by one entry per distinct recipe a program was
 marked with (recipes are hashable, equal recipes share a key), so a key in a
@@ -76,7 +77,8 @@ def in_island(stack: str) -> bool:
 
 
 def fallback_scope(reason: str) -> str:
-  """The named scope a float8 fallback matmul is bound under."""
+  """The named scope a matmul a float8 or FP4 recipe left out is bound
+  under."""
   return f"{_FALLBACK_OPEN}{reason}]"
 
 

@@ -181,7 +181,8 @@ class OpDtypes(tuple):
   """One entry of :func:`op_dtypes`: ``(primitive name, input dtypes)``.
 
   A plain 2-tuple (it unpacks and compares as one) with an attribute
-  ``note``: for a ``dot_general`` a float8 recipe left out of float8, why
+  ``note``: for a ``dot_general`` a float8 or FP4 recipe left out of its
+  format, why
   (``"output head (include_output_head=False)"``, ``"batched matmul
   (include_batched=False)"``, ``"dims not multiple of 16: K=24"``...), else
   None. The note shows in the repr.
@@ -221,10 +222,11 @@ def op_dtypes(
   Returns:
     A list of ``(primitive name, (dtype name, ...))`` pairs, one per equation,
     listing the dtypes of its floating inputs only. A ``dot_general`` that a
-    float8 recipe left out of float8 carries the reason in the pair's
-    ``note`` attribute (shown in its repr; ``docs/fp8.md``, what stays out
-    of float8); a debug record of the logger ``"jmp_lite"`` says the same
-    when the matmul is traced.
+    float8 or FP4 recipe left out of its format carries the reason in the
+    pair's ``note`` attribute (shown in its repr; ``docs/fp8.md``, what stays
+    out of float8); a debug record of the logger ``"jmp_lite"`` says the
+    same, naming the format ("stays out of NVFP4: ...") when the matmul is
+    traced.
 
   Raises:
     TypeError: if ``fn`` is not callable.

@@ -130,7 +130,7 @@ def _rule(fallback: str) -> Callable[..., Any]:
                          for a in ctx.in_avals)
     if already_float8:  # quantized already (a nested float8 route): as is
       config, reason = None, None
-    elif config is not None:
+    elif config is not None and reason is None:
       reason = exclusion(config, ctx.in_avals, dimension_numbers)
     if config is None or reason is not None:
       call = functools.partial(
@@ -140,8 +140,8 @@ def _rule(fallback: str) -> Callable[..., Any]:
       if reason is None:
         return call()  # no float8 recipe here: nothing fell back
       shapes = " x ".join(str(tuple(a.shape)) for a in ctx.in_avals)
-      logger.debug("jmp_lite: a dot_general %s stays out of float8: %s",
-                   shapes, reason)
+      logger.debug("jmp_lite: a dot_general %s stays out of %s: %s",
+                   shapes, config_lib.format_name(config), reason)
       with jax.named_scope(markers.fallback_scope(reason)):
         return call()
     traced_out = np.dtype(ctx.out_avals[0].dtype)

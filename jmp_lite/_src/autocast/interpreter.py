@@ -290,7 +290,8 @@ class Interpreter:
       recipe = markers.marked_recipe(compat.name_stack(eqn), self.region)
       if eqn.primitive is _DOT:
         if is_sink and recipe is not None and not recipe.include_output_head:
-          recipe = None  # the output head stays in the compute dtype
+          # The output head stays in the compute dtype (the rule names the
+          # recipe's format in its fallback record).
           excluded = "output head (include_output_head=False)"
     if eqn.primitive in HIGHER_ORDER:
       recurse = self._child_for(eqn, recipe, is_sink)._recurse

@@ -172,12 +172,13 @@ def _float8_rules() -> Any:
   return float8
 
 
-def fallback(reason: str, shapes: str = "") -> Any:
-  """The visible fallback out of float8: a debug record and the named scope
-  ``op_dtypes`` reports (a context manager around the product as written)."""
+def fallback(reason: str, config: Any, shapes: str = "") -> Any:
+  """The visible fallback out of ``config``'s format (float8, NVFP4, MXFP4):
+  a debug record and the named scope ``op_dtypes`` reports (a context
+  manager around the product as written)."""
   float8 = _float8_rules()
-  float8.logger.debug("jmp_lite: a dot_general %s stays out of float8: %s",
-                      shapes, reason)
+  float8.logger.debug("jmp_lite: a dot_general %s stays out of %s: %s",
+                      shapes, config_lib.format_name(config), reason)
   try:  # the one owner of name-stack markers (being introduced, issue 26)
     from jmp_lite._src import markers  # pylint: disable=g-import-not-at-top
     scope = markers.fallback_scope(reason)
@@ -236,7 +237,7 @@ class Matmul:
       stored = histories[0]()
     if reason is not None:
       shapes = f"{tuple(lhs.shape)} x {tuple(rhs.shape)}"
-      with fallback(reason, shapes):
+      with fallback(reason, config, shapes):
         return as_written()
     # The product keeps the result dtype it has as written (the layer's
     # compute dtype), its operands quantized from the dtypes they come in.

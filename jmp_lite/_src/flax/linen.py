@@ -112,14 +112,14 @@ class _Float8:
     if not isinstance(module, _HOOKED):
       if config is None or not isinstance(module, nn.Einsum):
         return call
-      return _in_scope(call, float8_lib.fallback(_NO_HOOK))
+      return _in_scope(call, float8_lib.fallback(_NO_HOOK, config))
     current = module.dot_general
     if isinstance(current, (float8_lib.Matmul, float8_lib.Recorder)):
       return call  # hooked already (a lifted transform's inner call)
     if current is not None or module.dot_general_cls is not None:
       if config is None or self.mode == "discover":
         return call
-      return _in_scope(call, float8_lib.fallback(_OWN_HOOK))
+      return _in_scope(call, float8_lib.fallback(_OWN_HOOK, config))
     if self.mode == "discover":
       hook = float8_lib.Recorder(len(self.sites))
       self.candidates[hook.index] = config

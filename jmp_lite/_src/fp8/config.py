@@ -785,3 +785,9 @@ def recipe_config(matmul_precision: Any) -> Fp8Config | Fp4Config | None:
     if matmul_precision in FP4_RECIPES:
       return _named_fp4(matmul_precision)
   return None
+
+
+def format_name(recipe: Fp8Config | Fp4Config) -> str:
+  """How messages name the format of a recipe's matmuls: ``"NVFP4"``,
+  ``"MXFP4"`` or ``"float8"`` (e.g. "a dot_general stays out of NVFP4")."""
+  return recipe.recipe.upper() if isinstance(recipe, Fp4Config) else "float8"
