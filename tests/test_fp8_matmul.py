@@ -651,6 +651,27 @@ def test_axis_name_makes_delayed_amaxes_global(kind):
                                 np.full(_N_DEV, 3000.0))
 
 
+@pytest.mark.parametrize("granularity", ["mxfp8", "blockwise"])
+def test_block_scaled_recipes_run_under_shard_map(granularity):
+  """MXFP8's GPU branch (jax.nn.scaled_matmul, whose custom_vmap drops the
+  shard_map varying type) must agree with the emulation's output type, or
+  lax.platform_dependent refuses to trace under shard_map. Block scales are
+  local to each row, so each replica's result is the unsharded one."""
+  config = fp8.Fp8Config(granularity=granularity)
+
+  def fn(x, w):
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(
+        x, w, DENSE, config=config), x, w)
+    return (y,) + vjp(jnp.ones_like(y))
+
+  y, dx, _ = _per_replica(fn, "shard_map", _XB, _WB)
+  glob, glob_vjp = jax.vjp(lambda x: fp8.fp8_dot_general(
+      x, _WB, DENSE, config=config), _XB.reshape(-1, 32))
+  np.testing.assert_array_equal(np.asarray(y).reshape(-1, 16), np.asarray(glob))
+  np.testing.assert_array_equal(np.asarray(dx).reshape(-1, 32),
+                                np.asarray(glob_vjp(jnp.ones_like(glob))[0]))
+
+
 def test_unbound_axis_name_teaches():
   config = fp8.Fp8Config(axis_name="data")
   with pytest.raises(ValueError, match=r"axis_name='data'.*jax.pmap or "

@@ -556,6 +556,24 @@ def to_varying(x: Any, axis_name: Any) -> Any:
     return x
 
 
+def varying_like(fn: Any) -> Any:
+  """``fn`` whose result varies over every ``shard_map`` axis its operands
+  vary over.
+
+  For the GPU branch of ``lax.platform_dependent``: ``custom_vmap`` (and some
+  GPU-only primitives) drop that type, and both branches must agree with the
+  emulation's.
+  """
+
+  def wrapped(*args):
+    out = fn(*args)
+    axes = frozenset().union(*map(varying_axes, args))
+    missing = tuple(sorted(axes - varying_axes(out)))
+    return to_varying(out, missing) if missing else out
+
+  return wrapped
+
+
 def varying_axes(x: Any) -> frozenset:
   """The ``shard_map`` axes ``x`` varies over (empty outside ``shard_map``).
 

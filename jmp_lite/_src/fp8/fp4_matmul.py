@@ -199,22 +199,12 @@ def _native_vmap(axis_size, in_batched, *args):
   return out.reshape((axis_size, -1) + out.shape[1:]), True
 
 
-def _native_as_varying(*args):
-  """:func:`_native`, its result varying over the ``shard_map`` axes its
-  operands vary over (``custom_vmap`` drops that type, and both branches of
-  ``platform_dependent`` must agree with the emulation's)."""
-  out = _native(*args)
-  axes = frozenset().union(*map(compat.varying_axes, args))
-  missing = tuple(sorted(axes - compat.varying_axes(out)))
-  return compat.to_varying(out, missing) if missing else out
-
-
 def _product(a: _Operand, b: _Operand, config: Fp4Config, p: int,
              q: int) -> jax.Array:
   """float32 ``(B, p, q)``: the scaled product of two FP4 operands."""
   args = (a.values, a.scales, b.values, b.scales)
   if config.native:
-    acc = jax.lax.platform_dependent(*args, cuda=_native_as_varying,
+    acc = jax.lax.platform_dependent(*args, cuda=compat.varying_like(_native),
                                      default=_emulated)
   else:
     acc = _emulated(*args)

@@ -332,8 +332,8 @@ def _product(a: _Operand, b: _Operand, native_mx: bool) -> jax.Array:
   args = (a.values, a.scale, b.values, b.scale)
   if not native_mx:
     return _mx_emulated(*args)
-  return jax.lax.platform_dependent(*args, cuda=_mx_native,
-                                    default=_mx_emulated)
+  return jax.lax.platform_dependent(
+      *args, cuda=compat.varying_like(_mx_native), default=_mx_emulated)
 
 
 def _scaled(acc, a_scale, b_scale):
