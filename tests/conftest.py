@@ -5,7 +5,10 @@
 * XLA:CPU compiles with its cheap passes only: the suite compiles thousands of
   small programs and runs each a few times, so compile time dominates. Tests
   assert behaviour (within stated tolerances), never timing; subprocesses the
-  tests start inherit the flags.
+  tests start inherit the flags. Each test process also keeps a persistent
+  compilation cache in a temporary folder of its own (removed at the end), so
+  an identical program built again by another test (a fresh ``jax.jit`` of the
+  same step, the same model in another file) is compiled once per process.
 * Strict dtype promotion for every test: jmp_lite must never rely on implicit
   promotion. Tests that run optax code which is not strict-clean (adam raises
   ``float ** int32`` under strict) mark themselves ``standard_promotion``.
@@ -20,7 +23,10 @@ def _xla_flags() -> str:
   flags = [os.environ.get("XLA_FLAGS", ""),
            "--xla_force_host_platform_device_count=8",
            "--xla_llvm_disable_expensive_passes=true",
-           "--xla_backend_optimization_level=0"]
+           "--xla_backend_optimization_level=0",
+           # One LLVM module per program: splitting it for parallel codegen
+           # costs more CPU than it saves on small programs.
+           "--xla_cpu_parallel_codegen_split_count=1"]
   # XLA:CPU's fusion emitters compile slowly (the suite takes 30% less CPU
   # time without them); jaxlib 0.11 removed the flag, and XLA aborts on an
   # unknown flag, so it is set only where it exists.
@@ -32,8 +38,23 @@ def _xla_flags() -> str:
 
 os.environ["XLA_FLAGS"] = _xla_flags()
 
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Set before any test module compiles (jax reads it at its first compile). One
+# folder per process: two xdist workers never write to the same file.
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jmp_lite_tests_xla_cache_")
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  del config
+  shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
