@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import re
 from typing import Any, Callable, Iterator, Sequence
 
@@ -586,3 +587,76 @@ def varying_axes(x: Any) -> frozenset:
     return frozenset(manual.varying)
   return frozenset(getattr(aval, "vma", None) or ())
 
+
+
+# -- explicit sharding (sharding in types) ---------------------------------------
+#
+# ``jax.make_mesh`` makes Explicit axes by default: an array's type carries its
+# sharding and every operation must be able to say how its result is sharded
+# (a block reshape across a sharded axis, a gather, a contraction over a
+# sharded axis may not). The quantizers and the low-bit state codes are
+# written once, for JAX's partitioner: under Explicit axes they run inside
+# ``jax.sharding.auto_axes`` (public since before jax 0.10), partitioned as
+# under Auto axes, with their results typed as the caller says.
+
+
+def explicit_axes(*xs: Any) -> tuple[Any, tuple[str, ...]]:
+  """``(mesh, names)``: the abstract mesh in the sharding types of ``xs``
+  (or, where they have none, the one ``jax.set_mesh`` sets) and the names of
+  its Explicit axes (empty under Auto axes, inside ``shard_map``'s Manual
+  axes, or without a mesh)."""
+  mesh = None
+  for x in jax.tree.leaves(xs):
+    candidate = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if candidate is not None and not getattr(candidate, "empty", True):
+      mesh = candidate
+      break
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+  explicit = jax.sharding.AxisType.Explicit
+  names = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                if kind == explicit)
+  return mesh, names
+
+
+def spec_for_shape(x: Any, shape: Sequence[int]) -> Any:
+  """``x``'s ``PartitionSpec`` for an array of ``shape`` (as many axes as
+  ``x``): each axis sharded as ``x``'s where the mesh axes divide its length
+  (Explicit types shard evenly), unsharded elsewhere. None where ``x``'s type
+  names no mesh (nothing to type)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or getattr(mesh, "empty", True):
+    return None
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  entries = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  out = []
+  for entry, n in zip(entries, shape):
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    ways = math.prod(sizes.get(name, 1) for name in names)
+    out.append(entry if ways > 1 and n % ways == 0 else None)
+  return jax.sharding.PartitionSpec(*out)
+
+
+def partitioned_as_auto(fn: Callable[..., Any], out_specs: Any,
+                        *args: Any) -> Any:
+  """``fn(*args)``, partitioned by JAX as under Auto axes.
+
+  Where ``args`` are typed on a mesh with Explicit axes (or ``jax.set_mesh``
+  set one), ``fn`` runs inside ``jax.sharding.auto_axes`` over those axes:
+  its operations (reshapes into blocks, gathers, contractions over sharded
+  axes) need not say how their results are sharded, the compiled program is
+  the one the same arrays give under Auto axes, and its results are typed
+  with ``out_specs`` (a ``PartitionSpec`` per result, as ``fn``'s result
+  tree, or one for every result below it: a tree prefix). Elsewhere (no mesh, Auto axes, inside ``shard_map``), or where
+  ``out_specs`` is None (operands whose types name no mesh), it is
+  ``fn(*args)``.
+  """
+  mesh, axes = explicit_axes(*args)
+  if not axes or out_specs is None:
+    return fn(*args)
+  spec_type = jax.sharding.PartitionSpec
+  shardings = jax.tree.map(
+      lambda spec: jax.sharding.NamedSharding(mesh, spec), out_specs,
+      is_leaf=lambda s: isinstance(s, spec_type))
+  return jax.sharding.auto_axes(fn, axes=axes, out_sharding=shardings)(*args)

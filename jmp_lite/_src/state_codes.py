@@ -75,6 +75,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import compat
 from jmp_lite._src import dtypes
 
 _F32 = np.dtype(np.float32)
@@ -596,8 +597,29 @@ def encode(x: jax.Array, fmt: StateFormat, non_negative: bool,
     key: ``"bfloat16_sr"`` only: a PRNG key for this leaf.
 
   Returns:
-    The stored array, of :func:`stored_shape` and :func:`stored_dtype`.
+    The stored array, of :func:`stored_shape` and :func:`stored_dtype`,
+    sharded as ``x`` where ``x`` is on a mesh with Explicit axes (see
+    :func:`_as_auto`).
   """
+  return _as_auto(lambda x, key: _encode(x, fmt, non_negative, key),
+                  stored_shape(x.shape, fmt), x, key)
+
+
+def _as_auto(fn, out_shape, x, *rest):
+  """``fn(x, *rest)``, of shape ``out_shape``, partitioned as under Auto axes.
+
+  Under explicit sharding (``jax.make_mesh``'s default) a block reshape or a
+  code-book lookup cannot say how its result is sharded: encoding and
+  decoding run inside ``jax.sharding.auto_axes``
+  (:func:`~jmp_lite._src.compat.partitioned_as_auto`), so they compile to the
+  program (and the bits) Auto axes give, and the result is sharded as ``x``
+  on every axis the mesh axes divide.
+  """
+  return compat.partitioned_as_auto(
+      fn, compat.spec_for_shape(x, out_shape), x, *rest)
+
+
+def _encode(x, fmt, non_negative, key):
   if fmt.kind == "float":
     if fmt.stochastic:
       return _stochastic_bf16(x.astype(_F32), key)
@@ -612,7 +634,15 @@ def encode(x: jax.Array, fmt: StateFormat, non_negative: bool,
 
 def decode(stored: jax.Array, fmt: StateFormat, non_negative: bool,
            shape: tuple[int, ...]) -> jax.Array:
-  """The float32 moment of original shape ``shape`` from its stored form."""
+  """The float32 moment of original shape ``shape`` from its stored form
+  (sharded as ``stored`` under explicit sharding, as :func:`encode`)."""
+  if fmt.kind == "float":
+    return stored.astype(_F32)
+  return _as_auto(lambda stored: _decode(stored, fmt, non_negative, shape),
+                  tuple(shape), stored)
+
+
+def _decode(stored, fmt, non_negative, shape):
   if fmt.kind == "float":
     return stored.astype(_F32)
   fmt = for_shape(fmt, tuple(shape))

@@ -339,7 +339,8 @@ def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
 
 def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
                     precision: Any = None, preferred_element_type: Any = None,
-                    *, config: Fp4Config = _DEFAULT_CONFIG,
+                    *, out_sharding: Any = None,
+                    config: Fp4Config = _DEFAULT_CONFIG,
                     key: Any = None) -> jax.Array:
   """``jax.lax.dot_general`` in FP4 (NVFP4 or MXFP4), forward and backward.
 
@@ -358,6 +359,11 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     preferred_element_type: the result dtype (float32, bfloat16, float16,
       float64); accumulation is float32 regardless. Default: the operands'
       (promoted) dtype.
+    out_sharding: under explicit sharding (mesh axes of type Explicit,
+      ``jax.make_mesh``'s default), the result's sharding as
+      ``jax.lax.dot_general`` takes it: needed only where JAX cannot infer
+      it (a contraction over a sharded axis). None infers it as
+      ``jax.lax.dot_general`` does. Elsewhere it must be None.
     config: the static :class:`Fp4Config` (default: NVFP4 with every
       component on).
     key: a PRNG key for the backward pass's stochastic rounding, e.g.
@@ -372,7 +378,8 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
       inconsistent dimension numbers.
     ValueError: for non-floating, float8 or FP4 operands or
       ``preferred_element_type``, or a ``config.axis_name`` that is not
-      bound (outside the ``pmap``/``shard_map`` that names it).
+      bound (outside the ``pmap``/``shard_map`` that names it), or an
+      ``out_sharding`` for operands on no mesh with Explicit axes.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -394,19 +401,14 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   del precision
   if config.axis_name is not None:
     checks.bound_axis(config.axis_name, "Fp4Config")
-  (lc, rc), (lb, rb) = fp8_matmul_lib._check_dimension_numbers(  # pylint: disable=protected-access
+  dimension_numbers = fp8_matmul_lib._check_dimension_numbers(  # pylint: disable=protected-access
       dimension_numbers, lhs.shape, rhs.shape)
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
-  a, lhs_free = fp8_matmul_lib._to_canonical(lhs, lb, lc)  # pylint: disable=protected-access
-  b, rhs_free = fp8_matmul_lib._to_canonical(rhs, rb, rc)  # pylint: disable=protected-access
-  # Under shard_map, both operands vary over the same axes (as float8's).
-  a, b = fp8_matmul_lib._same_varying_axes(a, b)  # pylint: disable=protected-access
-  shape = ([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lhs_free] +
-           [rhs.shape[d] for d in rhs_free])
-  if 0 in a.shape or 0 in b.shape:
-    return jnp.zeros(shape, out_dtype)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-  return _fp4_matmul(a, b, key, static).reshape(shape)
+  # Canonical forms, shard_map's varying types, explicit sharding: as float8's.
+  return fp8_matmul_lib.as_dot_general(
+      lambda a, b, key: _fp4_matmul(a, b, key, static), lhs, rhs,
+      dimension_numbers, out_dtype, out_sharding, "fp4_dot_general", key)
 
 
 
@@ -445,14 +447,10 @@ def recipe_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, *,
     # FP4 recipes scale from current amaxes (config.scaling == "current"):
     # the routes hand them no delayed-scaling scales.
     del scales
-    out = fp4_dot_general(lhs, rhs, dimension_numbers,
-                          preferred_element_type=preferred_element_type,
-                          config=config)
-    if out_sharding is not None:
-      out = jax.sharding.reshard(out, out_sharding)
-    return out
-  extra = {} if out_sharding is None else {"out_sharding": out_sharding}
+    return fp4_dot_general(lhs, rhs, dimension_numbers,
+                           preferred_element_type=preferred_element_type,
+                           out_sharding=out_sharding, config=config)
   return fp8_matmul_lib.fp8_dot_general(
       lhs, rhs, dimension_numbers,
-      preferred_element_type=preferred_element_type, config=config,
-      scales=scales, **extra)
+      preferred_element_type=preferred_element_type,
+      out_sharding=out_sharding, config=config, scales=scales)

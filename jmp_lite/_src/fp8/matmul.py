@@ -42,6 +42,12 @@ for the second derivatives are dead in a first-order program.
 operands, incoming gradient, the amaxes reported to delayed scaling) is the
 ``lax.pmax`` over that ``pmap``/``shard_map`` axis, so that replicas share
 their scales; rows, tiles, blocks and MX blocks are local and not reduced.
+Under ``jax.jit`` with sharded operands no ``axis_name`` is needed (the
+scales are those of the global arrays), on Auto and Explicit mesh axes alike:
+under Explicit axes (``jax.make_mesh``'s default) the result and the
+gradients are typed as ``jax.lax.dot_general``'s, and the quantized matmul
+runs inside ``jax.sharding.auto_axes`` (:func:`as_dot_general`), so the
+compiled program is the one Auto axes give.
 
 Contracting dimensions that do not divide into the block size (blockwise,
 MX) are zero-padded: exact for a dot product, since the padding contributes
@@ -119,7 +125,10 @@ DELAYED_SCALES_HELP = (
 
 
 NO_OUT_SHARDING = (
-    "Leave it None and constrain the result's sharding with "
+    "As for jax.lax.dot_general, out_sharding names the result's sharding "
+    "under explicit sharding only (mesh axes of type Explicit, "
+    "jax.make_mesh's default). Here the operands are on no such mesh: leave "
+    "it None and constrain the result's sharding with "
     "jax.lax.with_sharding_constraint instead."
 )
 SCALES_WITH_CURRENT = (
@@ -614,7 +623,11 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
       product has a single precision.
     preferred_element_type: the result dtype (float32, bfloat16, float16 or
       float64). Accumulation is float32 regardless.
-    out_sharding: must be None (accepted for signature compatibility).
+    out_sharding: under explicit sharding (mesh axes of type Explicit,
+      ``jax.make_mesh``'s default), the result's sharding as
+      ``jax.lax.dot_general`` takes it: needed only where JAX cannot infer
+      it (a contraction over a sharded axis). None infers it as
+      ``jax.lax.dot_general`` does. Elsewhere it must be None.
     config: the static :class:`Fp8Config` (default: per-tensor current
       scaling, e4m3 forward, e5m2 gradients).
     scales: with ``config.scaling="delayed"``, the :class:`DelayedScales`;
@@ -634,7 +647,7 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
       the operands.
     ValueError: for scales given to current scaling, a Python/NumPy scale that is zero, negative,
       subnormal or not finite, a ``config.axis_name`` that is not bound
-      here, or an out_sharding.
+      here, or an out_sharding for operands on no mesh with Explicit axes.
 
   Example:
     >>> import functools, jax, jax.numpy as jnp
@@ -653,26 +666,59 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     raise TypeError(
         f"config must be an Fp8Config, got {type(config).__name__}: "
         f"{config!r}. Build one with e.g. Fp8Config(granularity='row').")
-  if out_sharding is not None:
-    raise ValueError(f"fp8_dot_general: out_sharding={out_sharding!r} is not "
-                     f"supported. {NO_OUT_SHARDING}")
   lhs = checks.float_array(lhs, "lhs")
   rhs = checks.float_array(rhs, "rhs")
   del precision
-  (lc, rc), (lb, rb) = _check_dimension_numbers(dimension_numbers, lhs.shape,
-                                                rhs.shape)
+  dimension_numbers = _check_dimension_numbers(dimension_numbers, lhs.shape,
+                                               rhs.shape)
   scales = _check_scales(scales, config)
   check_axis_bound(config)
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type, config)
-  a, lhs_free = _to_canonical(lhs, lb, lc)
-  b, rhs_free = _to_canonical(rhs, rb, rc)
-  shape = ([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lhs_free] +
-           [rhs.shape[d] for d in rhs_free])
-  if 0 in a.shape or 0 in b.shape:
-    # An empty operand: the product is all zeros (or empty), as is its
-    # gradient; nothing to quantize.
-    return jnp.zeros(shape, out_dtype)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-  a, b = _same_varying_axes(a, b)
-  out = _fp8_matmul(a, b, scales, static)
-  return out.reshape(shape)
+  return as_dot_general(
+      lambda a, b, scales: _fp8_matmul(a, b, scales, static), lhs, rhs,
+      dimension_numbers, out_dtype, out_sharding, "fp8_dot_general", scales)
+
+
+def as_dot_general(matmul: Any, lhs: jax.Array, rhs: jax.Array,
+                   dimension_numbers: Any, out_dtype: Any, out_sharding: Any,
+                   owner: str, *extra: Any) -> jax.Array:
+  """``matmul(a, b, *extra)`` of the canonical forms ``(B, M, K)`` and
+  ``(B, N, K)`` of ``lhs`` and ``rhs``, as ``jax.lax.dot_general``'s result.
+
+  Shaped as it, and typed as it under explicit sharding (``jax.make_mesh``'s
+  default axis types): the result sharded as ``jax.lax.dot_general`` shards
+  it (or as ``out_sharding`` says, where it must be said: a contraction over
+  a sharded axis), the quantized matmul itself partitioned as under Auto axes
+  (:func:`~jmp_lite._src.compat.partitioned_as_auto`: its block reshapes and
+  the weight gradient's contraction over a sharded batch need no sharding of
+  their own). ``dimension_numbers`` are normalised
+  (:func:`_check_dimension_numbers`); an empty operand gives zeros.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  _, explicit = compat.explicit_axes(lhs, rhs)
+  out_spec = None
+  if explicit:
+    out_spec = jax.eval_shape(
+        lambda a, b: jax.lax.dot_general(
+            a.astype(_F32), b.astype(_F32), dimension_numbers,
+            out_sharding=out_sharding), lhs, rhs).sharding
+    # None: operands whose types name no mesh, under jax.set_mesh.
+    out_spec = getattr(out_spec, "spec", None)
+  elif out_sharding is not None:
+    raise ValueError(f"{owner}: out_sharding={out_sharding!r} is not "
+                     f"supported here. {NO_OUT_SHARDING}")
+
+  def product(lhs, rhs, *extra):
+    a, lhs_free = _to_canonical(lhs, lb, lc)
+    b, rhs_free = _to_canonical(rhs, rb, rc)
+    shape = ([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lhs_free] +
+             [rhs.shape[d] for d in rhs_free])
+    if 0 in a.shape or 0 in b.shape:
+      # An empty operand: the product is all zeros (or empty), as is its
+      # gradient; nothing to quantize.
+      return jnp.zeros(shape, out_dtype)
+    a, b = _same_varying_axes(a, b)
+    return matmul(a, b, *extra).reshape(shape)
+
+  return compat.partitioned_as_auto(product, out_spec, lhs, rhs, *extra)
