@@ -22,6 +22,7 @@ import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
 from jmp_lite._src import checks
+from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.fp8 import config as fp8_config
 from jmp_lite._src.fp8 import formats as fp8_formats
@@ -638,9 +639,11 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
         x = np.asarray(x, _F32)                           # as float32 is
     x = jnp.asarray(x)
     contract = _leaf_axes(axis, role, x.shape)
-    return _leaf_fp8_stats(x, s, contract=contract, role=role,
-                           formats=formats, recipes=recipes,
-                           block_size=block_size)
+    leaf = functools.partial(_leaf_fp8_stats, contract=contract, role=role,
+                             formats=formats, recipes=recipes,
+                             block_size=block_size)
+    # Explicit sharding: the blocks partitioned as under Auto axes.
+    return compat.partitioned_as_auto(leaf, jax.sharding.PartitionSpec(), x, s)
 
   if scale is None:
     one = jnp.ones((), _F32)

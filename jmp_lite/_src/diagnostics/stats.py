@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import checks
+from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.diagnostics.fp8_stats import combine_fp8_stats
 from jmp_lite._src.diagnostics.fp8_stats import Fp8Stats
@@ -500,7 +501,10 @@ def tensor_stats(tree: Any, loss_scale: Any = 1.0) -> Any:
     if _is_host_float64(x):
       parts, largest = _split_host_float64(x)
       return _host_leaf_stats(parts, _host_max_abs(largest), loss_scale)
-    return _leaf_stats(jnp.asarray(x), loss_scale)
+    # Explicit sharding: partitioned as under Auto axes (a scatter of bins).
+    return compat.partitioned_as_auto(
+        lambda x: _leaf_stats(x, loss_scale), jax.sharding.PartitionSpec(),
+        jnp.asarray(x))
 
   return jax.tree.map(stats, tree)
 
