@@ -601,12 +601,14 @@ def encode(x: jax.Array, fmt: StateFormat, non_negative: bool,
     sharded as ``x`` where ``x`` is on a mesh with Explicit axes (see
     :func:`_as_auto`).
   """
-  return _as_auto(lambda x, key: _encode(x, fmt, non_negative, key),
-                  stored_shape(x.shape, fmt), x, key)
+  if fmt.kind == "float":  # elementwise: typed as x under any sharding
+    return _encode(x, fmt, non_negative, key)
+  return _as_auto(lambda x: _encode(x, fmt, non_negative, None),
+                  stored_shape(x.shape, fmt), x)
 
 
-def _as_auto(fn, out_shape, x, *rest):
-  """``fn(x, *rest)``, of shape ``out_shape``, partitioned as under Auto axes.
+def _as_auto(fn, out_shape, x):
+  """``fn(x)``, of shape ``out_shape``, partitioned as under Auto axes.
 
   Under explicit sharding (``jax.make_mesh``'s default) a block reshape or a
   code-book lookup cannot say how its result is sharded: encoding and
@@ -616,7 +618,7 @@ def _as_auto(fn, out_shape, x, *rest):
   on every axis the mesh axes divide.
   """
   return compat.partitioned_as_auto(
-      fn, compat.spec_for_shape(x, out_shape), x, *rest)
+      fn, compat.spec_for_shape(x, out_shape), x)
 
 
 def _encode(x, fmt, non_negative, key):
