@@ -217,11 +217,11 @@ class _Mlp(nn.Module):
     return nn.Dense(16, name="out")(x)
 
 
-def _with_policy_grad(spec):
+def _with_policy_grad(spec, door=jmp_lite.with_policy):
   def mlp(p, x):
     h = jnp.tanh(x @ p["w1"])
     return jnp.sum(jnp.tanh(h @ p["w2"]) ** 2)
-  grad = jax.grad(jmp_lite.with_policy(mlp, spec))
+  grad = jax.grad(door(mlp, spec))
   k1, k2 = jax.random.split(jax.random.key(4))
   params = {"w1": jax.random.normal(k1, (64, 64)) * 0.1,
             "w2": jax.random.normal(k2, (64, 32)) * 0.1}
@@ -264,14 +264,18 @@ def _jax_differentiates_batch_sharded_dots():
 @pytest.mark.parametrize("route,m", [("with_policy", "fp8_rowwise"),
                                      ("with_policy", "mxfp8"),
                                      ("with_policy", "nvfp4"),
+                                     ("autocast", "fp8"),
                                      ("linen", "fp8_delayed")])
 def test_policy_routes(route, m):
-  """with_policy (autocast's rules) and a linen policy (Flax's dot_general
-  hook, delayed scaling's amax histories) on a batch-sharded input: the
-  gradients (and rolled histories) of the same program on an Auto mesh."""
+  """with_policy, autocast and a linen policy (Flax's dot_general hook,
+  delayed scaling's amax histories) on a batch-sharded input: the gradients
+  (and rolled histories) of the same program on an Auto mesh."""
   spec = f"p=f32,c=bf16,o=f32,m={m}"
-  grad, params = (_with_policy_grad if route == "with_policy"
-                  else _linen_grad)(spec)
+  if route == "linen":
+    grad, params = _linen_grad(spec)
+  else:
+    door = jmp_lite.autocast if route == "autocast" else jmp_lite.with_policy
+    grad, params = _with_policy_grad(spec, door)
   x = jax.random.normal(jax.random.key(6), (32, 64))
   results = []
   for mesh in (_explicit_mesh(), _auto_mesh()):
