@@ -1180,6 +1180,7 @@ def test_the_layer_imports_trees_dtypes_checks_and_fp8_only():
   for the float8 statistics."""
   import ast  # pylint: disable=g-import-not-at-top
   allowed = {"jmp_lite._src.checks", "jmp_lite._src.tree",
+             "jmp_lite._src.compat",  # foundations (explicit sharding)
              "jmp_lite._src.dtypes", "jmp_lite._src.fp8",
              "jmp_lite._src.diagnostics.stats",
              "jmp_lite._src.diagnostics.report",
