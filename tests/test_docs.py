@@ -14,6 +14,7 @@ that it lists every public name.
 
 import contextlib
 import io
+import json
 import pathlib
 import re
 
@@ -163,3 +164,20 @@ def test_every_python_block_runs(path, tmp_path, monkeypatch):
     assert expected in printed, (expected, printed)
   for name in WRITES.get(_name(path), []):
     assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_autocast_guide_quotes_the_committed_compile_time_run():
+  """docs/autocast.md's compile-time figures are the committed run's."""
+  report = json.loads(
+      (ROOT / "benchmarks" / "results" / "compile_time.json").read_text())
+  guide = (ROOT / "docs" / "autocast.md").read_text()
+  guide = " ".join(guide.split())  # Figures may sit across a line break.
+  rows = {(r["route"], r["layers"], r["scan"]): r for r in report["results"]}
+  for route, layers in (("autocast", 12), ("autocast", 24), ("autocast", 48),
+                        ("hand", 48), ("float32", 24)):
+    assert f"{rows[route, layers, False]['optimized_hlo']['instructions']:,}" in guide
+  for route, key, layers in (("autocast", "compile", 48),
+                             ("autocast_fp8", "compile", 48),
+                             ("with_policy_fp8", "compile", 48)):
+    assert f"{rows[route, layers, False]['ratios'][key]:.1f}x" in guide, route
+  assert f"{rows['autocast', 48, True]['ratios']['compile']:.2f}x" in guide
