@@ -311,3 +311,27 @@ def test_diagnostics(what):
   want = jax.jit(stats)(w)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
                got, want)
+
+
+@pytest.mark.parametrize("m", ["fp8_rowwise", "nvfp4"])
+def test_policy_route_keeps_the_traced_out_sharding(m):
+  """A row-parallel matmul written with out_sharding= under with_policy: the
+  float8/FP4 product it becomes takes the same out_sharding (the rule passes
+  the traced dot's through)."""
+  # The product is the function's output: the head, kept out by default.
+  policy = jmp_lite.get_policy(
+      f"p=f32,c=bf16,o=f32,m={m}(include_output_head=true)")
+  fn = jmp_lite.with_policy(lambda w, x: jnp.einsum(
+      "bk,kn->bn", x, w, out_sharding=P("d")), policy)
+  x = jax.random.normal(jax.random.key(1), (16, 64))
+  w = jax.random.normal(jax.random.key(2), (64, 32))
+  mesh = _explicit_mesh()
+  xs, ws = _put(mesh, (x, w), (P(None, "d"), P("d", None)))
+  with jax.set_mesh(mesh):
+    y = jax.jit(fn)(ws, xs)
+  assert y.sharding.spec == P("d", None)
+  want = jax.jit(jmp_lite.with_policy(
+      lambda w, x: jnp.einsum("bk,kn->bn", x, w), policy))(w, x)
+  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-5)
+  plain = x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)  # not quantized
+  assert not np.allclose(y, plain.astype(jnp.float32), rtol=1e-2)

@@ -159,7 +159,7 @@ def _rule(fallback: str) -> Callable[..., Any]:
       config = _current(config)
     return fp4_matmul_lib.recipe_dot_general(
         x, y, dimension_numbers, preferred_element_type=out_dtype,
-        config=config)
+        config=config, out_sharding=params.get("out_sharding"))
 
   fp8_dot_rule.__qualname__ = fp8_dot_rule.__name__ = f"fp8_dot_{fallback}"
   return fp8_dot_rule
