@@ -181,3 +181,19 @@ def test_autocast_guide_quotes_the_committed_compile_time_run():
                              ("with_policy_fp8", "compile", 48)):
     assert f"{rows[route, layers, False]['ratios'][key]:.1f}x" in guide, route
   assert f"{rows['autocast', 48, True]['ratios']['compile']:.2f}x" in guide
+
+
+def test_precision_guide_quotes_the_committed_update_rounding_run():
+  """docs/precision.md's compiled peaks are the committed run's, and the
+  low-memory methods' peaks are no higher than the master copy's there."""
+  report = json.loads(
+      (ROOT / "benchmarks" / "results" / "update_rounding.json").read_text())
+  guide = " ".join((ROOT / "docs" / "precision.md").read_text().split())
+  peaks = {r["workload"]: {k: v["peak"] / 2**20 for k, v in r["memory"].items()}
+           for r in report["results"]}
+  for workload, names in (("mlp", ("copy", "stochastic_rounding", "kahan")),
+                          ("transformer", ("copy", "kahan"))):
+    for name in names:
+      assert f"{peaks[workload][name]:.1f}" in guide, (workload, name)
+    assert peaks[workload]["kahan"] <= peaks[workload]["copy"]
+  assert peaks["mlp"]["stochastic_rounding"] <= peaks["mlp"]["copy"]
