@@ -64,7 +64,6 @@ zero).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -72,7 +71,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
 from jmp_lite._src.fp8 import config as recipes_lib
@@ -399,8 +397,7 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   lhs = _operand(lhs, "lhs")
   rhs = _operand(rhs, "rhs")
   del precision
-  if config.axis_name is not None:
-    checks.bound_axis(config.axis_name, "Fp4Config")
+  fp8_matmul_lib.check_axis_bound(config)
   dimension_numbers = fp8_matmul_lib._check_dimension_numbers(  # pylint: disable=protected-access
       dimension_numbers, lhs.shape, rhs.shape)
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type)

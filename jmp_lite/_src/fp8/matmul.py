@@ -208,10 +208,11 @@ def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
   return DelayedScales(*out)
 
 
-def check_axis_bound(config: Fp8Config) -> None:
-  """Raises a teaching ValueError if ``config.axis_name`` is not bound here."""
+def check_axis_bound(config: Any) -> None:
+  """Raises a teaching ValueError if ``config.axis_name`` (of an
+  ``Fp8Config`` or ``Fp4Config``) is not bound here."""
   if config.axis_name is not None:
-    checks.bound_axis(config.axis_name, "Fp8Config")
+    checks.bound_axis(config.axis_name, type(config).__name__)
 
 
 def _result_dtype(lhs, rhs, preferred_element_type, config):
