@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
-from typing import Any
 
 import jax
 from jax import lax

@@ -16,7 +16,6 @@ from jmp_lite._src import compat
 from jmp_lite._src import markers
 from jmp_lite._src.autocast import float8 as float8_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
-from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.autocast import default_rules as table_lib
 
 #: What autocast applies.

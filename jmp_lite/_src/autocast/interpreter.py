@@ -50,7 +50,6 @@ marker may still name) is scaled currently.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Sequence
 
 import jax

@@ -53,7 +53,6 @@ a JAX array (see :func:`usable_scale`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Sequence
 
 import jax
