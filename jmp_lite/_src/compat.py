@@ -567,12 +567,16 @@ def varying_like(fn: Any) -> Any:
   """
 
   def wrapped(*args):
-    out = fn(*args)
-    axes = frozenset().union(*map(varying_axes, args))
-    missing = tuple(sorted(axes - varying_axes(out)))
-    return to_varying(out, missing) if missing else out
+    return vary_over(fn(*args), frozenset().union(*map(varying_axes, args)))
 
   return wrapped
+
+
+def vary_over(x: Any, axes: frozenset) -> Any:
+  """``x`` marked varying over each of the ``shard_map`` ``axes`` it does not
+  vary over yet (``x`` itself where there is none)."""
+  missing = tuple(sorted(axes - varying_axes(x)))
+  return to_varying(x, missing) if missing else x
 
 
 def varying_axes(x: Any) -> frozenset:

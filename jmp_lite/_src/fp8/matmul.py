@@ -590,11 +590,7 @@ def _same_varying_axes(a: jax.Array, b: jax.Array):
   transpose of this marking is the ``psum`` that makes the weight's gradient
   the sum over shards, as without float8."""
   axes = compat.varying_axes(a) | compat.varying_axes(b)
-  out = []
-  for x in (a, b):
-    missing = tuple(sorted(axes - compat.varying_axes(x)))
-    out.append(compat.to_varying(x, missing) if missing else x)
-  return out
+  return [compat.vary_over(x, axes) for x in (a, b)]
 
 
 def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
