@@ -147,6 +147,8 @@ def test_every_relative_link_resolves(path):
 # ---------------------------------------------------------------------------
 
 
+# Running the guides end to end is the slow stage's (pytest -m slow).
+@pytest.mark.slow
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("path", FILES, ids=_name)
 def test_every_python_block_runs(path, tmp_path, monkeypatch):

@@ -208,7 +208,8 @@ def test_library_has_doctests():
 
 
 # The examples are written for users, who run JAX's default (standard) dtype
-# promotion.
+# promotion. Running them all is the slow stage's (pytest -m slow).
+@pytest.mark.slow
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("module_name", _library_module_names())
 def test_doctests_pass(module_name):
