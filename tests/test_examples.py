@@ -97,6 +97,7 @@ def test_demo_json_has_the_four_runs_with_finite_figures(demo_run):
   assert zeros["f16_scaled"] < zeros["f32"] + 0.05
 
 
+@pytest.mark.slow  # runs an example program
 def test_scratch_folders_cannot_shadow_the_package(tmp_path):
   """The examples and benchmarks write to folders under the system temp
   folder. Named "jmp_lite", such a folder was imported as a namespace package

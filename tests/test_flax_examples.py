@@ -104,6 +104,7 @@ def test_parity_reads_both_results_and_computes_verdicts(out_dir):
   assert (report / "parity.md").read_text().count("| PASS |") == 4
 
 
+@pytest.mark.slow  # runs an example program
 def test_parity_fails_a_row_outside_the_tolerance(tmp_path):
   def runs(**metrics):
     return {"runs": {name: dict(label=name, **{k: v[i] for k, v in

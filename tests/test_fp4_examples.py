@@ -43,6 +43,7 @@ def test_fp4_parity_quick_run_writes_the_report(tmp_path):
     assert text in markdown
 
 
+@pytest.mark.slow  # runs an example program
 def test_quick_and_update_results_are_refused():
   proc = run_example(SCRIPT, "--quick", "--update-results")
   assert proc.returncode == 2 and "never replace" in proc.stderr

@@ -77,6 +77,7 @@ def test_fp8_parity_quick(tmp_path):
   assert "arXiv:2412.19437" in text and "## Parity against bf16" in text
 
 
+@pytest.mark.slow  # runs an example program
 def test_fp8_parity_quick_never_replaces_committed_results():
   proc = run_example(EXAMPLES / "fp8_parity.py", "--quick", "--update-results")
   assert proc.returncode == 2

@@ -547,6 +547,8 @@ def test_pmean_value_and_grad_on_an_unbound_axis_is_a_value_error(where):
 # Two processes, as on two hosts: jax.distributed with gloo CPU collectives.
 # ---------------------------------------------------------------------------
 
+# Runs of two worker programs: the slow stage's (pytest -m slow).
+
 
 def _free_port():
   with socket.socket() as s:
@@ -590,6 +592,7 @@ def _run_two_processes(module, tmp_path):
   return [np.load(out) for out in outs]
 
 
+@pytest.mark.slow
 @needs_devices
 def test_two_process_distributed_run(tmp_path):
   """Each process: f32 weight-gradient all-reduces; both end with the params
@@ -610,6 +613,7 @@ def test_two_process_distributed_run(tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 @needs_devices
 def test_two_process_loss_scaling_run(tmp_path):
   """Two processes put a fresh loss_scaling state on a global mesh (no NaN in
