@@ -8,8 +8,9 @@ Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv):
 * ``floor``: the whole suite on Python 3.11 with every pinned package at the
   lower bound of its pin, read from ``pyproject.toml``: the oldest versions we
   claim to support.
-* ``upgrade-flags``: the whole suite on the newest releases (Python 3.12)
-  with JAX's upgrade flags on, through the environment variables jax reads
+* ``upgrade-flags``: the README's selection (every test but the slow stage's
+  runs of whole programs) on the newest releases (Python 3.12) with JAX's
+  upgrade flags on, through the environment variables jax reads
   for them: ``JAX_REMAT3=1 JAX_CUSTOM_VJP3=1 JAX_CUSTOM_JVP3=1`` (about to
   become jax's defaults; ``jax_scan3`` stays off until JAX differentiates
   it, and autocast refuses its ``Scan3`` with an error naming it).
@@ -54,7 +55,7 @@ ROOT = pathlib.Path(__file__).resolve().parent
 # The packages whose supported range the pins state and the matrix tests.
 RANGED = ("jax", "jaxlib", "flax", "optax")
 PYTEST = ("python", "-m", "pytest", "-q")
-#: Every test, the slow stage (end-to-end example runs) included.
+#: Every test, the slow stage (runs of whole programs) included.
 ALL = ("-m", "slow or not slow")
 #: jax's upgrade flags (config flags read ``JAX_<NAME>`` environment variables).
 UPGRADE_FLAGS = {"JAX_REMAT3": "1", "JAX_CUSTOM_VJP3": "1",
@@ -111,7 +112,7 @@ def newest(session: nox.Session) -> None:
 
 @nox.session(python="3.12", name="upgrade-flags")
 def upgrade_flags(session: nox.Session) -> None:
-  """The whole suite on the newest releases with JAX's upgrade flags on."""
+  """The README's selection on the newest releases with JAX's upgrade flags on."""
   session.install("--upgrade", "-e", ".[test]")
   _versions(session)
   session.run("python", "-c", "import jax; print('upgrade flags:', "
