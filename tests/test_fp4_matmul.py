@@ -25,14 +25,18 @@ def _random(shape, seed, scale=1.0):
   return (rng.standard_normal(shape) * scale).astype(F32)
 
 
+@functools.partial(jax.jit, static_argnames="config")
+def _jitted_value_and_grads(x, w, g, key, *, config):
+  y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
+      x, w, MATMUL, config=config, key=key), x, w)
+  return (y,) + vjp(g)
+
+
 def _value_and_grads(config, x, w, g, key=None):
-  """(y, dx, dw) of fp4_dot_general with cotangent g, jitted."""
-  @jax.jit
-  def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
-        x, w, MATMUL, config=config, key=key), x, w)
-    return (y,) + vjp(g)
-  return [np.asarray(v) for v in run(x, w, g)]
+  """(y, dx, dw) of fp4_dot_general with cotangent g, jitted (one program
+  per config, shapes and key-or-None, shared by the tests)."""
+  return [np.asarray(v)
+          for v in _jitted_value_and_grads(x, w, g, key, config=config)]
 
 
 # ---------------------------------------------------------------------------
@@ -178,16 +182,22 @@ def test_batch_dimensions_and_result_dtypes():
   w = jnp.asarray(_random((2, 32, 16), 14), jnp.bfloat16)
   dn = (((2,), (1,)), ((0,), (0,)))
   config = RECIPES["nvfp4"]
-  y = fp4.fp4_dot_general(x, w, dn, config=config)
+
+  @jax.jit  # one program (the eager path: test_finite_inputs_create_...)
+  def run(x, w):
+    y = fp4.fp4_dot_general(x, w, dn, config=config)
+    y32 = fp4.fp4_dot_general(x, w, dn, preferred_element_type=jnp.float32,
+                              config=config)
+    grads = jax.grad(lambda x, w: fp4.fp4_dot_general(
+        x, w, dn, config=config).astype(jnp.float32).sum(), (0, 1))(x, w)
+    return y, y32, grads
+
+  y, y32, grads = run(x, w)
   assert y.dtype == jnp.bfloat16 and y.shape == (2, 16, 16)
-  y32 = fp4.fp4_dot_general(x, w, dn, preferred_element_type=jnp.float32,
-                            config=config)
   assert y32.dtype == jnp.float32
   exact = np.einsum("bmk,bkn->bmn", np.asarray(x, F32), np.asarray(w, F32))
   err = np.linalg.norm(np.asarray(y32) - exact) / np.linalg.norm(exact)
   assert err < 0.25, err
-  grads = jax.grad(lambda x, w: fp4.fp4_dot_general(
-      x, w, dn, config=config).astype(jnp.float32).sum(), (0, 1))(x, w)
   assert [d.dtype for d in grads] == [jnp.bfloat16, jnp.bfloat16]
 
 
@@ -336,8 +346,9 @@ def test_cuda_program_runs_fp4_operands_through_the_block_scaled_dot(
 
   # Distinct shapes per product, so that no two calls share one function.
   args = (jnp.ones((48, 64)), jnp.ones((64, 32)), jax.random.key(0))
+  jitted = jax.jit(step)  # one trace for both platforms
   exported = jax.export.export(
-      jax.jit(step), platforms=["cuda"],
+      jitted, platforms=["cuda"],
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
           "__op$block_scaled_dot")])(*args)
   calls = [line for line in exported.mlir_module().splitlines()
@@ -348,7 +359,7 @@ def test_cuda_program_runs_fp4_operands_through_the_block_scaled_dot(
     assert line.count(f"x{scale_type}>") >= 2, line
     assert "host_callback" not in line
   # The CPU program has none of it.
-  cpu = jax.jit(step).lower(*args).as_text()
+  cpu = jitted.lower(*args).as_text()
   assert "block_scaled_dot" not in cpu
 
 
@@ -417,9 +428,10 @@ def test_vmap_over_keys_and_operands():
   config = fp4.Fp4Config()
   x, w = jnp.asarray(_random((3, 16, 32), 24)), jnp.asarray(_random((32, 16),
                                                                     25))
-  y = jax.vmap(lambda x: fp4.fp4_dot_general(x, w, MATMUL, config=config))(x)
+  product = jax.jit(lambda x: fp4.fp4_dot_general(x, w, MATMUL, config=config))
+  y = jax.jit(jax.vmap(product))(x)
   for i in range(3):
-    _same(y[i], fp4.fp4_dot_general(x[i], w, MATMUL, config=config))
+    _same(y[i], product(x[i]))  # one program for the three slices
 
 
 def test_finite_inputs_create_no_nan_or_inf_anywhere():
@@ -482,7 +494,7 @@ def test_axis_name_makes_nvfp4_tensor_scales_global():
   y, dx, dw, scale = run(config)
   want_y, want_dx, want_dw = _value_and_grads(fp4.Fp4Config(**_EXACT), x, w,
                                               g)
-  whole = fp4_lib.nvfp4_quantize_f32(jnp.asarray(x))[2]
+  whole = jax.jit(fp4_lib.nvfp4_quantize_f32)(jnp.asarray(x))[2]
   np.testing.assert_array_equal(scale, np.full(_N_DEV, whole))
   _same(y.reshape(want_y.shape), want_y)
   _same(dx.reshape(want_dx.shape), want_dx)
