@@ -49,6 +49,10 @@ def _reference(params, x, config):
   return (h @ p["w2"]).astype(jnp.float32)
 
 
+#: The reference compiled (one program per config, shared by the tests).
+_jitted_reference = jax.jit(_reference, static_argnums=2)
+
+
 def _fp4_ops(ops):
   """The block-scaled products op_dtypes lists (E2M1 operands; the call
   into JAX's wrapper function not counted)."""
@@ -64,8 +68,7 @@ def test_with_policy_runs_fp4_bit_for_bit(recipe):
   # Both compiled: XLA:CPU keeps a bf16 dot's float32 result where a
   # convert back to float32 follows, in both programs alike.
   np.testing.assert_array_equal(
-      jax.jit(fn)(params, x), jax.jit(_reference, static_argnums=2)(
-          params, x, config))
+      jax.jit(fn)(params, x), _jitted_reference(params, x, config))
   # The gradient: the FP4 backward pass, its SR bits derived from the
   # gradient (key=None: routes hold no PRNG key).
   loss = lambda f: lambda p: jnp.sum(f(p, x) ** 2)
@@ -88,7 +91,7 @@ def test_autocast_runs_fp4():
   assert jnp.all(jnp.isfinite(y))
   np.testing.assert_allclose(
       np.asarray(y, np.float32),
-      np.asarray(_reference(params, x, fp4.Fp4Config()), np.float32),
+      np.asarray(_jitted_reference(params, x, fp4.Fp4Config()), np.float32),
       rtol=0.05, atol=0.05)
 
 
@@ -144,8 +147,11 @@ def test_late_switch_through_the_policy():
   want = jax.lax.dot_general(x.astype(_BF16), w.astype(_BF16), _DN,
                              preferred_element_type=jnp.float32)
   np.testing.assert_array_equal(y, want.astype(_BF16).astype(jnp.float32))
-  grads = [jax.grad(lambda w: jnp.sum(
-      jmp_lite.with_policy(f, s)(w, x) * c))(w) for s in (late, early)]
+  # Jitted (the forward above runs with_policy eagerly; the FP4 backward
+  # pass runs eagerly in test_fp4_matmul's test_finite_inputs_...).
+  grad = jax.jit(jax.grad(lambda w, s: jnp.sum(
+      jmp_lite.with_policy(f, s)(w, x) * c)), static_argnums=1)
+  grads = [grad(w, s) for s in (late, early)]
   np.testing.assert_array_equal(*grads)
 
   calls = []
@@ -179,17 +185,22 @@ def test_linen_keeps_the_last_blocks_in_bf16_by_path():
   model = jlinen.apply_policy(_Net(), "mixed_nvfp4", module_rules=rules)
   variables = model.init(jax.random.key(0), x)
   y = jax.jit(model.apply)(variables, x)
-  p = jax.tree.map(lambda a: a.astype(_BF16), variables["params"])
-  h = x.astype(_BF16)
-  for i in range(4):
-    w, b = p[f"blocks_{i}"]["kernel"], p[f"blocks_{i}"]["bias"]
-    d = fp4.fp4_dot_general(h, w, _DN) if i < 2 else h @ w
-    h = h + (d + b)
-  want = (h @ p["head"]["kernel"] + p["head"]["bias"]).astype(jnp.float32)
-  np.testing.assert_array_equal(y, want)
+
+  @jax.jit  # compiled, as the model (the eager route: model.init above)
+  def reference(params, x):
+    p = jax.tree.map(lambda a: a.astype(_BF16), params)
+    h = x.astype(_BF16)
+    for i in range(4):
+      w, b = p[f"blocks_{i}"]["kernel"], p[f"blocks_{i}"]["bias"]
+      d = fp4.fp4_dot_general(h, w, _DN) if i < 2 else h @ w
+      h = h + (d + b)
+    return (h @ p["head"]["kernel"] + p["head"]["bias"]).astype(jnp.float32)
+
+  np.testing.assert_array_equal(y, reference(variables["params"], x))
   ops = jmp_lite.op_dtypes(model.apply, variables, x)
   assert len(_fp4_ops(ops)) == 2
-  grads = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(variables)
+  grads = jax.jit(jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2)))(
+      variables)  # the eager route: model.init above
   assert all(jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads))
 
 
