@@ -74,10 +74,23 @@ class LM(nn.Module):
 
 @functools.lru_cache(maxsize=None)
 def linen_model(policy, rules=None):
-  """(model, variables), made once per policy."""
+  """(model, variables), made once per policy; ``init`` runs jitted (the
+  eager ``init`` of a policy model runs in the tests that build their own)."""
   model = jlinen.apply_policy(
       LM(), policy, jlinen.DEFAULT_MODULE_RULES if rules is None else rules)
-  return model, model.init(jax.random.key(0), X)
+  return model, jax.jit(model.init)(jax.random.key(0), X)
+
+
+@functools.lru_cache(maxsize=None)
+def linen_apply(policy, mutable=False):
+  """``linen_model(policy)``'s ``apply`` jitted, made once per policy: rolling
+  the float8 state (``mutable=("fp8_state",)``) or reading it. The eager
+  ``apply`` runs in the tests of errors, of a restored history and of adamw."""
+  model, _ = linen_model(policy)
+  return jax.jit(functools.partial(model.apply, mutable=mutable))
+
+
+ROLL = ("fp8_state",)
 
 
 def linen_step(model, opt):
@@ -156,8 +169,9 @@ def test_linen_init_creates_one_history_per_site():
 
 
 def test_linen_apply_rolls_when_mutable_and_reads_otherwise():
-  model, variables = linen_model(DELAYED)
-  y, updates = model.apply(variables, X, mutable=["fp8_state"])
+  _, variables = linen_model(DELAYED)
+  roll, apply = linen_apply(DELAYED, ROLL), linen_apply(DELAYED)
+  y, updates = roll(variables, X)
   assert set(updates) == {"fp8_state"}
   state = jax.tree.map(amaxes, updates["fp8_state"])
   inp = state["inp"]
@@ -170,39 +184,37 @@ def test_linen_apply_rolls_when_mutable_and_reads_otherwise():
   slots = state["blocks"]["Dense_0"]["lhs"]
   assert slots[0, 0] != slots[1, 0] and not np.any(slots[:, 1:])
   # The first step had no history: current scaling, exactly.
-  current, _ = linen_model("mixed_fp8")
-  np.testing.assert_array_equal(y, current.apply(variables, X))
+  np.testing.assert_array_equal(y, linen_apply("mixed_fp8")(variables, X))
   # Rolling again pushes the new amaxes in front.
-  _, again = model.apply({**variables, **updates}, X, mutable=["fp8_state"])
+  _, again = roll({**variables, **updates}, X)
   rolled = amaxes(again["fp8_state"]["inp"]["lhs"])
   np.testing.assert_array_equal(rolled[:2], [inp["lhs"][0]] * 2)
   # Evaluation reads: no state back. A history whose max is far above the
   # data makes coarser scales, so the output changes; the history of this
   # very step reproduces current scaling.
   read = {**variables, **updates}
-  assert isinstance(model.apply(read, X), jax.Array)
-  np.testing.assert_array_equal(model.apply(read, X), y)
+  assert isinstance(apply(read, X), jax.Array)
+  np.testing.assert_array_equal(apply(read, X), y)
   huge = {**variables, "fp8_state": bits(read["fp8_state"], 1e4)}
-  assert not np.array_equal(model.apply(huge, X), y)
+  assert not np.array_equal(apply(huge, X), y)
 
 
 @pytest.mark.parametrize("margin", [0, 2, 8])
 def test_linen_delayed_margin_and_algorithm(margin):
-  model, variables = linen_model(
-      "p=f32,c=bf16,o=f32,m=fp8_delayed(amax_algorithm=most_recent;"
-      f"margin={margin})")
-  _, updates = model.apply(variables, X, mutable=["fp8_state"])
+  policy = ("p=f32,c=bf16,o=f32,m=fp8_delayed(amax_algorithm=most_recent;"
+            f"margin={margin})")
+  _, variables = linen_model(policy)
+  _, updates = linen_apply(policy, ROLL)(variables, X)
   # most_recent: the large older entries are ignored, so with no margin the
   # scales are current scaling's, exactly.
   big = jax.lax.bitcast_convert_type(jnp.float32(1e6), jnp.uint32)
   old = jax.tree.map(lambda h: h.at[..., 1:].set(big), updates["fp8_state"])
-  out = model.apply({**variables, "fp8_state": old}, X)
-  current, _ = linen_model("mixed_fp8")
+  out = linen_apply(policy)({**variables, "fp8_state": old}, X)
   # A margin multiplies the (power-of-two) scales by 2**margin: every value
   # moves down by whole binades, which changes no rounding while it stays in
   # e4m3's normal range (>= 2**-6): margin 2 leaves this data's output
   # bitwise unchanged; margin 8 pushes the small values into subnormals.
-  same = np.array_equal(out, current.apply(variables, X))
+  same = np.array_equal(out, linen_apply("mixed_fp8")(variables, X))
   assert same == (margin < 8)
 
 
@@ -292,13 +304,13 @@ def test_linen_accumulation_history_covers_every_micro_batch(accumulate):
 
 
 def test_linen_state_checkpoint_round_trip(tmp_path):
-  model, variables = linen_model(DELAYED)
-  _, updates = model.apply(variables, X, mutable=["fp8_state"])
+  _, variables = linen_model(DELAYED)
+  _, updates = linen_apply(DELAYED, ROLL)(variables, X)
   variables = {**variables, **updates}
   restored = orbax_round_trip(variables, tmp_path / "ckpt")
   jax.tree.map(np.testing.assert_array_equal, restored, variables)
-  np.testing.assert_array_equal(model.apply(restored, X),
-                                model.apply(variables, X))
+  apply = linen_apply(DELAYED)
+  np.testing.assert_array_equal(apply(restored, X), apply(variables, X))
 
 
 def test_linen_raw_matmul_stays_as_written_unless_opted_in():
@@ -321,7 +333,7 @@ def test_linen_raw_matmul_stays_as_written_unless_opted_in():
 
   for opt_in, first in ((False, BF), (True, E4)):
     model = jlinen.apply_policy(Custom(opt_in), DELAYED)
-    variables = model.init(jax.random.key(0), X)
+    variables = jax.jit(model.init)(jax.random.key(0), X)
     assert set(variables["fp8_state"]) == {"outer"}  # the layer's histories
     assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [
         first, E4, BF]
@@ -378,7 +390,9 @@ def test_linen_model_is_traced_once_per_apply():
 
   for policy in ("mixed_fp8", DELAYED):
     model = jlinen.apply_policy(Counted(), policy)
-    variables = model.init(jax.random.key(0), X)  # also finds the head
+    # Also finds the head; jitted (the eager init of a policy model runs in
+    # test_linen_layers_and_their_hooks and the adamw test).
+    variables = jax.jit(model.init)(jax.random.key(0), X)
     calls.clear()
     jax.jit(lambda v: model.apply(v, X, mutable=["fp8_state"])).lower(
         variables)
@@ -425,21 +439,26 @@ def test_linen_adamw_on_all_variables_cannot_shrink_histories():
       amaxes(variables["fp8_state"]["layer"]["lhs"])[:4], [3.0] * 3 + [0.0])
 
 
-@pytest.mark.standard_promotion
-@pytest.mark.parametrize("policy", ["mixed_fp8", DELAYED])
-def test_linen_training_is_finite_and_close_to_bf16(policy):
-  def run(policy):
-    model, variables = linen_model(policy)
-    opt = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.NoOpLossScale())
-    step = jax.jit(linen_step(model, opt))
-    opt_state = opt.init(variables["params"])
-    losses = []
+@functools.lru_cache(maxsize=None)
+def linen_training_losses(policy):
+  """The losses of 4 jitted train steps of ``linen_model(policy)``, computed
+  once per policy (the bfloat16 reference is shared by the float8 cases)."""
+  model, variables = linen_model(policy)
+  opt = jmp_lite.loss_scaling(optax.adam(1e-2), jmp_lite.NoOpLossScale())
+  step = jax.jit(linen_step(model, opt))
+  opt_state = opt.init(variables["params"])
+  losses = []
+  with jax.numpy_dtype_promotion("standard"):  # adam: float ** int32
     for _ in range(4):
       variables, opt_state, loss = step(variables, opt_state, X, Y)
       losses.append(float(loss))
-    return losses
+  return tuple(losses)
 
-  bf16, f8 = run("mixed_bfloat16"), run(policy)
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("policy", ["mixed_fp8", DELAYED])
+def test_linen_training_is_finite_and_close_to_bf16(policy):
+  bf16, f8 = linen_training_losses("mixed_bfloat16"), linen_training_losses(policy)
   assert all(np.isfinite(f8)) and f8[-1] < f8[0]
   assert abs(f8[-1] - bf16[-1]) <= 0.05 * bf16[-1], (f8, bf16)
 
@@ -593,7 +612,9 @@ def test_linen_restored_history_of_another_length_is_refused():
   # The fix the message gives works: the 4 newest amaxes of every history.
   sliced = {**variables, "fp8_state": jax.tree.map(
       lambda h: h[..., :4], variables["fp8_state"])}
-  _, updates = short.apply(sliced, X, mutable=["fp8_state"])
+  # Jitted: the refusal above runs the eager apply.
+  _, updates = jax.jit(functools.partial(short.apply, mutable=["fp8_state"]))(
+      sliced, X)
   assert updates["fp8_state"]["inp"]["lhs"].shape == (4,)
 
 
