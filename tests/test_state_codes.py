@@ -24,6 +24,14 @@ def _same(a, b):
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _round_trip(x, fmt, non_negative):
+  """decode(encode(x)) of float32 ``x``, compiled (the eager encode and
+  decode: test_no_zero_code_reachable_for_non_negative_states,
+  test_signed_codes_keep_zero_exact, test_rank1_is_closer_than_blocks_...)."""
+  return np.asarray(jax.jit(lambda v: sc.decode(
+      sc.encode(v, fmt, non_negative), fmt, non_negative, v.shape))(x))
+
+
 def _random(shape, seed):
   rng = np.random.RandomState(seed)
   # Magnitudes over many decades, as moments have.
@@ -89,7 +97,8 @@ def _check_against_reference(x, fmt, non_negative):
   assert stored.shape == expected.shape == sc.stored_shape(x.shape, fmt_obj)
   _same(stored, expected)
   codes, scales = ref.quantize(x, fmt, non_negative)
-  got = sc.decode(stored, fmt_obj, non_negative, x.shape)
+  got = jax.jit(lambda s: sc.decode(s, fmt_obj, non_negative, x.shape))(
+      stored)
   want = ref.dequantize(codes, scales, fmt, non_negative, x.shape[-1])
   _same(_flush(got), _flush(want))
   return np.asarray(got), scales
@@ -165,11 +174,14 @@ def test_bfloat16_nearest_and_stochastic():
   x = _random((4, 256), seed=5)
   x[0, :4] = [np.nan, np.inf, -np.inf, 0.0]
   fmt = sc.FORMATS["bfloat16"]
-  _same(sc.encode(jnp.asarray(x), fmt, False).view(jnp.uint16),
+  # Compiled (the eager float encodings: test_quantized_states.py's eager
+  # inits, e.g. test_composes_with_master_weights_and_loss_scaling).
+  encode = jax.jit(sc.encode, static_argnums=(1, 2))
+  _same(encode(jnp.asarray(x), fmt, False).view(jnp.uint16),
         x.astype(ml_dtypes.bfloat16).view(np.uint16))
   sr = sc.FORMATS["bfloat16_sr"]
   key = jax.random.key(0)
-  got = np.asarray(sc.encode(jnp.asarray(x), sr, False, key)).astype(np.float32)
+  got = np.asarray(encode(jnp.asarray(x), sr, False, key)).astype(np.float32)
   # Each value lands on one of its two bfloat16 neighbours; specials stay.
   down = x.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
   up = down + np.uint32(0x10000)
@@ -179,7 +191,7 @@ def test_bfloat16_nearest_and_stochastic():
   assert np.isnan(got[0, 0]) and got[0, 1] == np.inf and got[0, 2] == -np.inf
   # Unbiased: the mean of many roundings of one value is the value.
   v = jnp.full((1, 20000), 1.0 + 2.0**-10, jnp.float32)
-  mean = float(jnp.mean(sc.encode(v, sr, False, key).astype(jnp.float32)))
+  mean = float(jnp.mean(encode(v, sr, False, key).astype(jnp.float32)))
   assert abs(mean - (1.0 + 2.0**-10)) < 2.0**-8 * 0.02
 
 
@@ -193,7 +205,8 @@ def test_layout_and_padding():
   assert sc.stored_dtype(sc.FORMATS["8bit"]) == np.uint8
   x = jnp.asarray(_random((2, 300), 7))
   fmt = sc.FORMATS["4bit"]
-  codes, scales = sc.unpack(sc.encode(x, fmt, False), fmt)
+  codes, scales = jax.jit(lambda x: sc.unpack(sc.encode(x, fmt, False), fmt))(
+      x)
   assert codes.shape == (2, 3, 128) and scales.shape == (2, 3)
   # Padding: the zeros after element 300 take the zero code.
   zero_code = int(np.flatnonzero(fmt.book(False).values == 0)[0])
@@ -291,15 +304,14 @@ def test_rank1_encode_and_decode_match_the_reference(index):
 def test_rank1_never_decodes_to_zero_and_keeps_nan_visible():
   spread, bad, _ = _rank1_zoo()
   fmt = sc.FORMATS["4bit_rank1"]
-  out = np.asarray(sc.decode(sc.encode(spread, fmt, True), fmt, True,
-                             spread.shape))
+  out = _round_trip(spread, fmt, True)
   scale = np.minimum(spread.max(1)[:, None], spread.max(0)[None, :])
   # Zero only where the whole row or column is zero; elsewhere at least
   # 1/16 of the element's scale, never above it.
   assert np.all((out == 0) == (scale == 0))
   assert np.all(out[scale > 0] >= scale[scale > 0] / 16 * (1 - 1e-6))
   assert np.all(out <= scale * (1 + 1e-6))
-  out = np.asarray(sc.decode(sc.encode(bad, fmt, True), fmt, True, bad.shape))
+  out = _round_trip(bad, fmt, True)
   nan_rows_cols = np.zeros(bad.shape, bool)
   nan_rows_cols[[1, 3], :] = True
   nan_rows_cols[:, [4, 20]] = True
@@ -316,17 +328,21 @@ def test_rank1_is_closer_than_blocks_on_a_rank1_moment():
   error = {}
   for name in ("4bit", "4bit_rank1"):
     fmt = sc.FORMATS[name]
-    out = np.asarray(sc.decode(sc.encode(x, fmt, True), fmt, True, x.shape))
+    if name == "4bit":  # compiled (eager 4-bit blocks: test_no_zero_code_...)
+      out = _round_trip(x, fmt, True)
+    else:  # eager: the file's eager rank-1 encode and decode
+      out = np.asarray(sc.decode(sc.encode(x, fmt, True), fmt, True, x.shape))
     error[name] = np.median(np.abs(out / x - 1))
   assert error["4bit_rank1"] < 0.5 * error["4bit"], error
 
 
 def test_rank1_leaves_that_are_not_2d_use_the_4bit_blocks():
   fmt = sc.FORMATS["4bit_rank1"]
+  encode = jax.jit(sc.encode, static_argnums=(1, 2))
   for shape in ((300,), (2, 3, 300)):
     x = np.abs(_random(shape, 6))
     assert sc.stored_shape(shape, fmt) == sc.stored_shape(
         shape, sc.FORMATS["4bit"])
-    _same(sc.encode(x, fmt, True), sc.encode(x, sc.FORMATS["4bit"], True))
+    _same(encode(x, fmt, True), encode(x, sc.FORMATS["4bit"], True))
   assert sc.stored_shape((6, 40), fmt) == (6, 20 + 4 + 4 * 7)
   assert sc.stored_shape((40, 3), fmt) == (40, 2 + 4 + 4)
