@@ -151,10 +151,12 @@ def test_nvfp4_nonfinite_values_are_those_of_the_zeroed_tensor():
 
 def test_nvfp4_2d_tiles_quantize_a_matrix_and_its_transpose_alike():
   w = _random((32, 48), 3)
-  q = fp4.quantize_nvfp4(w, two_d=True)
-  qt = fp4.quantize_nvfp4(w.T, two_d=True)
-  np.testing.assert_array_equal(np.asarray(fp4.dequantize_fp4(q)),
-                                np.asarray(fp4.dequantize_fp4(qt)).T)
+  # Compiled (eager NVFP4 quantization and dequantization:
+  # test_nvfp4_nonfinite_values_..., test_nvfp4_edge_zoo_bit_for_bit).
+  round_trip = jax.jit(lambda v: fp4.dequantize_fp4(
+      fp4.quantize_nvfp4(v, two_d=True)))
+  np.testing.assert_array_equal(np.asarray(round_trip(w)),
+                                np.asarray(round_trip(w.T)).T)
 
 
 def test_nvfp4_in_bfloat16_and_float16_inputs():
@@ -258,13 +260,15 @@ def test_rht_bit_for_bit_and_equal_to_its_matrix():
 def test_stochastic_rounding_bit_for_bit_given_the_random_bits():
   key = jax.random.key(3)
   x = _random((16, 64), 9, scale=2.0)
-  q = fp4.quantize_nvfp4(x, key=key)
+  # Compiled (eager stochastic rounding: test_raw_uint32_keys_work_like_...,
+  # test_stochastic_rounding_keeps_grid_values).
+  q, qm = jax.jit(lambda x, key: (fp4.quantize_nvfp4(x, key=key),
+                                  fp4.quantize_mxfp4(x, key=key)))(x, key)
   random_bytes = np.asarray(jax.random.bits(key, x.shape, jnp.uint8))
   values, scales, ts = ref.nvfp4(x, random_bytes=random_bytes)
   np.testing.assert_array_equal(
       _bits(q.values), _bits(values.astype(ml_dtypes.float4_e2m1fn)))
   _same(q.block_scales.astype(jnp.float32), scales)
-  qm = fp4.quantize_mxfp4(x, key=key)
   mx_values, codes = ref.mxfp4(x, random_bytes=random_bytes)
   np.testing.assert_array_equal(
       _bits(qm.values), _bits(mx_values.astype(ml_dtypes.float4_e2m1fn)))
