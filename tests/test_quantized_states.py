@@ -1,5 +1,6 @@
 """quantized_states: low-bit moments for any optax optimizer."""
 
+import functools
 import re
 
 import jax
@@ -31,9 +32,16 @@ def _grads(params, step):
       .astype(p.dtype) * 0.1, params)
 
 
-def _run(opt, params, steps=3):
-  state = opt.init(params)
-  step = jax.jit(opt.update)
+@functools.cache
+def _jitted(fn):
+  """One jax.jit per function (an optimizer's update), so that the runs of
+  one optimizer share its program."""
+  return jax.jit(fn)
+
+
+def _run(opt, params, steps=3, jit_init=False):
+  state = (_jitted(opt.init) if jit_init else opt.init)(params)
+  step = _jitted(opt.update)
   for i in range(steps):
     updates, state = step(_grads(params, i), state, params)
     params = optax.apply_updates(params, updates)
@@ -49,13 +57,19 @@ INNERS = {
 }
 
 
+@functools.cache
+def _float32_run(name):
+  """The float32 run of INNERS[name] (computed once for the three formats)."""
+  return _run(INNERS[name](), _params())
+
+
 @pytest.mark.parametrize("name", list(INNERS))
 @pytest.mark.parametrize("fmt", ["8bit", "4bit", "e4m3"])
 def test_one_wrapper_for_every_optimizer(name, fmt):
   """The inner optimizer's own math on decoded moments: close to the float32
   run, the quantized leaves stored in their format, the rest float32."""
   params = _params()
-  ref, _ = _run(INNERS[name](), params)
+  ref, _ = _float32_run(name)
   got, state = _run(quantized_states(INNERS[name](), mu=fmt, nu=fmt), params)
   for k in params:
     np.testing.assert_allclose(got[k], ref[k], atol=0.05)
@@ -179,7 +193,8 @@ def test_composes_with_master_weights_and_loss_scaling():
       jmp_lite.DynamicLossScale(jnp.float32(2.0**4)))
   state = opt.init(params)
   grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.inf), params)
-  _, skipped = jax.jit(opt.update)(grads, state, params)
+  update = jax.jit(opt.update)  # one program for both steps
+  _, skipped = update(grads, state, params)
   inner = lambda s: optax.tree.get(s, "inner_state")
   before = jax.tree.leaves(optax.tree.get_all_with_path(state, "rng_key"))
   jax.tree.map(np.testing.assert_array_equal,
@@ -188,7 +203,7 @@ def test_composes_with_master_weights_and_loss_scaling():
   del inner, before
   grads = _grads(params, 0)
   scaled = jax.tree.map(lambda g: g * 16, grads)
-  updates, state = jax.jit(opt.update)(scaled, state, params)
+  updates, state = update(scaled, state, params)
   assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
 
 
@@ -210,9 +225,10 @@ def test_non_finite_moments_stay_visible():
   state = opt.init(params)
   grads = _grads(params, 0)
   grads["w"] = grads["w"].at[3, 7].set(jnp.nan)
-  _, state = opt.update(grads, state, params)
-  trace = sc.decode(state.inner_state[0].trace["w"], sc.FORMATS["8bit"], False,
-                    (64, 256))
+  # Compiled (an eager update: test_4bit_adam_is_adam_on_the_reference_codes).
+  _, state = jax.jit(opt.update)(grads, state, params)
+  trace = jax.jit(lambda s: sc.decode(s, sc.FORMATS["8bit"], False, (64, 256)))(
+      state.inner_state[0].trace["w"])
   assert bool(jnp.all(jnp.isnan(trace[3]))) and bool(
       jnp.all(jnp.isfinite(trace[4])))
 
@@ -226,7 +242,9 @@ def test_rank1_second_moments():
   params = dict(_params(), v=jnp.ones(8192, jnp.float32))
   opt = jmp_lite.with_state_dtype(optax.adam(1e-2), mu="4bit",
                                   nu="4bit_rank1")
-  new, state = _run(opt, params)
+  # Init jitted too (the eager rank-1 encoding: test_state_codes.py's
+  # test_rank1_is_closer_than_blocks_on_a_rank1_moment).
+  new, state = _run(opt, params, jit_init=True)
   nu = state.inner_state[0].nu
   rank1, blocks = sc.FORMATS["4bit_rank1"], sc.FORMATS["4bit"]
   assert nu["w"].shape == sc.stored_shape((64, 256), rank1) == (64, 148)
@@ -340,7 +358,7 @@ def test_fsdp_update_gathers_no_state_leaf():
 
 def _train(opt, params, start, stop, state=None):
   state = opt.init(params) if state is None else state
-  step = jax.jit(opt.update)
+  step = _jitted(opt.update)
   for i in range(start, stop):
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), _grads(params, i),
                          params)
