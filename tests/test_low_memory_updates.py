@@ -15,6 +15,7 @@ checkpoints; every bad input. The tests shared with method="copy" (state
 dtypes, recompilation, strict promotion...) are in test_master_weights.py.
 """
 
+import functools
 import pickle
 
 import jax
@@ -420,6 +421,45 @@ def test_skipped_step_changes_nothing_and_keeps_the_key_stream(
   assert int(state.skipped_steps) == 1
 
 
+def _quadratic_loss(p):
+  return 0.5 * jnp.sum(p["w"].astype(F32) ** 2)
+
+
+@jax.jit
+def _scaled_quadratic_grads(params, scale):
+  """The gradients of ``scale.scale(_quadratic_loss)``, one jitted program."""
+  return jax.grad(lambda p: scale.scale(_quadratic_loss(p)))(params)
+
+
+def _float16_run(dtype, inner, jit, n=1024, steps=100):
+  """``steps`` steps of ``inner`` under dynamic loss scaling pulling ``n``
+  params at 1.0 to 0; the update eager or (``jit``) the whole step jitted.
+  The loss's gradients are always one jitted program: the eager variant is
+  about the method's own eager steps (its ``update``), not jax.grad's."""
+  opt = jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**10,
+                                                               period=20))
+  params = {"w": jnp.ones(n, dtype)}
+  state = opt.init(params)
+
+  def step(params, state):
+    grads = _scaled_quadratic_grads(params, jmp_lite.get_loss_scale(state))
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step) if jit else step
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
+@functools.cache
+def _float16_baselines():
+  """Plain float16 and float32 Adam runs (jitted), shared by every case."""
+  with jax.numpy_dtype_promotion("standard"):  # adam: float ** int32
+    return (_float16_run(F16, optax.adam(1e-4), jit=True)[0],
+            _float16_run(F32, optax.adam(1e-4), jit=True)[0])
+
+
 @standard_promotion
 @pytest.mark.parametrize("method", LOW_MEMORY)
 @pytest.mark.parametrize("jit", JIT)
@@ -429,30 +469,11 @@ def test_float16_params_with_dynamic_loss_scaling(method, jit):
   methods follow float32 (Kahan: its values; stochastic rounding: on average
   over 1024 params)."""
   n = 1024
-  loss = lambda p: 0.5 * jnp.sum(p["w"].astype(F32) ** 2)
-
-  def run(dtype, inner, jit=jit):
-    opt = jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**10,
-                                                                 period=20))
-    params = {"w": jnp.ones(n, dtype)}
-    state = opt.init(params)
-
-    def step(params, state):
-      scale = jmp_lite.get_loss_scale(state)
-      grads = jax.grad(lambda p: scale.scale(loss(p)))(params)
-      updates, state = opt.update(grads, state, params)
-      return optax.apply_updates(params, updates), state
-
-    step = jax.jit(step) if jit else step
-    for _ in range(100):
-      params, state = step(params, state)
-    return params, state
-
-  # The two baselines run jitted in both variants (the eager variant is about
-  # the method's own eager steps; 200 eager Adam steps cost seconds).
-  plain, _ = run(F16, optax.adam(1e-4), jit=True)
-  reference, _ = run(F32, optax.adam(1e-4), jit=True)
-  params, state = run(F16, master_weights(optax.adam(1e-4), method=method))
+  # The two baselines run jitted, once for all variants (the eager variant is
+  # about the method's own eager steps; 200 eager Adam steps cost seconds).
+  plain, reference = _float16_baselines()
+  params, state = _float16_run(
+      F16, master_weights(optax.adam(1e-4), method=method), jit, n=n)
   assert np.all(np.asarray(plain["w"], F32) == 1.0)
   assert float(jmp_lite.get_loss_scale(state).loss_scale) == 2.0**15
   values = np.asarray(params["w"], np.float64)
@@ -607,6 +628,13 @@ def _sharded_run(method, steps=4):
   return specs, params, init_state, state, counts
 
 
+@functools.cache
+def _sharded_copy_counts():
+  """method='copy''s compilation counts, shared by the low-memory cases."""
+  with jax.numpy_dtype_promotion("standard"):  # adam: float ** int32
+    return _sharded_run("copy")[-1]
+
+
 @standard_promotion
 @pytest.mark.parametrize("method", LOW_MEMORY)
 def test_named_sharding_state_and_compilations(method):
@@ -616,7 +644,7 @@ def test_named_sharding_state_and_compilations(method):
   retraces once with any optimizer), then never again; the result is the
   unsharded one."""
   specs, params, init_state, state, counts = _sharded_run(method)
-  _, _, _, _, copy_counts = _sharded_run("copy")
+  copy_counts = _sharded_copy_counts()
   assert counts == copy_counts and counts[-1] == counts[1] <= 2
   for name in ("w", "b"):
     assert params[name].sharding.spec == specs[name]
@@ -685,8 +713,11 @@ def test_orbax_checkpoint_round_trip(method, tmp_path):
                               tmp_path / "ckpt")
   assert_bit_identical(restored["opt_state"], state)
   grads = jax.tree.map(lambda g: g.astype(BF16), _grad_sequence(1)[0])
-  assert_bit_identical(opt.update(grads, restored["opt_state"], params),
-                       opt.update(grads, state, params))
+  # One jitted update for both (restored arrays are committed: eager, every
+  # op would compile again); test_pickle_round_trip continues eagerly.
+  update = jax.jit(opt.update)
+  assert_bit_identical(update(grads, restored["opt_state"], params),
+                       update(grads, state, params))
 
 
 # -- bad input -------------------------------------------------------------------
