@@ -230,7 +230,9 @@ def _with_policy_grad(spec, door=jmp_lite.with_policy):
 
 def _linen_grad(spec):
   model = jlinen.apply_policy(_Mlp(), spec)
-  variables = model.init(jax.random.key(5), jnp.ones((32, 64)))
+  # Jitted (eager, every op of the float8 forward would compile on its own;
+  # test_fp8_flax runs a policy model's eager init).
+  variables = jax.jit(model.init)(jax.random.key(5), jnp.ones((32, 64)))
 
   def grad(variables, x):
     def loss(params):
