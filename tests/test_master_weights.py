@@ -10,6 +10,7 @@ NamedSharding, pickle and orbax round trips; finding the state in composed
 optimizers; and every bad input.
 """
 
+import functools
 import json
 import pickle
 
@@ -277,29 +278,47 @@ def test_updates_below_the_half_spacing_accumulate():
   np.testing.assert_array_equal(p2["w"], jnp.full(4, 0.95, F32).astype(BF16))
 
 
+def _stall_loss(p):
+  return 0.5 * jnp.sum(p["w"].astype(F32) ** 2)
+
+
+_stall_grads = jax.jit(jax.grad(_stall_loss))
+
+
+def _stall_run(dtype, inner, jit):
+  """100 steps of ``inner`` pulling params at 1.0 to 0; the update eager or
+  (``jit``) the whole step jitted. The loss's gradients are one jitted
+  program either way: the eager variant is about the optimizer's eager
+  update, not jax.grad's."""
+  opt = jmp_lite.loss_scaling(inner, jmp_lite.NoOpLossScale())
+  params = {"w": jnp.ones(4, dtype)}
+  state = opt.init(params)
+
+  def step(params, state):
+    updates, state = opt.update(_stall_grads(params), state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = _maybe_jit(step, jit)
+  for _ in range(100):
+    params, state = step(params, state)
+  return params, state
+
+
+@functools.cache
+def _stall_baselines():
+  """Plain Adam in bfloat16 (it stalls) and float32 (the reference), jitted,
+  shared by the eager and the jitted case."""
+  with jax.numpy_dtype_promotion("standard"):  # adam: float ** int32
+    return (_stall_run(BF16, optax.adam(1e-3), jit=True)[0],
+            _stall_run(F32, optax.adam(1e-3), jit=True)[0])
+
+
 @standard_promotion
 @pytest.mark.parametrize("jit", JIT)
 def test_stall_of_bf16_params_and_its_cure(jit):
   """The issue's measurement: params at 1.0 pulled to 0 by Adam(1e-3)."""
-  loss = lambda p: 0.5 * jnp.sum(p["w"].astype(F32) ** 2)
-
-  def run(dtype, inner):
-    opt = jmp_lite.loss_scaling(inner, jmp_lite.NoOpLossScale())
-    params = {"w": jnp.ones(4, dtype)}
-    state = opt.init(params)
-
-    def step(params, state):
-      updates, state = opt.update(jax.grad(loss)(params), state, params)
-      return optax.apply_updates(params, updates), state
-
-    step = _maybe_jit(step, jit)
-    for _ in range(100):
-      params, state = step(params, state)
-    return params, state
-
-  stalled, _ = run(BF16, optax.adam(1e-3))
-  reference, _ = run(F32, optax.adam(1e-3))
-  cured, state = run(BF16, master_weights(optax.adam(1e-3)))
+  stalled, reference = _stall_baselines()
+  cured, state = _stall_run(BF16, master_weights(optax.adam(1e-3)), jit)
   assert np.all(np.asarray(stalled["w"], F32) == 1.0)
   np.testing.assert_allclose(reference["w"], 0.9017, atol=1e-3)
   master = get_master_params(state, cured)["w"]
