@@ -26,8 +26,8 @@ def _same(a, b):
 
 def _round_trip(x, fmt, non_negative):
   """decode(encode(x)) of float32 ``x``, compiled (the eager encode and
-  decode: test_no_zero_code_reachable_for_non_negative_states,
-  test_signed_codes_keep_zero_exact, test_rank1_is_closer_than_blocks_...)."""
+  decode: test_no_zero_code_reachable_for_non_negative_states and
+  test_rank1_is_closer_than_blocks_on_a_rank1_moment)."""
   return np.asarray(jax.jit(lambda v: sc.decode(
       sc.encode(v, fmt, non_negative), fmt, non_negative, v.shape))(x))
 
@@ -165,8 +165,7 @@ def test_signed_codes_keep_zero_exact():
   x = jnp.asarray(np.concatenate([np.zeros(100), np.ones(28) * -0.5]),
                   jnp.float32)[None]
   for fmt in BLOCK_FORMATS:
-    fmt_obj = sc.FORMATS[fmt]
-    got = sc.decode(sc.encode(x, fmt_obj, False), fmt_obj, False, x.shape)
+    got = _round_trip(x, sc.FORMATS[fmt], False)
     _same(got[0, :100], np.zeros(100, np.float32))
 
 
