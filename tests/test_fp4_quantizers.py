@@ -203,12 +203,16 @@ def test_mxfp4_scale_rules_differ_as_specified():
   # clips to 6); amax 6 = 1.5 * 4 fits 2**0 under both.
   x = np.zeros((2, 32), np.float32)
   x[0, 0], x[1, 0] = 7.0, 6.0
-  up = fp4.quantize_mxfp4(x, scale_rule="round_up")
-  floor = fp4.quantize_mxfp4(x, scale_rule="floor")
+  # Compiled (eager MXFP4: test_stochastic_rounding_keeps_grid_values, and
+  # test_fp4_matmul.py's test_finite_inputs_create_no_nan_or_inf_anywhere).
+  quantize = jax.jit(fp4.quantize_mxfp4, static_argnames="scale_rule")
+  up = quantize(x, scale_rule="round_up")
+  floor = quantize(x, scale_rule="floor")
   np.testing.assert_array_equal(_bits(up.scales)[:, 0], [128, 127])
   np.testing.assert_array_equal(_bits(floor.scales)[:, 0], [127, 127])
-  assert float(fp4.dequantize_fp4(up)[0, 0]) == 8.0
-  assert float(fp4.dequantize_fp4(floor)[0, 0]) == 6.0
+  dequantize = jax.jit(fp4.dequantize_fp4)
+  assert float(dequantize(up)[0, 0]) == 8.0
+  assert float(dequantize(floor)[0, 0]) == 6.0
 
 
 def test_mxfp4_round_up_matches_jax_quantizer_where_it_has_one():
@@ -260,8 +264,8 @@ def test_rht_bit_for_bit_and_equal_to_its_matrix():
 def test_stochastic_rounding_bit_for_bit_given_the_random_bits():
   key = jax.random.key(3)
   x = _random((16, 64), 9, scale=2.0)
-  # Compiled (eager stochastic rounding: test_raw_uint32_keys_work_like_...,
-  # test_stochastic_rounding_keeps_grid_values).
+  # Compiled (eager stochastic rounding: test_stochastic_rounding_keeps_...,
+  # and test_fp4_matmul.py's test_finite_inputs_create_no_nan_or_inf_...).
   q, qm = jax.jit(lambda x, key: (fp4.quantize_nvfp4(x, key=key),
                                   fp4.quantize_mxfp4(x, key=key)))(x, key)
   random_bytes = np.asarray(jax.random.bits(key, x.shape, jnp.uint8))
@@ -331,6 +335,9 @@ def test_unknown_scale_rule_is_refused():
 
 def test_raw_uint32_keys_work_like_typed_keys():
   x = _random((16,), 5)
-  a = fp4.quantize_nvfp4(x, key=jax.random.PRNGKey(1))
-  b = fp4.quantize_nvfp4(x, key=jax.random.key(1))
+  # Compiled (eager NVFP4 stochastic rounding: test_fp4_matmul.py's
+  # test_finite_inputs_create_no_nan_or_inf_anywhere, its backward pass).
+  quantize = jax.jit(lambda x, key: fp4.quantize_nvfp4(x, key=key))
+  a = quantize(x, jax.random.PRNGKey(1))
+  b = quantize(x, jax.random.key(1))
   np.testing.assert_array_equal(_bits(a.values), _bits(b.values))
