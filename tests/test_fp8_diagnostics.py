@@ -546,6 +546,7 @@ def test_the_public_names_have_examples():
 # -- the guide ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # runs a code block of the guide, as test_docs does
 def test_the_guide_shows_what_its_float8_example_prints():
   """The Float8 section's example runs, prints the granularities its comments
   give, and the table rows and the reason the text quotes."""
