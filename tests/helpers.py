@@ -5,6 +5,8 @@
 * Trees: :func:`assert_bit_identical` (chex for structure, dtypes and
   shapes; bytes for the values).
 * Documentation: :func:`assert_documented_with_examples`.
+* Training: :func:`pull_to_zero` (params at 1.0 pulled to 0 by an optimizer
+  under loss scaling).
 * Running the examples end to end: :data:`ROOT`, :func:`example_env`,
   :func:`run_example`, :func:`is_finite_number`, :func:`assert_exited_cleanly`,
   :func:`assert_is_png`, :func:`assert_finite_figures`.
@@ -23,8 +25,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
+import jmp_lite
 from jmp_lite._src import compat
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -211,6 +215,36 @@ def faulty(value=True):
 
 
 #: A test's eager and jitted variants: ``@JIT`` passes ``jit`` (False, True).
+def _quadratic_loss(params):
+  return 0.5 * jnp.sum(params["w"].astype(jnp.float32) ** 2)
+
+
+@jax.jit
+def _scaled_quadratic_grads(params, loss_scale):
+  return jax.grad(lambda p: loss_scale.scale(_quadratic_loss(p)))(params)
+
+
+def pull_to_zero(inner, loss_scale, dtype, *, n, steps, jit):
+  """``steps`` steps of ``jmp_lite.loss_scaling(inner, loss_scale)`` on ``n``
+  params at 1.0 in ``dtype`` and the loss ``0.5 * sum(w**2)``: the update
+  eager or (``jit``) the whole step jitted. The loss's gradients are one
+  jitted program either way: an eager variant is about the optimizer's eager
+  update, not jax.grad's. Returns ``(params, state)``."""
+  opt = jmp_lite.loss_scaling(inner, loss_scale)
+  params = {"w": jnp.ones(n, dtype)}
+  state = opt.init(params)
+
+  def step(params, state):
+    grads = _scaled_quadratic_grads(params, jmp_lite.get_loss_scale(state))
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = maybe_jit(step, jit)
+  for _ in range(steps):
+    params, state = step(params, state)
+  return params, state
+
+
 JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
 

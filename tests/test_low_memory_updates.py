@@ -36,6 +36,7 @@ from jmp_lite._src.master_weights import MasterWeightsState
 from helpers import all_eqns
 from helpers import assert_bit_identical
 from helpers import orbax_round_trip
+from helpers import pull_to_zero
 # The dtypes, the inner optimizers and the small model's params that the
 # master-copy tests use too.
 from test_master_weights import _params
@@ -423,35 +424,11 @@ def test_skipped_step_changes_nothing_and_keeps_the_key_stream(
   assert int(state.skipped_steps) == 1
 
 
-def _quadratic_loss(p):
-  return 0.5 * jnp.sum(p["w"].astype(F32) ** 2)
-
-
-@jax.jit
-def _scaled_quadratic_grads(params, scale):
-  """The gradients of ``scale.scale(_quadratic_loss)``, one jitted program."""
-  return jax.grad(lambda p: scale.scale(_quadratic_loss(p)))(params)
-
-
-def _float16_run(dtype, inner, jit, n=1024, steps=100):
-  """``steps`` steps of ``inner`` under dynamic loss scaling pulling ``n``
-  params at 1.0 to 0; the update eager or (``jit``) the whole step jitted.
-  The loss's gradients are always one jitted program: the eager variant is
-  about the method's own eager steps (its ``update``), not jax.grad's."""
-  opt = jmp_lite.loss_scaling(inner, jmp_lite.DynamicLossScale(2.0**10,
-                                                               period=20))
-  params = {"w": jnp.ones(n, dtype)}
-  state = opt.init(params)
-
-  def step(params, state):
-    grads = _scaled_quadratic_grads(params, jmp_lite.get_loss_scale(state))
-    updates, state = opt.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  step = jax.jit(step) if jit else step
-  for _ in range(steps):
-    params, state = step(params, state)
-  return params, state
+def _float16_run(dtype, inner, jit, n=1024):
+  """100 steps of ``inner`` under dynamic loss scaling pulling ``n`` params at
+  1.0 to 0."""
+  return pull_to_zero(inner, jmp_lite.DynamicLossScale(2.0**10, period=20),
+                      dtype, n=n, steps=100, jit=jit)
 
 
 @functools.cache

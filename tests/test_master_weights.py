@@ -32,6 +32,8 @@ from jmp_lite import with_state_dtype
 
 from helpers import assert_bit_identical
 from helpers import assert_exited_cleanly
+from helpers import maybe_jit
+from helpers import pull_to_zero
 from helpers import ROOT
 from helpers import run_example
 from helpers import orbax_round_trip
@@ -115,10 +117,6 @@ def _assert_params_are_rounded_master(params, state):
   assert_bit_identical(params, rounded)
 
 
-def _maybe_jit(fn, jit):
-  return jax.jit(fn) if jit else fn
-
-
 # -- the master copy -----------------------------------------------------------
 
 
@@ -180,7 +178,7 @@ def test_params_are_the_rounded_master_bit_for_bit(make_inner, dtype, jit):
     updates, state = opt.update(_grads(params, targets), state, params)
     return apply(params, updates), state, updates
 
-  step = _maybe_jit(step, jit)
+  step = maybe_jit(step, jit)
   for _ in range(25):
     params, state, updates = step(params, state)
     _assert_params_are_rounded_master(params, state)
@@ -278,30 +276,10 @@ def test_updates_below_the_half_spacing_accumulate():
   np.testing.assert_array_equal(p2["w"], jnp.full(4, 0.95, F32).astype(BF16))
 
 
-def _stall_loss(p):
-  return 0.5 * jnp.sum(p["w"].astype(F32) ** 2)
-
-
-_stall_grads = jax.jit(jax.grad(_stall_loss))
-
-
 def _stall_run(dtype, inner, jit):
-  """100 steps of ``inner`` pulling params at 1.0 to 0; the update eager or
-  (``jit``) the whole step jitted. The loss's gradients are one jitted
-  program either way: the eager variant is about the optimizer's eager
-  update, not jax.grad's."""
-  opt = jmp_lite.loss_scaling(inner, jmp_lite.NoOpLossScale())
-  params = {"w": jnp.ones(4, dtype)}
-  state = opt.init(params)
-
-  def step(params, state):
-    updates, state = opt.update(_stall_grads(params), state, params)
-    return optax.apply_updates(params, updates), state
-
-  step = _maybe_jit(step, jit)
-  for _ in range(100):
-    params, state = step(params, state)
-  return params, state
+  """100 steps of ``inner`` pulling 4 params at 1.0 to 0, no loss scaling."""
+  return pull_to_zero(inner, jmp_lite.NoOpLossScale(), dtype, n=4, steps=100,
+                      jit=jit)
 
 
 @functools.cache
@@ -342,7 +320,7 @@ def test_state_dtypes_unchanged_by_update(make_inner, jit, method):
                              method=method)):
     state = opt.init(params)
     before = _dtypes(state)
-    update = _maybe_jit(opt.update, jit)
+    update = maybe_jit(opt.update, jit)
     for _ in range(3):
       _, state = update(_grads(params, targets), state, params)
       assert _dtypes(state) == before
@@ -473,7 +451,7 @@ def test_skipped_step_leaves_params_master_and_inner_state_bit_identical(
     updates, state = opt.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = _maybe_jit(step, jit)
+  step = maybe_jit(step, jit)
   for _ in range(3):
     params, state = step(params, state, _grads(params, targets))
   grads = _grads(params, targets)
@@ -550,7 +528,7 @@ def test_state_dtype_computes_in_float32(jit):
   opt = with_state_dtype(optax.adam(1e-2), BF16)
   reference = optax.adam(1e-2)
   state = opt.init(params)
-  update = _maybe_jit(opt.update, jit)
+  update = maybe_jit(opt.update, jit)
 
   def reference_update(grads, state, params):
     wide = jax.tree_util.tree_map(
@@ -559,7 +537,7 @@ def test_state_dtype_computes_in_float32(jit):
     return updates, jax.tree_util.tree_map(
         lambda x: x.astype(BF16) if x.ndim >= 1 else x, state)
 
-  reference_update = _maybe_jit(reference_update, jit)
+  reference_update = maybe_jit(reference_update, jit)
   for _ in range(3):
     grads = _grads(params, targets)
     ref_updates, ref_state = reference_update(grads, state, params)
