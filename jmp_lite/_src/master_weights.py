@@ -21,7 +21,7 @@ state, wherever it sits (``optax.chain``, ``MultiSteps``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -494,18 +494,15 @@ def _check_rounded_params(params: Any, method: str, owner: str) -> None:
         owner=owner, method=method, found=_shown_paths(others) or found))
 
 
-def _inner_params(params: Any, state: MasterWeightsState,
-                  compensated: Callable[..., jax.Array] | None = None) -> Any:
+def _inner_params(params: Any, state: MasterWeightsState) -> Any:
   """The params the inner optimizer runs on, in the master dtype where the
-  wrapper keeps precision for them, the params themselves elsewhere.
-  ``compensated`` computes a Kahan param (default ``_compensated``)."""
+  wrapper keeps precision for them, the params themselves elsewhere."""
   if state.master_params is not None:  # A master copy.
     return jax.tree.map(
         lambda p, m: m if _holds(m, p) else p, params, state.master_params)
   if state.compensation is not None:  # Kahan: params + compensation.
-    compensated = compensated or _compensated
     return jax.tree.map(
-        lambda p, c: compensated(p, c) if _holds(c, p) and _rounded(p)
+        lambda p, c: _compensated(p, c) if _holds(c, p) and _rounded(p)
         else p,
         params, state.compensation)
   # Stochastic rounding: the params, in float32.
@@ -524,46 +521,20 @@ def _rounded(p: Any) -> bool:
 
 def _copy_write(params, state, inner_updates):
   """The master copy takes the updates; the params become it, rounded."""
-
-  def new_master(p, m, u):
-    return m + u if _holds(m, p) else m
-
-  def out_update(p, m, new_m, u):
-    if not _holds(m, p):
-      return u  # No copy: the param trains as under inner alone.
-    # Exact in the master dtype (see docs/precision.md), so p + u lands on
-    # the rounded master value.
-    target = new_m.astype(p.dtype).astype(m.dtype)
-    return target - p.astype(m.dtype)
-
-  master = state.master_params
-  master_out = jax.tree.map(new_master, params, master, inner_updates)
-  updates_out = jax.tree.map(
-      out_update, params, master, master_out, inner_updates)
+  pairs = jax.tree.map(
+      lambda p, m, u: _copy_leaf(p, m, u) if _holds(m, p) else (u, m),
+      params, state.master_params, inner_updates)
+  updates_out = jax.tree.map(lambda _, pair: pair[0], params, pairs)
+  master_out = jax.tree.map(lambda _, pair: pair[1], params, pairs)
   return updates_out, state._replace(master_params=master_out)
 
 
 def _kahan_write(params, state, inner_params, inner_updates):
   """Each new value rounded to nearest; what rounding took is kept for the
   next step."""
-
-  def write(p, c, x, u):
-    if not _holds(c, p):
-      return u, c
-    fmt = _FORMATS[np.dtype(p.dtype)]
-    target = x + u
-    # The new param, materialised in its own dtype (exact: the rounded value
-    # is one of the format's) before the compensation reads it. Without the
-    # barrier each output re-derives it from the old param and compensation,
-    # so XLA copies both donated buffers (4 bytes per param) before writing
-    # either in place; with it, the step's compiled peak is below the master
-    # copy's (benchmarks/results/update_rounding.md).
-    new_p = lax.optimization_barrier(_round_half_up(target, fmt).astype(p.dtype))
-    new_p = new_p.astype(_F32)
-    return new_p - p.astype(_F32), _compensation(target - new_p, new_p, fmt)
-
-  pairs = jax.tree.map(write, params, state.compensation, inner_params,
-                       inner_updates)
+  pairs = jax.tree.map(
+      lambda p, c, x, u: _kahan_leaf(p, x, u) if _holds(c, p) else (u, c),
+      params, state.compensation, inner_params, inner_updates)
   updates_out = jax.tree.map(lambda _, pair: pair[0], params, pairs)
   compensation = jax.tree.map(lambda _, pair: pair[1], params, pairs)
   return updates_out, state._replace(compensation=compensation)
@@ -583,12 +554,56 @@ def _stochastic_write(params, state, inner_params, inner_updates):
     # One stream per leaf; within a leaf, the bits depend on the element's
     # global index only, so each shard of a sharded param draws its own bits
     # and no result depends on the sharding.
-    bits_key = jax.random.fold_in(step_key, index)
-    new_p = _round_stochastically(x + u, _FORMATS[np.dtype(p.dtype)],
-                                  bits_key)
-    out.append(new_p - p.astype(_F32))
+    out.append(_stochastic_leaf(p, x, u, jax.random.fold_in(step_key, index)))
   return treedef.unflatten(out), state._replace(
       rng_key=jax.random.key_data(key))
+
+
+# -- one leaf's write -----------------------------------------------------------
+#
+# Each is jitted with inline=True: under a trace (a jitted step, grad, vmap,
+# shard_map) its operations join the caller's program as if written there; an
+# eager call (an update outside jit, get_master_params) compiles one program
+# per leaf shape instead of each of its tens of operations (about 1 s on a CPU
+# the first time).
+_one_program = functools.partial(jax.jit, inline=True)
+
+
+@_one_program
+def _copy_leaf(p: jax.Array, m: jax.Array, u: jax.Array):
+  """(the update taking ``p`` to the new master value rounded, the new
+  master value ``m + u``)."""
+  new_m = m + u
+  # Exact in the master dtype (see docs/precision.md), so p + update lands on
+  # the rounded master value.
+  target = new_m.astype(p.dtype).astype(m.dtype)
+  return target - p.astype(m.dtype), new_m
+
+
+@_one_program
+def _kahan_leaf(p: jax.Array, x: jax.Array, u: jax.Array):
+  """(the update taking ``p`` to ``x + u`` rounded to nearest, the
+  compensation of what rounding took)."""
+  fmt = _FORMATS[np.dtype(p.dtype)]
+  target = x + u
+  # The new param, materialised in its own dtype (exact: the rounded value
+  # is one of the format's) before the compensation reads it. Without the
+  # barrier each output re-derives it from the old param and compensation,
+  # so XLA copies both donated buffers (4 bytes per param) before writing
+  # either in place; with it, the step's compiled peak is below the master
+  # copy's (benchmarks/results/update_rounding.md).
+  new_p = lax.optimization_barrier(_round_half_up(target, fmt).astype(p.dtype))
+  new_p = new_p.astype(_F32)
+  return new_p - p.astype(_F32), _compensation(target - new_p, new_p, fmt)
+
+
+@_one_program
+def _stochastic_leaf(p: jax.Array, x: jax.Array, u: jax.Array,
+                     key: jax.Array) -> jax.Array:
+  """The update taking ``p`` to ``x + u`` rounded stochastically with
+  ``key``'s bits."""
+  new_p = _round_stochastically(x + u, _FORMATS[np.dtype(p.dtype)], key)
+  return new_p - p.astype(_F32)
 
 
 # -- rounding to bfloat16/float16 in float32 arithmetic --------------------------
@@ -677,6 +692,7 @@ def _compensation(error: jax.Array, p: jax.Array,
   return jnp.clip(units, -(2.0**15), 2.0**15 - 1).astype(_COMPENSATION_DTYPE)
 
 
+@_one_program
 def _compensated(p: jax.Array, c: jax.Array) -> jax.Array:
   """A Kahan param in float32: the param plus its compensation."""
   fmt = _FORMATS[np.dtype(p.dtype)]
@@ -684,12 +700,6 @@ def _compensated(p: jax.Array, c: jax.Array) -> jax.Array:
   units = c.astype(_F32)
   k = _side_spacing_exponent(wide, units, fmt)
   return wide + units * (1.0 / _COMPENSATION_UNITS) * dtypes.pow2(k)
-
-
-# get_master_params runs outside a train step as often as in one: jitted, an
-# eager call compiles one program per leaf shape instead of each of its
-# operations (about 1 s on a CPU).
-_compensated_jit = jax.jit(_compensated)
 
 
 def get_master_params(opt_state: Any, params: Any) -> Any:
@@ -741,7 +751,7 @@ def get_master_params(opt_state: Any, params: Any) -> Any:
   else:
     _check_fits(params, state.master_params, None, "get_master_params",
                 "copy", "a master copy", "narrower than the master dtype")
-  return _inner_params(params, state, _compensated_jit)
+  return _inner_params(params, state)
 
 
 # -- optimizer-state dtypes --------------------------------------------------
