@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 from fractions import Fraction
+import functools
 
 import jax
 from jax import lax
@@ -585,6 +586,11 @@ def _stochastic_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(x), x, rounded).astype(_BF16)
 
 
+# encode and decode are jitted with inline=True: inside a jitted step their
+# operations are part of the step's program; an eager optimizer update
+# compiles one program per moment shape instead of each of their operations.
+@functools.partial(jax.jit, static_argnames=("fmt", "non_negative"),
+                   inline=True)
 def encode(x: jax.Array, fmt: StateFormat, non_negative: bool,
            key: jax.Array | None = None) -> jax.Array:
   """A float32 moment in its stored form (see the module docstring).
@@ -633,6 +639,8 @@ def _encode(x, fmt, non_negative, key):
   return pack(codes, scales, fmt)
 
 
+@functools.partial(jax.jit, static_argnames=("fmt", "non_negative", "shape"),
+                   inline=True)
 def decode(stored: jax.Array, fmt: StateFormat, non_negative: bool,
            shape: tuple[int, ...]) -> jax.Array:
   """The float32 moment of original shape ``shape`` from its stored form
