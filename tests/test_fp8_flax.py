@@ -412,7 +412,7 @@ def test_linen_adamw_on_all_variables_cannot_shrink_histories():
 
   model = jlinen.apply_policy(One(), DELAYED)
   x = jnp.full((16, 16), 3.0)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   opt = optax.adamw(1e-3, weight_decay=1.0)
   opt_state = opt.init(variables)
 
@@ -423,18 +423,25 @@ def test_linen_adamw_on_all_variables_cannot_shrink_histories():
   with pytest.raises(TypeError, match="grad requires real"):
     jax.grad(loss, has_aux=True)(variables)
   # The tester's loop, with integer gradients allowed: optax refuses them.
-  grads, updates = jax.grad(loss, has_aux=True, allow_int=True)(variables)
+  grads, updates = jax.jit(jax.grad(loss, has_aux=True, allow_int=True))(
+      variables)
   with pytest.raises(TypeError):
     opt.update(grads, opt_state, {**variables, **updates})
+
   # The loop of the docs (optimizer on the params only) keeps the amaxes.
-  opt_state = opt.init(variables["params"])
-  for _ in range(3):
+  @jax.jit
+  def step(variables, opt_state):
     grads, updates = jax.grad(
         lambda p: loss({**variables, "params": p}), has_aux=True)(
             variables["params"])
     deltas, opt_state = opt.update(grads, opt_state, variables["params"])
-    variables = {**variables, **updates,
-                 "params": optax.apply_updates(variables["params"], deltas)}
+    return {**variables, **updates,
+            "params": optax.apply_updates(variables["params"], deltas)
+            }, opt_state
+
+  opt_state = opt.init(variables["params"])
+  for _ in range(3):
+    variables, opt_state = step(variables, opt_state)
   np.testing.assert_array_equal(
       amaxes(variables["fp8_state"]["layer"]["lhs"])[:4], [3.0] * 3 + [0.0])
 
