@@ -436,11 +436,13 @@ def test_vmap_over_keys_and_operands():
 
 def test_finite_inputs_create_no_nan_or_inf_anywhere():
   """Op by op under jax_debug_nans/jax_debug_infs: zeros, an all-zero block
-  and tiny magnitudes create no intermediate NaN or inf."""
+  and tiny magnitudes create no intermediate NaN or inf. (The matmul is one
+  jitted function, whose intermediates jax_debug_nans does not see:
+  jax.disable_jit runs it op by op.)"""
   x = _random((16, 32), 26, 1e-3)
   x[0, :16] = 0.0
   w, g = _random((32, 16), 27), _random((16, 16), 28)
-  with jax.debug_nans(True), jax.debug_infs(True):
+  with jax.debug_nans(True), jax.debug_infs(True), jax.disable_jit():
     for config in (fp4.Fp4Config(), fp4.Fp4Config("mxfp4")):
       y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
           x, w, MATMUL, config=config), x, w)

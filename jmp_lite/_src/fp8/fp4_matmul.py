@@ -404,8 +404,8 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # Canonical forms, shard_map's varying types, explicit sharding: as float8's.
   return fp8_matmul_lib.as_dot_general(
-      lambda a, b, key: _fp4_matmul(a, b, key, static), lhs, rhs,
-      dimension_numbers, out_dtype, out_sharding, "fp4_dot_general", key)
+      _fp4_matmul, static, lhs, rhs, dimension_numbers, out_dtype,
+      out_sharding, "fp4_dot_general", key)
 
 
 

@@ -672,16 +672,16 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   check_axis_bound(config)
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type, config)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-  return as_dot_general(
-      lambda a, b, scales: _fp8_matmul(a, b, scales, static), lhs, rhs,
-      dimension_numbers, out_dtype, out_sharding, "fp8_dot_general", scales)
+  return as_dot_general(_fp8_matmul, static, lhs, rhs, dimension_numbers,
+                        out_dtype, out_sharding, "fp8_dot_general", scales)
 
 
-def as_dot_general(matmul: Any, lhs: jax.Array, rhs: jax.Array,
+def as_dot_general(matmul: Any, static: Any, lhs: jax.Array, rhs: jax.Array,
                    dimension_numbers: Any, out_dtype: Any, out_sharding: Any,
                    owner: str, *extra: Any) -> jax.Array:
-  """``matmul(a, b, *extra)`` of the canonical forms ``(B, M, K)`` and
-  ``(B, N, K)`` of ``lhs`` and ``rhs``, as ``jax.lax.dot_general``'s result.
+  """``matmul(a, b, *extra, static)`` of the canonical forms ``(B, M, K)``
+  and ``(B, N, K)`` of ``lhs`` and ``rhs``, as ``jax.lax.dot_general``'s
+  result.
 
   Shaped as it, and typed as it under explicit sharding (``jax.make_mesh``'s
   default axis types): the result sharded as ``jax.lax.dot_general`` shards
@@ -691,8 +691,10 @@ def as_dot_general(matmul: Any, lhs: jax.Array, rhs: jax.Array,
   the weight gradient's contraction over a sharded batch need no sharding of
   their own). ``dimension_numbers`` are normalised
   (:func:`_check_dimension_numbers`); an empty operand gives zeros.
+  ``matmul`` (a module-level function) and ``static`` (its hashable static
+  arguments) make the product one jitted function
+  (:func:`_canonical_product`).
   """
-  (lc, rc), (lb, rb) = dimension_numbers
   _, explicit = compat.explicit_axes(lhs, rhs)
   out_spec = None
   if explicit:
@@ -705,6 +707,22 @@ def as_dot_general(matmul: Any, lhs: jax.Array, rhs: jax.Array,
   elif out_sharding is not None:
     raise ValueError(f"{owner}: out_sharding={out_sharding!r} is not "
                      f"supported here. {NO_OUT_SHARDING}")
+  return _canonical_product(lhs, rhs, extra, matmul=matmul, static=static,
+                            dimension_numbers=dimension_numbers,
+                            out_dtype=np.dtype(out_dtype), out_spec=out_spec)
+
+
+# Jitted with inline=True: inside a traced caller (a jitted step, grad, vmap,
+# shard_map) its operations join the caller's program as if written there;
+# an eager call compiles one program per shape (and its gradient likewise)
+# instead of each of the quantized matmul's hundreds of operations.
+@functools.partial(jax.jit, inline=True,
+                   static_argnames=("matmul", "static", "dimension_numbers",
+                                    "out_dtype", "out_spec"))
+def _canonical_product(lhs, rhs, extra, *, matmul, static, dimension_numbers,
+                       out_dtype, out_spec):
+  """:func:`as_dot_general`'s product, partitioned as under Auto axes."""
+  (lc, rc), (lb, rb) = dimension_numbers
 
   def product(lhs, rhs, *extra):
     a, lhs_free = _to_canonical(lhs, lb, lc)
@@ -716,6 +734,6 @@ def as_dot_general(matmul: Any, lhs: jax.Array, rhs: jax.Array,
       # gradient; nothing to quantize.
       return jnp.zeros(shape, out_dtype)
     a, b = _same_varying_axes(a, b)
-    return matmul(a, b, *extra).reshape(shape)
+    return matmul(a, b, *extra, static).reshape(shape)
 
   return compat.partitioned_as_auto(product, out_spec, lhs, rhs, *extra)
