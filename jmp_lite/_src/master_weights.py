@@ -520,7 +520,8 @@ def _rounded(p: Any) -> bool:
 
 
 def _copy_write(params, state, inner_updates):
-  """The master copy takes the updates; the params become it, rounded."""
+  """The master copy takes the updates; the params become it, rounded.
+  Params with no copy train as under the inner optimizer alone."""
   pairs = jax.tree.map(
       lambda p, m, u: _copy_leaf(p, m, u) if _holds(m, p) else (u, m),
       params, state.master_params, inner_updates)
