@@ -251,6 +251,20 @@ def test_stochastic_rounding_step_peaks_below_the_master_copy(monkeypatch):
   assert old_peak > copy_peak and old_temp > 1.5 * copy_temp
 
 
+@pytest.mark.parametrize("method", ["copy", "kahan", SR])
+def test_leaf_writes_are_inlined_into_a_traced_update(method):
+  """Each leaf's write is a jitted function (one program for an eager call)
+  with inline=True: a traced update holds its operations, not a call to it."""
+  opt = master_weights(optax.sgd(0.1), method=method)
+  params = _params(BF16)
+  grads = _grad_sequence(1)[0]
+  state = opt.init(params)
+  names = {eqn.params.get("name") for eqn in all_eqns(
+      jax.make_jaxpr(opt.update)(grads, state, params).jaxpr)}
+  kernels = {"_copy_leaf", "_kahan_leaf", "_stochastic_leaf", "_compensated"}
+  assert not names & kernels, names & kernels
+
+
 # -- Kahan compensation ----------------------------------------------------------
 
 

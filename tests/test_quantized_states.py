@@ -15,6 +15,8 @@ from jmp_lite._src import state_codes as sc
 from jmp_lite._src.quantized_states import (
     QuantizedStatesState, bytes_per_parameter, quantized_states)
 
+from helpers import all_eqns
+
 # optax's adam raises float ** int32 under strict promotion (conftest.py).
 pytestmark = pytest.mark.standard_promotion
 
@@ -83,6 +85,19 @@ def test_one_wrapper_for_every_optimizer(name, fmt):
     assert stored
   # The bias (256 < 4096 elements) stays float32.
   assert all("'b'" not in p for p in stored)
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit_rank1", "bfloat16_sr"])
+def test_codes_are_inlined_into_a_traced_update(fmt):
+  """encode and decode are jitted functions (one program each for an eager
+  update) with inline=True: a traced update holds their operations, not a
+  call to them."""
+  opt = quantized_states(optax.adam(1e-3), mu="8bit", nu=fmt)
+  params = _params()
+  state = opt.init(params)
+  jaxpr = jax.make_jaxpr(opt.update)(_grads(params, 0), state, params)
+  names = {eqn.params.get("name") for eqn in all_eqns(jaxpr.jaxpr)}
+  assert not names & {"encode", "decode"}, names & {"encode", "decode"}
 
 
 def test_roles_from_state_structure():
