@@ -59,6 +59,13 @@ def all_eqns(jaxpr):
   return compat.walk_eqns(jaxpr)
 
 
+def lowered_functions(fn, *args):
+  """The names of the functions in ``jax.jit(fn)``'s lowered StableHLO
+  (``main`` and every function it calls)."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return re.findall(r"func\.func (?:private |public )?@([\w.$-]+)", text)
+
+
 def operand_dtypes(jaxpr, primitives):
   """``[(primitive, (dtype of each array operand))]`` for the given primitives."""
   return [
