@@ -522,23 +522,27 @@ def _rounded(p: Any) -> bool:
 def _copy_write(params, state, inner_updates):
   """The master copy takes the updates; the params become it, rounded.
   Params with no copy train as under the inner optimizer alone."""
-  pairs = jax.tree.map(
+  updates_out, master_out = _per_leaf(
       lambda p, m, u: _copy_leaf(p, m, u) if _holds(m, p) else (u, m),
       params, state.master_params, inner_updates)
-  updates_out = jax.tree.map(lambda _, pair: pair[0], params, pairs)
-  master_out = jax.tree.map(lambda _, pair: pair[1], params, pairs)
   return updates_out, state._replace(master_params=master_out)
 
 
 def _kahan_write(params, state, inner_params, inner_updates):
   """Each new value rounded to nearest; what rounding took is kept for the
   next step."""
-  pairs = jax.tree.map(
+  updates_out, compensation = _per_leaf(
       lambda p, c, x, u: _kahan_leaf(p, x, u) if _holds(c, p) else (u, c),
       params, state.compensation, inner_params, inner_updates)
-  updates_out = jax.tree.map(lambda _, pair: pair[0], params, pairs)
-  compensation = jax.tree.map(lambda _, pair: pair[1], params, pairs)
   return updates_out, state._replace(compensation=compensation)
+
+
+def _per_leaf(write, params, *trees):
+  """``write(p, *leaves)`` -> ``(update, slot)`` for each param: the tree of
+  updates and the tree of slots (master values or compensations)."""
+  pairs = jax.tree.map(write, params, *trees)
+  return (jax.tree.map(lambda _, pair: pair[0], params, pairs),
+          jax.tree.map(lambda _, pair: pair[1], params, pairs))
 
 
 def _stochastic_write(params, state, inner_params, inner_updates):
