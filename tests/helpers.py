@@ -221,7 +221,6 @@ def faulty(value=True):
   return debug_nans_and_infs(False) if value else contextlib.nullcontext()
 
 
-#: A test's eager and jitted variants: ``@JIT`` passes ``jit`` (False, True).
 def _quadratic_loss(params):
   return 0.5 * jnp.sum(params["w"].astype(jnp.float32) ** 2)
 
@@ -252,6 +251,7 @@ def pull_to_zero(inner, loss_scale, dtype, *, n, steps, jit):
   return params, state
 
 
+#: A test's eager and jitted variants: ``@JIT`` passes ``jit`` (False, True).
 JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
 

@@ -230,7 +230,7 @@ def _with_policy_grad(spec, door=jmp_lite.with_policy):
 
 def _linen_grad(spec):
   model = jlinen.apply_policy(_Mlp(), spec)
-  # Jitted (eager, every op of the float8 forward would compile on its own;
+  # Jitted (eager, each op of the model's init would compile on its own;
   # test_fp8_flax runs a policy model's eager init).
   variables = jax.jit(model.init)(jax.random.key(5), jnp.ones((32, 64)))
 
