@@ -12,7 +12,9 @@ in three families, each against the hand-cast step of its own family:
   inputs cast to bfloat16 by hand, ``policy.cast_to_compute``), ``float32``
   (no cast at all: the control for what XLA does with a float32 program),
   ``with_policy`` and ``autocast`` with ``mixed_bfloat16``, ``with_policy_fp8``
-  and ``autocast_fp8`` with ``mixed_fp8``;
+  and ``autocast_fp8`` with ``mixed_fp8``, and ``hand_fp8`` (the hand-cast
+  step with the blocks' dense matmuls through ``jmp_lite.fp8.fp8_dot_general``:
+  the float8 step written by hand, the float8 routes' second baseline);
 * linen (a linen twin of ``CharLM``): ``linen_hand`` (params cast to bfloat16
   by hand) and ``linen_policy`` (``jmp_lite.linen.apply_policy``);
 * NNX (``models/flax_models.py``'s ``CharLM``): ``nnx_hand`` and
@@ -61,6 +63,8 @@ ROUTES = {
     "float32": ("jax", "no cast at all: float32 params and compute (control)"),
     "with_policy": ("jax", "with_policy(apply_lm, 'mixed_bfloat16')"),
     "autocast": ("jax", "autocast(loss, 'mixed_bfloat16')"),
+    "hand_fp8": ("jax", "hand, with the blocks' dense matmuls through "
+                 "jmp_lite.fp8.fp8_dot_general (mixed_fp8's recipe)"),
     "with_policy_fp8": ("jax", "with_policy(apply_lm, 'mixed_fp8')"),
     "autocast_fp8": ("jax", "autocast(loss, 'mixed_fp8')"),
     "linen_hand": ("linen", "linen LM, params cast to bfloat16 by hand"),
@@ -69,6 +73,8 @@ ROUTES = {
     "nnx_policy": ("nnx", "jmp_lite.nnx.apply_policy(lm, 'mixed_bfloat16')"),
 }
 HAND = {"jax": "hand", "linen": "linen_hand", "nnx": "nnx_hand"}
+#: The float8 routes' second baseline: the float8 step written by hand.
+HAND_FP8 = "hand_fp8"
 #: The issue's targets: every route / hand-cast at the deepest depth.
 TARGET_UNROLLED = 1.3
 TARGET_SCAN = 1.1
@@ -90,12 +96,13 @@ def _lm_config(size: dict, layers: int) -> models.LMConfig:
                          heads=size["heads"], seq_len=size["seq_len"])
 
 
-def apply_lm_scanned(params: Any, tokens: jax.Array, cfg: models.LMConfig) -> jax.Array:
+def apply_lm_scanned(params: Any, tokens: jax.Array, cfg: models.LMConfig,
+                     matmul: Callable = jnp.matmul) -> jax.Array:
   """``apply_lm`` with the blocks stacked and run by ``jax.lax.scan``."""
   x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
 
   def step(x, block):
-    return models.apply_block(x, block, cfg.heads), None
+    return models.apply_block(x, block, cfg.heads, matmul), None
 
   x, _ = lax.scan(step, x, params["blocks"])
   x = models.layer_norm(x, params["ln_f"])
@@ -106,17 +113,25 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
   cfg = _lm_config(size, layers)
   workload = wl.transformer(size["batch"], cfg)
   params, batch = wl.setup(workload, seed)
-  apply = lambda p, x: (apply_lm_scanned if scan else models.apply_lm)(p, x, cfg)
+  policy = wl.policy("bf16", "fp8" if route.endswith("_fp8") and route != HAND_FP8 else None)
+  matmul = jnp.matmul
+  if route == HAND_FP8:
+    recipe = wl.policy("bf16", "fp8").fp8_recipe
+
+    def matmul(x, w):  # what with_policy's float8 rule binds for a Dense matmul
+      return jmp_lite.fp8.fp8_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                                          preferred_element_type=x.dtype, config=recipe)
+
+  apply = lambda p, x: (apply_lm_scanned if scan else models.apply_lm)(p, x, cfg, matmul)
   if scan:
     params = dict(params, blocks=jax.tree.map(lambda *b: jnp.stack(b), *params["blocks"]))
-  policy = wl.policy("bf16", "fp8" if route.endswith("_fp8") else None)
 
   def f32_loss(p, b):
     return wl.cross_entropy(apply(p, b["x"]), b["y"])
 
   if route == "float32":
     loss = f32_loss
-  elif route == "hand":
+  elif route in ("hand", HAND_FP8):
     def loss(p, b):
       p, x = policy.cast_to_compute((p, b["x"]))
       return wl.cross_entropy(apply(p, x), b["y"])
@@ -259,20 +274,26 @@ def cases(args) -> list[tuple[int, bool]]:
       [(size["scan_depth"], True)] if args.scan else [])
 
 
+def _ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float] | None:
+  if base is None:
+    return None
+  return {
+      "trace_lower": row["trace_lower_s"] / base["trace_lower_s"],
+      "compile": row["compile_s"] / base["compile_s"],
+      "hlo_instructions": (row["optimized_hlo"]["instructions"]
+                           / base["optimized_hlo"]["instructions"]),
+  }
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-  """Each row's ratios to its family's hand-cast step at the same depth."""
+  """Each row's ratios to its family's hand-cast step at the same depth, and
+  a float8 route's (``ratios_fp8``) to the float8 step written by hand."""
   hand = {(r["family"], r["layers"], r["scan"]): r for r in rows if r["route"] in HAND.values()}
+  hand_fp8 = {(r["layers"], r["scan"]): r for r in rows if r["route"] == HAND_FP8}
   for r in rows:
-    base = hand.get((r["family"], r["layers"], r["scan"]))
-    if base is None:
-      r["ratios"] = None
-      continue
-    r["ratios"] = {
-        "trace_lower": r["trace_lower_s"] / base["trace_lower_s"],
-        "compile": r["compile_s"] / base["compile_s"],
-        "hlo_instructions": (r["optimized_hlo"]["instructions"]
-                             / base["optimized_hlo"]["instructions"]),
-    }
+    r["ratios"] = _ratios(r, hand.get((r["family"], r["layers"], r["scan"])))
+    if r["route"].endswith("_fp8") and r["route"] != HAND_FP8:
+      r["ratios_fp8"] = _ratios(r, hand_fp8.get((r["layers"], r["scan"])))
 
 
 def measure_all(args) -> dict[str, Any]:
@@ -324,6 +345,16 @@ def table(report: dict[str, Any]) -> list[str]:
         f"| {r['optimized_hlo']['instructions']} "
         + "".join(f"| {runner.fmt(ratios.get(k), '.2f')} "
                   for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
+  fp8_rows = [r for r in rows if r.get("ratios_fp8")]
+  if fp8_rows:
+    lines += ["", f"The float8 routes against the float8 step written by hand ({HAND_FP8}: "
+              "the same matmuls through `jmp_lite.fp8.fp8_dot_general`), same run:", "",
+              "| route | blocks | trace+lower / hand fp8 | compile / hand fp8 | HLO / hand fp8 |",
+              "|---|---|---:|---:|---:|"]
+    for r in fp8_rows:
+      lines.append(f"| {r['route']} | {r['layers']}{' (scan)' if r['scan'] else ''} "
+                   + "".join(f"| {runner.fmt(r['ratios_fp8'].get(k), '.2f')} "
+                             for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
   lines += ["", "Per block (unrolled depths in order), milliseconds of compile time:", ""]
   for route in dict.fromkeys(r["route"] for r in rows):
     per = _per_block(rows, route, lambda r: r["compile_s"])
@@ -359,6 +390,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   for family, hand in HAND.items():
     if any(ROUTES[r][0] == family for r in args.routes) and hand not in args.routes:
       args.routes.insert(0, hand)  # Ratios need the family's baseline.
+  if any(r.endswith("_fp8") for r in args.routes) and HAND_FP8 not in args.routes:
+    args.routes.insert(args.routes.index(HAND[ROUTES[HAND_FP8][0]]) + 1, HAND_FP8)
   if args.repeats is None:
     args.repeats = 1 if args.quick else 3
   if args.repeats < 1:

@@ -22,7 +22,7 @@ casts are no-ops at trace time and autocast's own rules decide.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -249,30 +249,39 @@ def layer_norm(x: jax.Array, p: dict[str, jax.Array], eps: float = 1e-5) -> jax.
   return (y * p["scale"].astype(F32) + p["bias"].astype(F32)).astype(x.dtype)
 
 
-def _attention(x: jax.Array, p: dict[str, Any], heads: int) -> jax.Array:
+def _attention(x: jax.Array, p: dict[str, Any], heads: int, matmul: Callable) -> jax.Array:
   b, t, d = x.shape
-  qkv = x @ p["qkv"]["w"] + p["qkv"]["b"]
+  qkv = matmul(x, p["qkv"]["w"]) + p["qkv"]["b"]
   q, k, v = jnp.split(qkv.reshape(b, t, 3 * heads, d // heads), 3, axis=2)
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d // heads).astype(np.float32)
   causal = jnp.tril(jnp.ones((t, t), bool))
   scores = jnp.where(causal, scores.astype(F32), -1e9)
   weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(b, t, d)
-  return out @ p["out"]["w"] + p["out"]["b"]
+  return matmul(out, p["out"]["w"]) + p["out"]["b"]
 
 
-def apply_block(x: jax.Array, p: dict[str, Any], heads: int) -> jax.Array:
-  """One pre-LN transformer block: attention and a 4x GELU MLP, residuals."""
-  x = x + _attention(layer_norm(x, p["ln1"]), p, heads)
+def apply_block(x: jax.Array, p: dict[str, Any], heads: int,
+                matmul: Callable = jnp.matmul) -> jax.Array:
+  """One pre-LN transformer block: attention and a 4x GELU MLP, residuals.
+
+  ``matmul(x, w)`` runs the four dense layers (a float8 matmul, say); the
+  attention products stay ``jnp.einsum``.
+  """
+  x = x + _attention(layer_norm(x, p["ln1"]), p, heads, matmul)
   h = layer_norm(x, p["ln2"])
-  h = jax.nn.gelu(h @ p["fc"]["w"] + p["fc"]["b"], approximate=True)
-  return x + (h @ p["proj"]["w"] + p["proj"]["b"])
+  h = jax.nn.gelu(matmul(h, p["fc"]["w"]) + p["fc"]["b"], approximate=True)
+  return x + (matmul(h, p["proj"]["w"]) + p["proj"]["b"])
 
 
-def apply_lm(params: Params, tokens: jax.Array, cfg: LMConfig) -> jax.Array:
-  """Logits ``(batch, seq, vocab)`` for int32 ``tokens``; tied output embedding."""
+def apply_lm(params: Params, tokens: jax.Array, cfg: LMConfig,
+             matmul: Callable = jnp.matmul) -> jax.Array:
+  """Logits ``(batch, seq, vocab)`` for int32 ``tokens``; tied output embedding.
+
+  ``matmul`` runs the blocks' dense layers (see ``apply_block``), not the head.
+  """
   x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
   for block in params["blocks"]:
-    x = apply_block(x, block, cfg.heads)
+    x = apply_block(x, block, cfg.heads, matmul)
   x = layer_norm(x, params["ln_f"])
   return x @ params["embed"].T

@@ -9,11 +9,14 @@ speed or ratios. The GPU suite's tests are in ``test_gpu_suite.py``;
 ``accumulation_overhead`` runs in ``test_training_loops.py``.
 """
 
+import collections
 import json
 import math
+import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from helpers import example_env
@@ -289,6 +292,25 @@ def test_compile_time_study_runs_and_reports(tmp_path):
   hand = [r for r in report["results"] if r["route"] == "hand"]
   assert all(r["ratios"]["trace_lower"] == 1.0 for r in hand)
   assert (tmp_path / "compile_time.md").read_text().startswith("# Trace, lowering")
+
+
+@pytest.mark.standard_promotion  # the benchmarks' models mix bfloat16 and float32
+def test_compile_time_float8_baseline_is_the_program_with_policy_binds():
+  """``hand_fp8`` (the float8 step written by hand) lowers to the same
+  operations as ``with_policy`` with ``mixed_fp8``, and asking for a float8
+  route brings both baselines."""
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+  assert compile_time.parse(["--routes", "autocast_fp8"]).routes == [
+      "hand", "hand_fp8", "autocast_fp8"]
+
+  def operations(route):
+    loss, operands = compile_time.program(route, compile_time.SIZES[True], 1, False, 0)
+    text = jax.jit(jax.value_and_grad(loss)).lower(*operands).as_text()
+    return collections.Counter(re.findall(r"(?:stablehlo|chlo|func)\.\w+", text))
+
+  hand_fp8 = operations("hand_fp8")
+  assert hand_fp8 == operations("with_policy_fp8")
+  assert hand_fp8 != operations("hand")  # the float8 matmuls are there
 
 
 def test_compile_time_study_refuses_bad_flags(capsys):
