@@ -176,9 +176,36 @@ def test_dot_accumulates_in_f32_and_returns_compute_dtype():
   (dot,) = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
   assert dot.params["preferred_element_type"] == F32
   assert [v.aval.dtype for v in dot.invars] == [jnp.float16, jnp.float16]
-  # ... and the value handed on is in the compute dtype.
-  (call,) = _eqns_of(jaxpr, "custom_jvp")
+  # ... and the value handed on is in the compute dtype (the custom-derivative
+  # product: inlined with jax 0.10, inside an inline jit equation with 0.12).
+  (call,) = [e for e in all_eqns(jaxpr) if interpreter_lib.kind_of(e) == "custom_jvp"]
   assert call.outvars[0].aval.dtype == jnp.float16
+
+
+def test_repeated_matmuls_trace_the_accumulating_product_once(monkeypatch):
+  """Matmuls of the same shapes (a deep model's blocks) share one trace of
+  the float32-accumulating product: autocast's trace time grows with the
+  model like the hand-cast step's. Each matmul still has its own dot."""
+  accumulating = []
+  bind = compat.bind
+
+  def counting_bind(primitive, args, params):
+    if primitive.name == "dot_general" and params.get("preferred_element_type") == F32:
+      accumulating.append(primitive)
+    return bind(primitive, args, params)
+
+  monkeypatch.setattr(compat, "bind", counting_bind)
+
+  def f(w, x):  # shapes no other test uses: nothing is cached yet
+    for _ in range(3):
+      x = jnp.tanh(x @ w)
+    return x
+
+  jaxpr = jax.make_jaxpr(autocast(f, jnp.float16))(jnp.ones((11, 11)), jnp.ones((5, 11)))
+  assert len(accumulating) == 1
+  dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  assert len(dots) == 3
+  assert all(d.params["preferred_element_type"] == F32 for d in dots)
 
 
 def test_f32_compute_dtype_leaves_the_jaxpr_unchanged():

@@ -31,6 +31,7 @@ primitive is bound. Rules are keyed by primitive objects (``jax.lax.exp_p``,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any, Callable, Mapping, Sequence
 
@@ -253,13 +254,27 @@ def _accumulate_in_f32(
   pass then runs in half precision as in ``torch.autocast`` (accumulating in
   float32 wherever the backend does so for half matmuls: GPU, TPU).
   """
+  # dot_general's and conv_general_dilated's parameters are hashable.
+  static = tuple(sorted(params.items()))
+  return _f32_accumulated(ctx.primitive, static, np.dtype(target), lhs, rhs)
+
+
+# Jitted with inline=True (docs/design.md): the operations are inlined into
+# the caller's program as if bound there, and the product and its derivative
+# are traced once per primitive, parameters and operand types, not once per
+# matmul (a deep model's blocks repeat the same few matmuls).
+@functools.partial(jax.jit, inline=True, static_argnums=(0, 1, 2))
+def _f32_accumulated(primitive: Any, static: tuple[tuple[str, Any], ...],
+                     target: np.dtype, lhs: Any, rhs: Any) -> Any:
+  """:func:`_accumulate_in_f32`'s custom-derivative product."""
+  params = dict(static)
   accumulate = dict(params, preferred_element_type=FLOAT32)
   low = dict(params, preferred_element_type=target)
 
   def primal(x, y):
-    return tree_lib.cast(ctx.bind(x, y, **accumulate), target)
+    return tree_lib.cast(compat.bind(primitive, (x, y), accumulate), target)
 
-  primal.__name__ = primal.__qualname__ = f"{ctx.primitive.name}_f32_accumulate"
+  primal.__name__ = primal.__qualname__ = f"{primitive.name}_f32_accumulate"
 
   lowered = jax.custom_jvp(primal)
 
@@ -269,15 +284,16 @@ def _accumulate_in_f32(
     out = lowered(x, y)  # Not primal(): higher orders then use this rule too.
     terms = []
     if not isinstance(tx, SymbolicZero):
-      terms.append(ctx.bind(tx, y, **low))
+      terms.append(compat.bind(primitive, (tx, y), low))
     if not isinstance(ty, SymbolicZero):
-      terms.append(ctx.bind(x, ty, **low))
+      terms.append(compat.bind(primitive, (x, ty), low))
     if not terms:
       return out, jnp.zeros_like(out)
     return out, terms[0] if len(terms) == 1 else lax.add(*terms)
 
   lowered.defjvp(jvp, symbolic_zeros=True)
   return lowered(lhs, rhs)
+
 
 
 def lower_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
