@@ -29,7 +29,7 @@ noisy; the HLO sizes are not.
 
 Run from the repository root::
 
-  python -m benchmarks.compile_time                        # ~15-30 min on 2 CPU cores
+  python -m benchmarks.compile_time                        # 15-40 min on 2 CPU cores
   python -m benchmarks.compile_time --update-results       # ... into benchmarks/results/
   python -m benchmarks.compile_time --quick --out /tmp/ct  # smoke test
 """

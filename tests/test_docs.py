@@ -180,9 +180,18 @@ def test_autocast_guide_quotes_the_committed_compile_time_run():
     assert f"{rows[route, layers, False]['optimized_hlo']['instructions']:,}" in guide
   for route, key, layers in (("autocast", "compile", 48),
                              ("autocast_fp8", "compile", 48),
-                             ("with_policy_fp8", "compile", 48)):
-    assert f"{rows[route, layers, False]['ratios'][key]:.1f}x" in guide, route
+                             ("hand_fp8", "trace_lower", 48),
+                             ("hand_fp8", "compile", 48)):
+    assert f"{rows[route, layers, False]['ratios'][key]:.1f}x" in guide, (route, key)
+  assert f"{rows['autocast_fp8', 48, False]['ratios_fp8']['compile']:.1f}x" in guide
   assert f"{rows['autocast', 48, True]['ratios']['compile']:.2f}x" in guide
+  for route, layers, scan, key in (("with_policy_fp8", 48, False, "trace_lower"),
+                                   ("with_policy_fp8", 48, False, "compile"),
+                                   ("with_policy_fp8", 48, True, "compile"),
+                                   ("autocast_fp8", 48, False, "hlo_instructions")):
+    assert f"{rows[route, layers, scan]['ratios_fp8'][key]:.2f}x" in guide, (route, key)
+  assert all(rows["with_policy_fp8", layers, scan]["ratios_fp8"]["hlo_instructions"] == 1.0
+             for layers, scan in ((12, False), (24, False), (48, False), (48, True)))
 
 
 def test_precision_guide_quotes_the_committed_update_rounding_run():
