@@ -295,7 +295,6 @@ def _f32_accumulated(primitive: Any, static: tuple[tuple[str, Any], ...],
   return lowered(lhs, rhs)
 
 
-
 def lower_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
   """Runs the op in the compute dtype, accumulating in float32 if it can."""
   floats = [i for i, x in enumerate(args) if tree_lib.is_float(x)]
