@@ -75,6 +75,8 @@ ROUTES = {
 HAND = {"jax": "hand", "linen": "linen_hand", "nnx": "nnx_hand"}
 #: The float8 routes' second baseline: the float8 step written by hand.
 HAND_FP8 = "hand_fp8"
+#: The routes that put float8 on the matmuls through jmp_lite.
+FP8_ROUTES = tuple(r for r in ROUTES if r.endswith("_fp8") and r != HAND_FP8)
 #: The issue's targets: every route / hand-cast at the deepest depth.
 TARGET_UNROLLED = 1.3
 TARGET_SCAN = 1.1
@@ -113,7 +115,7 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
   cfg = _lm_config(size, layers)
   workload = wl.transformer(size["batch"], cfg)
   params, batch = wl.setup(workload, seed)
-  policy = wl.policy("bf16", "fp8" if route.endswith("_fp8") and route != HAND_FP8 else None)
+  policy = wl.policy("bf16", "fp8" if route in FP8_ROUTES else None)
   matmul = jnp.matmul
   if route == HAND_FP8:
     recipe = wl.policy("bf16", "fp8").fp8_recipe
@@ -292,7 +294,7 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
   hand_fp8 = {(r["layers"], r["scan"]): r for r in rows if r["route"] == HAND_FP8}
   for r in rows:
     r["ratios"] = _ratios(r, hand.get((r["family"], r["layers"], r["scan"])))
-    if r["route"].endswith("_fp8") and r["route"] != HAND_FP8:
+    if r["route"] in FP8_ROUTES:
       r["ratios_fp8"] = _ratios(r, hand_fp8.get((r["layers"], r["scan"])))
 
 
@@ -390,8 +392,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   for family, hand in HAND.items():
     if any(ROUTES[r][0] == family for r in args.routes) and hand not in args.routes:
       args.routes.insert(0, hand)  # Ratios need the family's baseline.
-  if any(r.endswith("_fp8") for r in args.routes) and HAND_FP8 not in args.routes:
-    args.routes.insert(args.routes.index(HAND[ROUTES[HAND_FP8][0]]) + 1, HAND_FP8)
+  if any(r in FP8_ROUTES for r in args.routes) and HAND_FP8 not in args.routes:
+    args.routes.insert(args.routes.index(HAND["jax"]) + 1, HAND_FP8)
   if args.repeats is None:
     args.repeats = 1 if args.quick else 3
   if args.repeats < 1:
