@@ -2,21 +2,26 @@
 
 Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv):
 
-* ``newest-3.12``, ``newest-3.13``: the whole suite on the newest jax, jaxlib,
-  flax and optax the pins in ``pyproject.toml`` allow (jax >= 0.11 needs
-  Python >= 3.12).
-* ``floor``: the whole suite on Python 3.11 with every pinned package at the
-  lower bound of its pin, read from ``pyproject.toml``: the oldest versions we
-  claim to support.
-* ``upgrade-flags``: the README's selection (every test but the slow stage's
-  runs of whole programs) on the newest releases (Python 3.12) with JAX's
-  upgrade flags on, through the environment variables jax reads
-  for them: ``JAX_REMAT3=1 JAX_CUSTOM_VJP3=1 JAX_CUSTOM_JVP3=1`` (about to
-  become jax's defaults; ``jax_scan3`` stays off until JAX differentiates
-  it, and autocast refuses its ``Scan3`` with an error naming it).
+* ``newest-3.12``: the newest jax, jaxlib, flax and optax the pins in
+  ``pyproject.toml`` allow (jax >= 0.11 needs Python >= 3.12), in one venv:
+  the README's selection (every test but the runs of whole programs), the
+  slow stage (the runs of whole programs: examples, benchmarks, the docs'
+  code blocks, docstring examples, multi-process jobs), then the README's
+  selection again with JAX's upgrade flags on, through the environment
+  variables jax reads for them: ``JAX_REMAT3=1 JAX_CUSTOM_VJP3=1
+  JAX_CUSTOM_JVP3=1`` (about to become jax's defaults; ``jax_scan3`` stays
+  off until JAX differentiates it, and autocast refuses its ``Scan3`` with an
+  error naming it). The three runs share one install of the same releases.
+* ``newest-3.13``: the README's selection on the newest releases, Python 3.13.
+* ``floor``: the README's selection on Python 3.11 with every pinned package
+  at the lower bound of its pin, read from ``pyproject.toml``: the oldest
+  versions we claim to support.
+* ``upgrade-flags``: the upgrade-flag run of ``newest-3.12`` alone (not in
+  the default list: ``newest-3.12`` runs it).
 * ``bench``: the GPU suite's tests (``tests/test_gpu_suite.py``) with the
   ``bench`` extra, PyTorch, installed, so that the torch.amp side-by-side runs
-  end to end at tiny sizes on the CPU (without torch those tests skip). The
+  end to end at tiny sizes on the CPU (its tests carry the marker ``torch``,
+  which every other selection leaves out). The
   tests need only a CPU build of PyTorch, and PyPI's Linux wheels bundle CUDA
   (about 0.5 GB, plus about 3 GB of CUDA libraries), so the session installs
   ``BENCH_TORCH`` (default ``torch==2.13.0``, the version the session tests)
@@ -27,8 +32,15 @@ Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv):
   index), then ``.[test,bench]``, which that torch satisfies. E.g.
   ``BENCH_TORCH='torch>=2.4' nox -s bench`` tests the newest torch.
 
-The default environment (Python 3.11 with the newest jax it has) is the
-README's own test command, which ``.ci/run`` runs before this matrix.
+The slow stage runs twice in CI: in the default environment (``.ci/run``:
+this machine's Python 3.11 with the newest jax it has, the 0.10 line) and in
+``newest-3.12`` (jax 0.12); the floor and Python 3.13 run the README's
+selection. ``nox -s newest-3.13 -- -m "slow and not torch"`` runs the slow
+stage there by hand (arguments after ``--`` are added to every pytest run of
+a session; a later ``-m`` replaces the session's own).
+
+The default environment is the README's own test command, which ``.ci/run``
+runs before this matrix.
 
 A session whose interpreter is missing fails (it is never skipped). Python
 versions installed with pyenv are found even when they are not on ``PATH``.
@@ -49,13 +61,15 @@ from packaging.requirements import Requirement
 nox.options.error_on_missing_interpreters = True
 nox.options.download_python = "never"
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["newest", "floor", "upgrade-flags", "bench"]
+nox.options.sessions = ["newest", "floor", "bench"]
 
 ROOT = pathlib.Path(__file__).resolve().parent
 # The packages whose supported range the pins state and the matrix tests.
 RANGED = ("jax", "jaxlib", "flax", "optax")
 PYTEST = ("python", "-m", "pytest", "-q")
-#: Every test, the slow stage (runs of whole programs) included.
+#: The slow stage: the runs of whole programs (the PyTorch ones: ``bench``).
+SLOW = ("-m", "slow and not torch")
+#: Every test of tests/test_gpu_suite.py, the PyTorch ones included.
 ALL = ("-m", "slow or not slow")
 #: jax's upgrade flags (config flags read ``JAX_<NAME>`` environment variables).
 UPGRADE_FLAGS = {"JAX_REMAT3": "1", "JAX_CUSTOM_VJP3": "1",
@@ -104,31 +118,41 @@ def _versions(session: nox.Session) -> None:
 
 @nox.session(python=["3.12", "3.13"])
 def newest(session: nox.Session) -> None:
-  """The whole suite on the newest releases the pins allow."""
+  """The newest releases the pins allow: the README's selection; on 3.12 also
+  the slow stage and the upgrade flags, in the same venv."""
   session.install("--upgrade", "-e", ".[test]")
   _versions(session)
-  session.run(*PYTEST, *ALL, *session.posargs)
+  session.run(*PYTEST, *session.posargs)
+  if session.python == "3.12":
+    session.run(*PYTEST, *SLOW, *session.posargs)
+    _upgrade_flags_run(session)
 
 
-@nox.session(python="3.12", name="upgrade-flags")
-def upgrade_flags(session: nox.Session) -> None:
-  """The README's selection on the newest releases with JAX's upgrade flags on."""
-  session.install("--upgrade", "-e", ".[test]")
-  _versions(session)
+def _upgrade_flags_run(session: nox.Session) -> None:
   session.run("python", "-c", "import jax; print('upgrade flags:', "
               "jax.config.jax_remat3, jax.config.jax_custom_vjp3, "
               "jax.config.jax_custom_jvp3)", env=UPGRADE_FLAGS)
   session.run(*PYTEST, *session.posargs, env=UPGRADE_FLAGS)
 
 
+@nox.session(python="3.12", name="upgrade-flags")
+def upgrade_flags(session: nox.Session) -> None:
+  """The README's selection on the newest releases with JAX's upgrade flags on
+  (``newest-3.12`` runs it too)."""
+  session.install("--upgrade", "-e", ".[test]")
+  _versions(session)
+  _upgrade_flags_run(session)
+
+
 @nox.session(python="3.11")
 def floor(session: nox.Session) -> None:
-  """The whole suite with jax, jaxlib, flax and optax at their lower pins."""
+  """The README's selection with jax, jaxlib, flax and optax at their lower
+  pins."""
   constraints = pathlib.Path(session.create_tmp()) / "floor.txt"
   constraints.write_text("\n".join(floor_pins()) + "\n")
   session.install("-e", ".[test]", "-c", str(constraints))
   _versions(session)
-  session.run(*PYTEST, *ALL, *session.posargs)
+  session.run(*PYTEST, *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -896,7 +896,7 @@ def test_argument_errors(args, kwargs, error, pattern):
 
 
 def test_as_flax_dense_dot_general():
-  nn = pytest.importorskip("flax.linen")
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
   dot = functools.partial(fp8.fp8_dot_general,
                           config=fp8.Fp8Config(granularity="row"))
   fp8_dense, dense = nn.Dense(16, dot_general=dot), nn.Dense(16)

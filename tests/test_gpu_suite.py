@@ -6,8 +6,9 @@ works -- PyTorch, the autocast and hand-written-step comparisons) at tiny
 shapes on the CPU, derives the figures and writes ``gpu.json``/``gpu.md``;
 split runs merge into one report. These tests check that this works and that
 the report is complete and self-consistent. They assert nothing about speed.
-The PyTorch tests skip without torch; ``nox -s bench`` installs it (the
-``bench`` extra) and runs them.
+The PyTorch tests (marker ``torch``) need torch, the ``bench`` extra: ``nox -s
+bench`` installs it and runs them; every other selection leaves them out
+(``-m "not torch"``), so nothing here skips.
 
 The dry runs compile about thirty train steps; to keep that short on two
 cores, XLA's LLVM optimisation of the CPU code is turned off
@@ -212,8 +213,8 @@ def test_markdown_lists_the_float8_cases(split):
   assert "| mlp | mxfp8 | – | " in text and "emulation (cpu" in text
 
 
+@pytest.mark.torch
 def test_every_torch_case_ran_with_consistent_figures(split):
-  pytest.importorskip("torch")
   _, _, report = split
   assert report["config"]["torch"].startswith("torch ")
   for entry in report["results"]:
@@ -221,12 +222,16 @@ def test_every_torch_case_ran_with_consistent_figures(split):
     assert entry["torch"]["f16"]["loss_scale"] == 2.0**15  # no overflow, no growth yet
 
 
-def test_without_torch_the_report_says_why(split):
-  if _has_torch():
-    pytest.skip("torch is installed")
+def test_the_report_says_whether_torch_ran(split):
+  """With torch (nox -s bench) every workload has its PyTorch cases; without
+  it the report says why there are none."""
   _, _, report = split
-  assert report["config"]["torch"].startswith("not run: import torch failed")
-  assert all("torch" not in e for e in report["results"])
+  if _has_torch():
+    assert report["config"]["torch"].startswith("torch ")
+    assert all("torch" in e for e in report["results"])
+  else:
+    assert report["config"]["torch"].startswith("not run: import torch failed")
+    assert all("torch" not in e for e in report["results"])
 
 
 def test_autocast_and_wrapper_comparisons(split):
@@ -286,9 +291,9 @@ def test_markdown_has_every_table(split):
   assert text in procs[-1].stdout  # the page is also printed
 
 
+@pytest.mark.torch
 def test_markdown_puts_jax_next_to_torch(split):
   """The jmp_lite rows end with their step time over PyTorch's in the mode."""
-  pytest.importorskip("torch")
   _, out, report = split
   text = (out / "gpu.md").read_text()
   for entry in report["results"]:
@@ -410,13 +415,14 @@ def test_peak_table_resolves_devices(device, kind, peak):
     assert peaks[kind] == peak
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("size", ["tiny", "gpu"])
 def test_torch_models_have_their_jax_twins_parameters(size):
   """Layer for layer: the same parameter count as the JAX workload, at the
   dry run's size and at the GPU size (built on torch's meta device and traced
   by jax.eval_shape: nothing is allocated)."""
-  torch = pytest.importorskip("torch")
   import jax  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
   from benchmarks import torch_side  # pylint: disable=import-outside-toplevel
   from benchmarks import workloads  # pylint: disable=import-outside-toplevel
   for workload in workloads.make_workloads(size):

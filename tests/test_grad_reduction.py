@@ -287,7 +287,7 @@ def test_grouped_under_autocast(tmp_path):
 @needs_devices
 def test_grouped_linen_policy_batch_norm_is_per_group(tmp_path):
   """Flax policies: f32 reduction; BatchNorm statistics become per group."""
-  flax_linen = pytest.importorskip("flax.linen")
+  import flax.linen as flax_linen  # pylint: disable=g-import-not-at-top
   import jmp_lite.linen as jlinen  # pylint: disable=g-import-not-at-top
 
   class Net(flax_linen.Module):

@@ -5,8 +5,9 @@ jax 0.12 has ``jax_remat3``, ``jax_custom_vjp3``, ``jax_custom_jvp3`` and
 ``custom_vjp``, ``custom_jvp`` and ``scan`` to one "hi" primitive. Each test
 runs with one flag on (flags this jax lacks are skipped) and checks the dtype
 every ``dot_general`` sees inside the body and that gradients are the ones
-autocast gives without the flag. The nox session ``upgrade-flags`` runs the
-whole suite with the flags on through their environment variables.
+autocast gives without the flag. The nox session ``newest-3.12`` (or
+``upgrade-flags`` alone) runs the README's selection with the flags on
+through their environment variables.
 """
 
 import jax
@@ -122,7 +123,7 @@ def test_float8_reaches_a_checkpointed_layer(flag):
 
 
 def test_linen_float8_policy_with_remat_under_the_flag(flag):
-  nn = pytest.importorskip("flax.linen")
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jmp_lite.linen as jlinen  # pylint: disable=g-import-not-at-top
 
   class Model(nn.Module):
@@ -139,7 +140,7 @@ def test_linen_float8_policy_with_remat_under_the_flag(flag):
 
 
 def test_nnx_float8_policy_with_remat_under_the_flag(flag):
-  nnx = pytest.importorskip("flax.nnx")
+  from flax import nnx  # pylint: disable=g-import-not-at-top
   import jmp_lite.nnx as jnnx  # pylint: disable=g-import-not-at-top
 
   class Model(nnx.Module):
