@@ -552,6 +552,21 @@ def test_rule_class_that_is_not_a_module():
     jlinen.ModuleRules(((), "f32"))
 
 
+@pytest.mark.parametrize("pattern", [b"Dense_0", re.compile(b"Dense_\\d")])
+def test_bytes_pattern_is_refused_when_the_rules_are_built(pattern):
+  """A bytes regex used to pass until init (re raised on the first match)."""
+  with pytest.raises(TypeError, match=(
+      r"entry 0: (b'Dense_0'|re\.compile\(b'Dense_\\\\d'\)) is a bytes "
+      r"pattern.*must be a str.*module type")):
+    jlinen.ModuleRules((pattern, "f32"))
+
+
+def test_full_precision_resolve_takes_a_policy():
+  with pytest.raises(TypeError, match=r"FullPrecision\.resolve\(outer\) takes a "
+                     r"jmp_lite\.Policy, got int: 3"):
+    jlinen.FullPrecision().resolve(3)
+
+
 def test_policy_strings_that_do_not_parse():
   with pytest.raises(ValueError, match=r"entry 0 \('dec/\*'\).*'f17'.*Valid dtype names"):
     jlinen.ModuleRules(("dec/*", "p=f32,c=f17"))

@@ -421,6 +421,9 @@ def test_wrong_objects_and_frameworks():
     jnnx.ModuleRules((nn.LayerNorm, "f32"))
   with pytest.raises(TypeError, match=r"builtins\.str.*not a flax\.nnx module class"):
     jnnx.ModuleRules(((nnx.Linear, str), "f32"))
+  with pytest.raises(TypeError, match=r"re\.compile\(b'Linear'\) is a bytes "
+                     r"pattern.*must be a str"):
+    jnnx.ModuleRules((re.compile(b"Linear"), "f32"))
   with pytest.raises(TypeError, match=r"got jmp_lite\.linen\.ModuleRules"):
     jnnx.apply_policy(MLP(nnx.Rngs(0)), "mixed_float16", jlinen.DEFAULT_MODULE_RULES)
   with pytest.raises(ValueError, match=r"Unknown dtype or preset 'mixed_f16'"):

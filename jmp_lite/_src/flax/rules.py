@@ -78,7 +78,15 @@ class FullPrecision:
       ``Policy(param=at least f32, compute=at least f32,
       output=outer.compute_dtype)``, with float32 matmul precision when the
       compute dtype is float32.
+
+    Raises:
+      TypeError: if ``outer`` is not a ``jmp_lite.Policy``.
     """
+    if not isinstance(outer, policy_lib.Policy):
+      raise TypeError(
+          f"FullPrecision.resolve(outer) takes a jmp_lite.Policy, got "
+          f"{type(outer).__name__}: {outer!r}. Pass the policy around the "
+          "matched module, e.g. jmp_lite.get_policy('mixed_bfloat16').")
     compute = dtypes.at_least_f32(outer.compute_dtype)
     return policy_lib.Policy(
         dtypes.at_least_f32(outer.param_dtype),
@@ -120,6 +128,13 @@ RULE_POLICIES = (
 RULE_EXAMPLE = (
     "Example: (nn.LayerNorm, FullPrecision()) or ('decoder/*', "
     "'p=f32,c=f32,o=f16')."
+)
+
+#: Why a bytes pattern is refused.
+BYTES_PATTERN = (
+    "A path pattern must be a str (e.g. 'decoder/*') or a compiled str regex "
+    r"(e.g. re.compile(r'block_\d+/attn'), not re.compile(b'...')), or the "
+    "rule matches by module type (e.g. nn.Dense)."
 )
 
 Override = Union[policy_lib.Policy, FullPrecision]
@@ -241,8 +256,12 @@ class ModuleRulesBase:
             " syntax; '*' also matches '/')."
         )
       return match
-    if isinstance(match, re.Pattern):
-      return match  # a bytes pattern: re raises TypeError on the first match
+    if isinstance(match, re.Pattern) and isinstance(match.pattern, str):
+      return match
+    if isinstance(match, (bytes, bytearray, re.Pattern)):
+      # A bytes regex (re.compile(b'...')) or bytes key: paths are str.
+      raise TypeError(f"{where}: {_describe_match_raw(match)} is a bytes "
+                      f"pattern; module paths are str. {BYTES_PATTERN}")
     classes = match if isinstance(match, tuple) else (match,)
     for c in classes or (match,):  # an empty tuple is refused like a non-class
       cls._check_module_class(where, c)
@@ -356,8 +375,11 @@ def _describe_match_raw(match: Any) -> str:
     return match.__name__
   if isinstance(match, tuple) and all(isinstance(c, type) for c in match):
     return _describe_match(match)
-  if isinstance(match, (str, re.Pattern)):
+  if isinstance(match, str) or (isinstance(match, re.Pattern)
+                                and isinstance(match.pattern, str)):
     return _describe_match(match)
+  if isinstance(match, re.Pattern):
+    return f"re.compile({match.pattern!r})"
   return repr(match)
 
 
