@@ -189,14 +189,18 @@ def assert_finite_figures(runs, numbers, steps):
     assert len(run["loss_scale_history"]) == steps, name
 
 
-def orbax_round_trip(tree, path):
+def orbax_round_trip(tree, path, target=None):
   """``tree`` saved with orbax's ``StandardCheckpointer`` at ``path`` and
-  restored into its own structure (abstract target); skips without orbax."""
-  ocp = pytest.importorskip("orbax.checkpoint")
+  restored into ``target`` (an abstract tree: the documented
+  ``jax.eval_shape(opt.init, params)`` for an optimizer state; by default
+  ``tree``'s own structure). orbax is in the ``test`` extra: never skipped."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  if target is None:
+    target = jax.eval_shape(lambda: tree)
   with ocp.StandardCheckpointer() as checkpointer:
     checkpointer.save(path, tree)
     checkpointer.wait_until_finished()
-    return checkpointer.restore(path, jax.eval_shape(lambda: tree))
+    return checkpointer.restore(path, target)
 
 
 # ---------------------------------------------------------------------------

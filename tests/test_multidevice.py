@@ -414,9 +414,12 @@ def test_fsdp_state_shardings_the_optax_way(name, make):
   param_shardings = jax.tree.map(lambda p: NamedSharding(mesh, _fsdp_spec(p)),
                                  params)
   state = opt.init(params)
+  # A param master_weights keeps nothing for holds optax.MaskedNode() (no
+  # leaf, as in optax.masked's state): is_leaf= hands it to f, which keeps it.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
   shardings = optax.tree_map_params(
-      opt, lambda _, s: s, state, param_shardings,
-      transform_non_params=lambda _: replicated)
+      opt, lambda p, s: p if masked(p) else s, state, param_shardings,
+      transform_non_params=lambda _: replicated, is_leaf=masked)
   abstract = jax.eval_shape(opt.init, params)
   assert jax.tree.structure(abstract) == jax.tree.structure(state)
   assert jax.tree.structure(shardings) == jax.tree.structure(state)
@@ -454,3 +457,93 @@ def test_fsdp_state_shardings_the_optax_way(name, make):
           jax.tree.map(np.asarray, optax.tree.get(out1[1], field)))
   for p in jax.tree.leaves(out8[0]):
     assert np.all(np.isfinite(np.asarray(p, F32)))
+
+
+# ---------------------------------------------------------------------------
+# Delayed float8 state under pmap/shard_map: global amaxes by default.
+# ---------------------------------------------------------------------------
+
+# A recipe without axis_name; the head in float8 too (two layers of state).
+FP8_DELAYED = "p=f32,c=bf16,o=f32,m=fp8_delayed(include_output_head=true)"
+
+
+def _fp8_batch():
+  """(32, 32) inputs, 4 rows per device; device 3's rows hold an outlier, so
+  its local amax is not the others'."""
+  x = np.random.default_rng(5).normal(size=(4 * N, 32)).astype(np.float32)
+  x[4 * BAD_DEVICE, 0] = 300.0
+  return jnp.asarray(x)
+
+
+def _linen_fp8():
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jmp_lite.linen as jlinen  # pylint: disable=import-outside-toplevel
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(16, name="head")(nn.relu(nn.Dense(32, name="inp")(x)))
+
+  model = jlinen.apply_policy(Mlp(), FP8_DELAYED)
+  variables = jax.jit(model.init)(jax.random.key(0), _fp8_batch()[:4])
+
+  def step(variables, x):
+    """One training step's float8 state: loss and gradients run, the
+    histories rolled."""
+    def loss(params):
+      y, updates = model.apply({**variables, "params": params}, x,
+                               mutable=["fp8_state"])
+      return jnp.mean(jnp.square(y)), updates
+    (_, updates), _ = jax.value_and_grad(loss, has_aux=True)(
+        variables["params"])
+    return updates["fp8_state"]
+
+  return variables, step
+
+
+@pytest.mark.parametrize("kind", ["pmap", "shard_map"])
+def test_delayed_fp8_histories_agree_across_replicas_by_default(kind):
+  """Issue 36, item 4: without axis_name each replica kept its own shard's
+  amaxes. By default the amaxes are reduced over every bound axis: each
+  replica's histories are those of one jitted step on the whole batch."""
+  variables, step = _linen_fp8()
+  x = _fp8_batch()
+  whole = jax.jit(step)(variables, x)
+  if kind == "pmap":
+    out = jax.pmap(step, in_axes=(None, 0))(variables, x.reshape(N, 4, 32))
+    for leaf in jax.tree.leaves(out):
+      assert all(np.array_equal(leaf[0], leaf[i]) for i in range(N))
+    out = jax.tree.map(lambda leaf: leaf[0], out)
+  else:
+    # Several mesh axes, the batch over one: out_specs P() (replicated)
+    # type-checks only if the histories vary over neither axis.
+    mesh = _mesh((4, 2), ("data", "model"))
+    out = jax.jit(shard_map(step, mesh=mesh, in_specs=(P(), P("data")),
+                            out_specs=P()))(variables, x)
+  jax.tree.map(np.testing.assert_array_equal, out, whole)
+  assert float(jax.lax.bitcast_convert_type(
+      out["inp"]["lhs"][0], jnp.float32)) == 300.0
+
+
+def test_delayed_fp8_named_vmap_and_explicit_axis_name():
+  """A vmap with an axis_name binds a mapped axis too; an explicit axis_name
+  is kept (here the only bound axis, so the same result)."""
+  from jmp_lite import fp8  # pylint: disable=import-outside-toplevel
+  x = _fp8_batch().reshape(N, 4, 32)
+  w = jnp.ones((32, 16), jnp.float32)
+  dims = (((1,), (0,)), ((), ()))
+
+  def amax_lhs(config):
+    def fn(x):
+      scales = fp8.DelayedScales(jnp.float32(1.0), jnp.float32(1.0))
+      _, vjp = jax.vjp(lambda s: fp8.fp8_dot_general(
+          x, w, dims, config=config, scales=s), scales)
+      return vjp(jnp.ones((4, 16), jnp.float32))[0].lhs
+    return fn
+
+  for config in (fp8.Fp8Config(scaling="delayed"),
+                 fp8.Fp8Config(scaling="delayed", axis_name="v")):
+    out = jax.jit(jax.vmap(amax_lhs(config), axis_name="v"))(x)
+    np.testing.assert_array_equal(out, np.full(N, 300.0))
+  # Outside any mapped axis nothing is reduced (jit: the amax is global).
+  assert float(jax.jit(amax_lhs(fp8.Fp8Config(scaling="delayed")))(x[0])) < 300

@@ -137,17 +137,16 @@ class MasterWeightsState(NamedTuple):
       structure: every floating param narrower than the master dtype
       (bfloat16, float16) has its copy there, in the master dtype and with the
       param's sharding; the other params (already in the master dtype, or not
-      floating) need none and hold an empty array (no bytes) in their own
-      dtype, of shape ``(0,) * max(ndim, 1)``: every param has a leaf, so
-      ``optax.tree_map_params`` maps the params' shardings over the tree. It
+      floating) need none and hold ``optax.MaskedNode()`` (no leaf, no bytes:
+      optax's marker of a param without state, as in ``optax.masked``). It
       is authoritative: after each step
       ``params == master_params.astype(params.dtype)``, bit for bit. Read it,
       completed with those params, with :func:`get_master_params`.
     compensation: ``method="kahan"``: a tree with the params' structure
       holding, for each bfloat16 or float16 param, what rounding took from it
       (the float32 value minus the param) as an ``int16`` count of 2**-16 of
-      the param's spacing, with the param's sharding; an empty array, as in
-      ``master_params``, for the other params. :func:`get_master_params`
+      the param's spacing, with the param's sharding; ``optax.MaskedNode()``,
+      as in ``master_params``, for the other params. :func:`get_master_params`
       adds it back.
     rng_key: ``method="stochastic_rounding"``: the raw ``uint32`` PRNG key
       (``jax.random.key_data``) made from ``seed``; each update splits it,
@@ -157,8 +156,8 @@ class MasterWeightsState(NamedTuple):
     >>> import jax.numpy as jnp, optax, jmp_lite
     >>> opt = jmp_lite.master_weights(optax.sgd(0.1))
     >>> state = opt.init({"w": jnp.ones(2, jnp.bfloat16), "scale": jnp.ones(2)})
-    >>> state.master_params["w"].dtype, state.master_params["scale"].size
-    (dtype('float32'), 0)
+    >>> state.master_params["w"].dtype, state.master_params["scale"]
+    (dtype('float32'), MaskedNode())
     >>> state.compensation, state.rng_key
     (None, None)
   """
@@ -210,21 +209,15 @@ def _mismatch(state: Any, made: str | None) -> dict[str, str]:
               "checkpoint into that optimizer's init)")
 
 
-def _nothing(p: Any) -> jax.Array:
-  """The leaf a param without a master copy or compensation has in the
-  per-param trees: empty (no bytes), in the param's dtype, of the param's
-  rank (at least 1), so the param's sharding applies to it."""
-  return jnp.zeros((0,) * max(np.ndim(p), 1), _dtype_of(p))
+#: The entry of a per-param tree (``master_params``, ``compensation``) for a
+#: param the state keeps nothing for: optax's marker, a pytree node without
+#: leaves, so it costs no bytes and checkpoints (orbax refuses zero-size
+#: arrays) and ``jax.eval_shape`` keep it as it is.
+_NOTHING = optax.MaskedNode()
 
 
 def _dtype_of(p: Any) -> np.dtype:
   return np.dtype(p.dtype) if hasattr(p, "dtype") else np.result_type(p)
-
-
-def _holds_value(slot: Any, p: Any) -> bool:
-  """Whether a per-param leaf holds a value for ``p`` (not ``_nothing``)."""
-  return np.shape(slot) == np.shape(p) and (
-      np.size(p) > 0 or np.dtype(slot.dtype) != _dtype_of(p))
 
 
 def _check_seed(seed: Any, method: str, owner: str) -> int | None:
@@ -367,20 +360,22 @@ def master_weights(
           params=_shown_paths(unrepresented)))
     if method != "copy":
       _check_rounded_params(params, method, owner)
-    # Every per-param leaf is made from its param by jax.tree.map (so
+    # Every per-param entry is made from its param by jax.tree.map (so
     # optax.tree_map_params, which runs init on a placeholder for the whole
-    # params tree, sees a params tree here), one or two ops per param: no
-    # arithmetic runs eagerly at init (each op would compile per shape).
+    # params tree, sees a params tree here; its is_leaf= maps the params'
+    # shardings over the MaskedNode entries, as for optax.masked), one or two
+    # ops per param: no arithmetic runs eagerly at init (each op would
+    # compile per shape).
     if method == "copy":
       master = jax.tree.map(
           lambda p: jnp.asarray(p, master_dtype) if narrower(p)
-          else _nothing_for(p), params)
+          else _NOTHING, params)
       state = MasterWeightsState(inner_state=None, master_params=master)
       inner_params = _inner_params(params, state)
     elif method == "kahan":
       compensation = jax.tree.map(
           lambda p: jnp.zeros_like(p, _COMPENSATION_DTYPE) if _rounded(p)
-          else _nothing_for(p), params)
+          else _NOTHING, params)
       state = MasterWeightsState(
           inner_state=None, master_params=None, compensation=compensation)
       # No compensation yet: params + compensation are the params.
@@ -431,12 +426,6 @@ def master_weights(
     return updates_out, state._replace(inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _nothing_for(p: Any) -> Any:
-  """``_nothing(p)`` for an array or number; other leaves (objects) keep
-  ``None``."""
-  return _nothing(p) if checks.is_array(p) or checks.is_real_number(p) else None
 
 
 def _as_f32(params: Any) -> Any:
@@ -510,8 +499,9 @@ def _inner_params(params: Any, state: MasterWeightsState) -> Any:
 
 
 def _holds(slot: Any, p: Any) -> bool:
-  """``_holds_value`` for a per-param leaf that may be None (an object)."""
-  return slot is not None and _holds_value(slot, p)
+  """Whether a per-param entry holds a value for ``p`` (an array of its
+  shape, not :data:`_NOTHING`)."""
+  return checks.is_array(slot) and np.shape(slot) == np.shape(p)
 
 
 def _rounded(p: Any) -> bool:
