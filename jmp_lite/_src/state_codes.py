@@ -87,7 +87,6 @@ _SCALE_BYTES = 4
 #: Below this magnitude a moment counts as zero (float32's smallest normal).
 _TINY = 2.0**-126
 _E4M3_MAX = 448.0
-_E4M3_MIN_SUBNORMAL = 2.0**-9
 # e4m3 value / 448 for each of the 256 bit patterns (NaN for 0x7F, 0xFF).
 _E4M3_OVER_MAX = (np.arange(256, dtype=np.uint8).view(_E4M3).astype(_F32)
                   / _F32.type(_E4M3_MAX)).astype(_F32)
@@ -184,6 +183,21 @@ LINEAR4_UNSIGNED = _code_book(
     True)
 
 
+def _e4m3_book(zero_free: bool) -> tuple[CodeBook, np.ndarray]:
+  """e4m3's finite values over 448 (rounded to float32, as decoding reads
+  them), sorted, one per value (-0 left out), and each one's e4m3 bits."""
+  bits = [b for b in range(256) if np.isfinite(_E4M3_OVER_MAX[b]) and b != 0x80]
+  bits.sort(key=lambda b: float(_E4M3_OVER_MAX[b]))
+  exact = [Fraction(float(_E4M3_OVER_MAX[b])) for b in bits]
+  return (_code_book("e4m3 / 448" + (", zero unreachable" if zero_free
+                                      else ""), exact, zero_free),
+          np.array(bits, np.uint8))
+
+
+E4M3_SIGNED, _E4M3_SIGNED_BITS = _e4m3_book(False)
+E4M3_UNSIGNED, _E4M3_UNSIGNED_BITS = _e4m3_book(True)
+
+
 # -- formats -------------------------------------------------------------------
 
 
@@ -213,6 +227,8 @@ class StateFormat:
     return self.kind != "float"
 
   def book(self, non_negative: bool) -> CodeBook:
+    if self.kind == "e4m3":
+      return E4M3_UNSIGNED if non_negative else E4M3_SIGNED
     if self.bits == 8:
       return DYNAMIC8_UNSIGNED if non_negative else DYNAMIC8_SIGNED
     return LINEAR4_UNSIGNED if non_negative else DYNAMIC4_SIGNED
@@ -314,48 +330,60 @@ def _flush(x: jax.Array) -> jax.Array:
   return jnp.where(jnp.abs(x) < _TINY, jnp.zeros_like(x), x)
 
 
-def _absmax(blocks: jax.Array) -> jax.Array:
-  """Each block's absmax, NaN where a block holds NaN or inf."""
+def _extreme(blocks: jax.Array, absolute: bool) -> jax.Array:
+  """Each block's scale: its largest magnitude, unless ``absolute`` with
+  that element's sign (the positive one on a tie), so that it normalises to
+  the code book's +1 and decodes to exactly itself (the signed books hold no
+  -1); NaN where a block holds NaN or inf."""
   # Flagged explicitly: a max reduction need not propagate NaN.
   finite = jnp.all(jnp.isfinite(blocks), axis=-1)
-  absmax = jnp.max(jnp.abs(blocks), axis=-1)
-  return jnp.where(finite, absmax, jnp.float32(jnp.nan))
+  if absolute:
+    scale = jnp.max(jnp.abs(blocks), axis=-1)
+  else:
+    high, low = jnp.max(blocks, axis=-1), jnp.min(blocks, axis=-1)
+    scale = jnp.where(high >= -low, high, low)
+  return jnp.where(finite, scale, jnp.float32(jnp.nan))
 
 
-def _normalised(blocks: jax.Array, absmax: jax.Array) -> jax.Array:
-  """``x / absmax`` in [-1, 1]; 0 in zero blocks, NaN in non-finite ones."""
-  safe = jnp.where(absmax > 0, absmax, jnp.float32(1.0))
-  return blocks / safe[..., None]
+def _split_scale(scale: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``|scale| = m * 2**e`` with ``1 <= m < 2`` (float32 scales are normal or
+  0 here): ``(m, 2**-a, 2**-b)`` with ``a + b = e``, each factor a normal
+  float32 (``2**-127`` is not), the sign of ``scale`` on ``2**-a``. A zero or
+  NaN scale gives ``m = 1``, ``e = 0``."""
+  bits = lax.bitcast_convert_type(jnp.abs(scale), jnp.int32)
+  usable = (scale != 0) & ~jnp.isnan(scale)
+  bits = jnp.where(usable, bits, jnp.int32(0x3F800000))
+  e = lax.shift_right_logical(bits, 23) - 127
+  m = lax.bitcast_convert_type((bits & 0x7FFFFF) | 0x3F800000, jnp.float32)
+  a = lax.shift_right_arithmetic(e, 1)
+  first = dtypes.pow2(-a)
+  first = jnp.where(scale < 0, -first, first)
+  return m, first, dtypes.pow2(a - e)
 
 
-def nearest_codes(xn: jax.Array, book: CodeBook) -> jax.Array:
-  """The nearest code of each normalised value (ties to the lower code), by
-  a binary search over the thresholds; int32. NaN takes code 0."""
-  thresholds = jnp.asarray(book.thresholds)
-  index = jnp.zeros(xn.shape, jnp.int32)
-  step = len(book.values) // 2
+def nearest_codes(x: jax.Array, scale: jax.Array, book: CodeBook) -> jax.Array:
+  """The code of each ``x`` under ``scale`` (broadcast against ``x``): the
+  number of the book's thresholds ``t`` with ``y > fl(t * m)``, where
+  ``scale = +-m * 2**e`` (``1 <= m < 2``), ``y = x / (+-2**e)`` (exact,
+  computed as two multiplications by powers of two; ``|y| < 2**-126`` counts
+  as 0) and ``fl`` rounds the product to float32. No division and no
+  reciprocal: every backend computes the same codes. A zero scale takes the
+  code of 0 (``x`` is 0 there), NaN code 0. Binary search; int32."""
+  m, first, second = _split_scale(scale)
+  y = _flush((x * first) * second)
+  size = 1 << (len(book.values) - 1).bit_length()
+  thresholds = jnp.asarray(np.concatenate([
+      book.thresholds, np.full(size - len(book.values), np.inf, _F32)]))
+  index = jnp.zeros(jnp.broadcast_shapes(x.shape, m.shape), jnp.int32)
+  step = size // 2
   while step:
     candidate = index + step
-    above = xn > jnp.take(thresholds, candidate - 1, mode="clip")
+    above = y > jnp.take(thresholds, candidate - 1, mode="clip") * m
     index = jnp.where(above, candidate, index)
     step //= 2
   if book.first:
-    index = jnp.where(jnp.isnan(xn), 0, jnp.maximum(index, book.first))
+    index = jnp.where(jnp.isnan(y), 0, jnp.maximum(index, book.first))
   return index
-
-
-def _e4m3_codes(xn: jax.Array, non_negative: bool) -> jax.Array:
-  """``xn * 448`` on e4m3's grid (nearest, ties to even) as its bits (int8)."""
-  v = jnp.clip(xn * jnp.float32(_E4M3_MAX), -_E4M3_MAX, _E4M3_MAX)
-  if non_negative:
-    v = jnp.maximum(v, jnp.float32(_E4M3_MIN_SUBNORMAL))
-  # Rounded here, in float32 on e4m3's grid, so the cast only re-encodes a
-  # representable value (a bare float32 -> float8 cast rounds twice on some
-  # jaxlibs' XLA:CPU).
-  k = dtypes.spacing_exponent(v, 3, -6)
-  v = jnp.round(v * dtypes.pow2(-k)) * dtypes.pow2(k)
-  v = jnp.where(jnp.isnan(v), jnp.zeros_like(v), v)
-  return lax.bitcast_convert_type(v.astype(_E4M3), jnp.int8)
 
 
 def quantize_blocks(x: jax.Array, fmt: StateFormat,
@@ -370,19 +398,22 @@ def quantize_blocks(x: jax.Array, fmt: StateFormat,
 
   Returns:
     ``codes`` (``(*lead, nb, block)``: uint8 code indices, int8 e4m3 bits)
-    and ``scales`` (``(*lead, nb)`` float32 absmax, NaN for a non-finite
-    block).
+    and ``scales`` (``(*lead, nb)`` float32: the block's largest magnitude,
+    signed for a signed moment; NaN for a non-finite block).
   """
   blocks = _blocks(_flush(x.astype(_F32)), fmt.block_size)
-  absmax = _absmax(blocks)
-  xn = _normalised(blocks, absmax)
-  if fmt.kind == "e4m3":
-    codes = _e4m3_codes(xn, non_negative)
+  # e4m3's grid is symmetric (-1 is a code): its scale is the absmax.
+  scale = _extreme(blocks, non_negative or fmt.kind == "e4m3")
+  index = nearest_codes(blocks, scale[..., None], fmt.book(non_negative))
+  if fmt.kind == "e4m3":  # sorted index -> e4m3 bits
+    bits = _E4M3_UNSIGNED_BITS if non_negative else _E4M3_SIGNED_BITS
+    codes = lax.bitcast_convert_type(
+        jnp.take(jnp.asarray(bits), index, mode="clip"), jnp.int8)
   else:
-    codes = nearest_codes(xn, fmt.book(non_negative)).astype(jnp.uint8)
-  nonfinite = jnp.isnan(absmax)[..., None]
+    codes = index.astype(jnp.uint8)
+  nonfinite = jnp.isnan(scale)[..., None]
   codes = jnp.where(nonfinite, jnp.zeros_like(codes), codes)
-  return codes, absmax
+  return codes, scale
 
 
 def dequantize_blocks(codes: jax.Array, scales: jax.Array, fmt: StateFormat,
@@ -396,7 +427,7 @@ def dequantize_blocks(codes: jax.Array, scales: jax.Array, fmt: StateFormat,
     table = jnp.asarray(fmt.book(non_negative).values)
     index = codes
   v = jnp.take(table, index.astype(jnp.int32), mode="clip")
-  return v * scales[..., None]
+  return _flush(v * scales[..., None])
 
 
 def pack(codes: jax.Array, scales: jax.Array, fmt: StateFormat) -> jax.Array:
@@ -479,9 +510,10 @@ def encode_rank1(x: jax.Array) -> jax.Array:
   """A non-negative 2-D moment in the rank-1 layout (module docstring)."""
   x = _flush(x.astype(_F32))
   rows, cols = rank1_scales(x)
-  scale = _rank1_scale(rows, cols)
-  safe = jnp.where(scale > 0, scale, jnp.float32(1.0))
-  codes = nearest_codes(x / safe, LINEAR4_UNSIGNED).astype(jnp.uint8)
+  # (A row or column of values <= 0 has a scale <= 0: they all take the
+  # smallest code, as under scale 0.)
+  scale = jnp.maximum(_rank1_scale(rows, cols), jnp.float32(0))
+  codes = nearest_codes(x, scale, LINEAR4_UNSIGNED).astype(jnp.uint8)
   codes = jnp.where(jnp.isnan(scale), jnp.zeros_like(codes), codes)
   n_rows, n = x.shape
   code_bytes, per_row = _rank1_widths(x.shape)
@@ -507,7 +539,7 @@ def decode_rank1(stored: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   codes = jnp.stack([low, high], axis=-1).reshape(n_rows, 2 * code_bytes)
   values = jnp.take(jnp.asarray(LINEAR4_UNSIGNED.values),
                     codes[:, :n].astype(jnp.int32), mode="clip")
-  return values * _rank1_scale(rows, cols)
+  return _flush(values * _rank1_scale(rows, cols))
 
 
 # -- one moment ------------------------------------------------------------------
