@@ -234,6 +234,76 @@ def test_zero_operands_give_zeros_not_nan():
       assert np.all(v == 0)
 
 
+def _positive(shape, seed, low, high):
+  """Positive normal float32 values (no cancellation: no partial sum of a
+  dot passes through the float32 subnormals, which XLA:CPU flushes)."""
+  return np.random.default_rng(seed).uniform(low, high, shape).astype(F32)
+
+
+def _exact_mx(x, rule="round_up"):
+  """float64 (P, C): x quantized by the NumPy reference, dequantized exactly."""
+  values, codes = ref.mxfp4(x, rule)
+  p, c = values.shape
+  scales = np.exp2(codes.astype(np.float64) - 127)
+  return (values.reshape(p, c // 32, 32) * scales[..., None]).reshape(p, c)
+
+
+def test_mxfp4_smallest_scale_reaches_the_product():
+  """An activation whose blocks have amax near 1e-38 (E8M0 scales 2**-127
+  and 2**-126) and the smallest normal float32: forward and both gradients
+  equal the exact product of the reference's quantized operands. Code 0's
+  2**-127 is a float32 subnormal, and so are its blocks' small elements
+  (0.5 * 2**-127): XLA:CPU flushed them to zero."""
+  tiny = 2.0**-126
+  x = _positive((32, 64), 30, tiny, 1.2e-38)
+  x[0] = tiny
+  x[1] = _positive((64,), 31, tiny, 7e-38)
+  w, g = _positive((64, 32), 32, 1, 6), _positive((32, 32), 33, 1, 6)
+  config = fp4.Fp4Config("mxfp4", stochastic_rounding=False, rht=False)
+  y, dx, dw = _value_and_grads(config, x, w, g)
+  for got, want in ((y, _exact_mx(x) @ _exact_mx(w.T).T),
+                    (dx, _exact_mx(g) @ _exact_mx(w).T),
+                    (dw, (_exact_mx(g.T) @ _exact_mx(x.T).T).T)):
+    assert np.all(want >= tiny)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
+def test_mxfp8_smallest_scales_reach_the_product():
+  """MXFP8's blocks near 1e-38 get the E8M0 scale 2**-126 (never 2**-127
+  for a nonzero block): forward and both gradients equal the exact product
+  of the quantized operands."""
+  from jmp_lite import fp8  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.fp8 import scaling  # pylint: disable=g-import-not-at-top
+  tiny = 2.0**-126
+  x = _positive((32, 64), 34, tiny, 1.2e-38)
+  x[0] = tiny
+  w, g = _positive((64, 32), 35, 1, 6), _positive((32, 32), 36, 1, 6)
+  config = fp8.Fp8Config(granularity="mxfp8")
+
+  @jax.jit
+  def value_and_grads(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(
+        x, w, MATMUL, config=config), x, w)
+    return (y,) + vjp(g)
+
+  y, dx, dw = value_and_grads(x, w, g)
+
+  quantize = jax.jit(scaling.quantize, static_argnums=(1, 2))
+
+  def exact(a, fmt):
+    q = quantize(a, fmt, "mxfp8")
+    assert np.all(np.asarray(q.scale.astype(jnp.float32)) >= tiny)
+    codes = np.asarray(jax.lax.bitcast_convert_type(q.scale, jnp.uint8))
+    scales = np.repeat(np.exp2(codes.astype(np.float64) - 127), 32, -1)
+    return np.asarray(q.values.astype(jnp.float32), np.float64) * scales
+
+  for got, want in ((y, exact(x, "e4m3") @ exact(w.T, "e4m3").T),
+                    (dx, exact(g, "e5m2") @ exact(w, "e4m3").T),
+                    (dw, (exact(g.T, "e5m2") @ exact(x.T, "e4m3").T).T)):
+    assert np.all(want >= tiny)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+
+
 # ---------------------------------------------------------------------------
 # Stochastic rounding in the backward pass.
 # ---------------------------------------------------------------------------
@@ -411,7 +481,8 @@ def test_matmul_errors():
     fp4.fp4_dot_general(x, w, MATMUL, preferred_element_type=jnp.float4_e2m1fn)
   with pytest.raises(TypeError, match="config must be an Fp4Config"):
     fp4.fp4_dot_general(x, w, MATMUL, config="nvfp4")
-  with pytest.raises(TypeError, match="contracting dimensions to have the same"):
+  with pytest.raises(TypeError, match="contracting (dimensions to have the "
+                     "same|axes have sizes)"):
     fp4.fp4_dot_general(x, w, (((0,), (0,)), ((), ())))
   with pytest.raises(TypeError, match="PRNG key"):
     jax.grad(lambda w: fp4.fp4_dot_general(x, w, MATMUL, key=0).sum())(w)

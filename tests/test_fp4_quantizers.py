@@ -215,6 +215,37 @@ def test_mxfp4_scale_rules_differ_as_specified():
   assert float(dequantize(floor)[0, 0]) == 6.0
 
 
+def _tiny_normal(shape, seed, high=1.2e-38):
+  """Normal float32 values in [2**-126, high] with random signs (no float32
+  subnormal: XLA:CPU flushes those as inputs, NumPy does not)."""
+  rng = np.random.default_rng(seed)
+  tiny = np.float32(2.0**-126)
+  return (np.where(rng.random(shape) < 0.5, -1, 1) *
+          rng.uniform(tiny, high, shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("rule", fp4.MX_SCALE_RULES)
+def test_mxfp4_smallest_scale_is_not_flushed(rule):
+  """Blocks whose amax is near 1e-38 (scale 2**-127 or 2**-126) and the
+  smallest normal float32, 2**-126: dequantized exactly wherever the value
+  is a normal float32 (code 0's 2**-127 is a float32 subnormal, which
+  XLA:CPU flushes to zero in a product)."""
+  x = _tiny_normal((4, 64), 11)
+  x[0] = np.float32(2.0**-126) * np.where(np.arange(64) % 2, -1, 1)
+  x[1, :32] = np.float32(2.0**-126) * (1 + np.arange(32) / 32)
+  x[3] = _tiny_normal((64,), 12, high=7e-38)    # scale 2**-126
+  q = jax.jit(fp4.quantize_mxfp4, static_argnames="scale_rule")(
+      x, scale_rule=rule)
+  values, codes = ref.mxfp4(x, rule)
+  np.testing.assert_array_equal(_bits(q.scales), codes)
+  assert (codes == 0).any() and (codes == 1).any()
+  want = ref.dequantize_mxfp4(values, codes)
+  got = np.asarray(jax.jit(fp4.dequantize_fp4)(q))
+  normal = np.abs(want) >= 2.0**-126
+  assert normal.sum() > 100 and np.all(np.abs(want[0]) == 2.0**-126)
+  _same(got[normal], want[normal])
+
+
 def test_mxfp4_round_up_matches_jax_quantizer_where_it_has_one():
   try:
     from jax._src.cudnn import scaled_matmul_stablehlo as jax_mx  # pylint: disable=g-import-not-at-top

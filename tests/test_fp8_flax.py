@@ -234,6 +234,36 @@ def test_linen_state_errors():
     opt.init(variables)
 
 
+HEAD = "p=f32,c=bf16,o=f32,m=fp8_delayed(include_output_head=true)"
+
+
+@pytest.mark.standard_promotion
+def test_linen_delayed_recipe_with_the_head_inits_applies_and_trains():
+  """Issue 36, item 3: init kept no history for the head whatever the
+  recipe said, and every apply then failed blaming the user."""
+  model, variables = linen_model(HEAD)
+  assert set(variables["fp8_state"]) == {"inp", "mid", "blocks", "head"}
+  assert jax.tree.map(jnp.shape, variables["fp8_state"]["head"]) == {
+      "lhs": (16,), "rhs": (16,)}
+  # Every dot in float8, the head's included.
+  assert jaxpr_dots(lambda v: model.apply(v, X), variables) == [E4] * 4
+  opt = jmp_lite.loss_scaling(optax.adam(1e-3),
+                              jmp_lite.DynamicLossScale(jnp.float32(2**15)))
+  opt_state = opt.init(variables["params"])
+  step = jax.jit(linen_step(model, opt))
+  for _ in range(2):
+    variables, opt_state, value = step(variables, opt_state, X, Y)
+    assert np.isfinite(float(value))
+  head = amaxes(variables["fp8_state"]["head"]["lhs"])
+  assert head[0] > 0 and head[1] > 0 and not np.any(head[2:])
+  # The error now fires for a real mistake only: a state made under the
+  # default recipe (no history for the head) handed to this one.
+  _, default = linen_model(DELAYED)
+  with pytest.raises(ValueError, match="no amax history for the matmul at "
+                     "head.*include_output_head=False"):
+    model.apply(default, X)
+
+
 @pytest.mark.standard_promotion
 def test_linen_plain_optax_loop_keeps_the_state_intact():
   """The loop of Flax's docs: the optimizer sees variables['params'] only."""

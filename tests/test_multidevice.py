@@ -547,3 +547,33 @@ def test_delayed_fp8_named_vmap_and_explicit_axis_name():
     np.testing.assert_array_equal(out, np.full(N, 300.0))
   # Outside any mapped axis nothing is reduced (jit: the amax is global).
   assert float(jax.jit(amax_lhs(fp8.Fp8Config(scaling="delayed")))(x[0])) < 300
+
+
+def test_delayed_fp8_nnx_histories_agree_under_shard_map():
+  """The NNX route: the module's histories after a call on the batch split
+  over 'data' (of two mesh axes) are those of one call on the whole batch."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jmp_lite.nnx as jnnx  # pylint: disable=import-outside-toplevel
+
+  class Mlp(nnx.Module):
+    def __init__(self, rngs):
+      self.inp = nnx.Linear(32, 32, rngs=rngs)
+      self.head = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(nnx.relu(self.inp(x)))
+
+  graphdef, state = nnx.split(
+      jnnx.apply_policy(Mlp(nnx.Rngs(0)), FP8_DELAYED))
+
+  def call(state, x):
+    model = nnx.merge(graphdef, state)
+    model(x)
+    return nnx.state(model, jnnx.Fp8State)
+
+  x = _fp8_batch()
+  whole = jax.jit(call)(state, x)
+  mesh = _mesh((4, 2), ("data", "model"))
+  out = jax.jit(shard_map(call, mesh=mesh, in_specs=(P(), P("data")),
+                          out_specs=P()))(state, x)
+  jax.tree.map(np.testing.assert_array_equal, out, whole)

@@ -592,6 +592,28 @@ def varying_axes(x: Any) -> frozenset:
   return frozenset(getattr(aval, "vma", None) or ())
 
 
+def bound_axis_names() -> tuple[Any, ...]:
+  """The mapped axes bound where this runs, outermost first: those of every
+  enclosing ``pmap`` (an unnamed one's internal name too), ``shard_map``
+  (its manual axes) and ``vmap`` with an ``axis_name``; empty under
+  ``jax.jit`` alone, whose sharded arrays are global.
+
+  JAX's axis environment (``jax._src.core.get_axis_env``, the same in
+  jax 0.10 to 0.12), not the Python call stack.
+  """
+  core = _load_quietly("jax._src.core")
+  get_env = getattr(core, "get_axis_env", None)
+  sizes = getattr(get_env(), "axis_sizes", None) if get_env else None
+  if sizes is None:
+    raise UnsupportedJaxError(
+        f"jmp_lite cannot read the mapped axes in force from jax "
+        f"{jax.__version__} (jax._src.core.get_axis_env().axis_sizes is "
+        f"missing): a float8 delayed-scaling recipe without axis_name needs "
+        f"them. Install a jax jmp_lite is tested with (pip install "
+        f"'{JAX_REQUIREMENT}'), or give the recipe its axis_name.")
+  return tuple(sizes)
+
+
 
 # -- explicit sharding (sharding in types) ---------------------------------------
 #

@@ -42,9 +42,14 @@ _BITS = np.dtype(np.uint32)
 #: A delayed-scaling layer with no history in the state handed to apply.
 MISSING_HISTORY = (
     "jmp_lite: the float8 state has no amax history for the matmul at "
-    "{path}. The state comes from PolicyModel.init (the 'fp8_state' "
-    "collection): pass init's variables (with their 'fp8_state') to apply, "
-    "and re-create them with init after changing the model or its rules."
+    "{path}, which runs a delayed-scaling recipe here. The state passed in "
+    "was made for another model, other module rules or another recipe (e.g. "
+    "one with include_output_head=False, which keeps the output head out of "
+    "float8 and no history for it), or lost this entry. Pass the variables "
+    "that init made for this very model and policy (params and "
+    "'fp8_state'): re-create them with init after changing the model, its "
+    "rules or its recipe, or restore a checkpoint saved from the same "
+    "configuration."
 )
 #: A stored layer entry that is not ``{"lhs": history, "rhs": history}``.
 MALFORMED_HISTORY = (
@@ -140,12 +145,13 @@ def check_histories(stored: Any, path: str,
 def delayed_scales(stored: Any, x: Any, y: Any, config: config_lib.Fp8Config
                    ) -> tuple[matmul_lib.DelayedScales, dict]:
   """This step's scales of the two operands, and the rolled histories."""
-  amax = [lax.stop_gradient(jnp.max(jnp.abs(v.astype(_F32)), initial=0.0))
+  # Every replica records (and scales from) the global amax: over the
+  # recipe's axis_name, or else every mapped axis bound here.
+  config = scaling_lib.with_bound_axes(config)
+  matmul_lib.check_axis_bound(config)
+  amax = [scaling_lib.global_amax(lax.stop_gradient(
+      jnp.max(jnp.abs(v.astype(_F32)), initial=0.0)), config.axis_name)
           for v in (x, y)]
-  if config.axis_name is not None:
-    # Every replica records (and scales from) the global amax.
-    matmul_lib.check_axis_bound(config)
-    amax = [lax.pmax(v, config.axis_name) for v in amax]
   fmt = config.forward
   scales, new = [], {}
   for name, value in zip(("lhs", "rhs"), amax):
@@ -252,6 +258,8 @@ class Matmul:
       if stored is None:
         config = _current(config)
       else:
+        # The incoming gradient's (current) scale is global too.
+        config = scaling_lib.with_bound_axes(config)
         scales, new = delayed_scales(stored, lhs, rhs, config)
         if histories[1] is not None:
           histories[1](new)

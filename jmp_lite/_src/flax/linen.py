@@ -284,7 +284,8 @@ class PolicyModel:
     policy has a float8 recipe, the model is also traced once more
     (abstractly) to find its output head, cached for ``apply``; a
     delayed-scaling recipe's layers create the ``"fp8_state"`` collection:
-    zero amax histories for each float8 layer but the head (``docs/fp8.md``).
+    zero amax histories for each float8 layer, the output head included only
+    where its recipe says ``include_output_head=True`` (``docs/fp8.md``).
 
     Args:
       rngs: as for ``flax.linen.Module.init`` (a key or a dict of keys).
@@ -331,7 +332,11 @@ class PolicyModel:
           rngs=rngs, method=method, **call_kwargs))
       if fp8 == "delayed":
         state = variables.get(checks.FP8_STATE, {})
-        if found.head is not None:
+        # The head keeps its histories where its recipe puts it in float8
+        # (include_output_head=True); elsewhere apply leaves it out.
+        head_recipe = (None if found.head is None else
+                       float8_lib.recipe(resolver.effective(found.head)))
+        if head_recipe is not None and not head_recipe.include_output_head:
           state = _drop(state, found.head)
         variables = _replace_collection(variables, checks.FP8_STATE, state)
     return variables

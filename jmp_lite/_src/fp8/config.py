@@ -237,8 +237,11 @@ class Fp8Config:
       reduced (``lax.pmax``), current and delayed, so that every replica
       uses the same scales and records the same amax history (Transformer
       Engine's amax reduction over the data-parallel group). None (default):
-      each replica scales from its own shard. Not needed under ``jax.jit``
-      with sharded arrays, where amaxes are global already (``docs/fp8.md``).
+      a delayed recipe reduces over every mapped axis bound where it runs
+      (its histories are state: replicas never hold different ones); current
+      scaling scales each replica from its own shard. Not needed under
+      ``jax.jit`` with sharded arrays, where amaxes are global already
+      (``docs/fp8.md``).
 
   Raises:
     TypeError, ValueError: for a field of the wrong type or value.

@@ -334,12 +334,34 @@ def mxfp4_quantize_f32(x: jax.Array, *, rule: str = "round_up",
 
 
 def decode_e8m0_codes(codes: jax.Array) -> jax.Array:
-  """float32 ``2**(code - 127)`` of uint8 E8M0 codes, NaN for 255."""
+  """float32 ``2**(code - 127)`` of uint8 E8M0 codes, NaN for 255.
+
+  Code 0 is ``2**-127``, a float32 subnormal that XLA:CPU flushes to zero in
+  any product: multiply blocks by their scales with :func:`scale_e8m0_blocks`
+  instead."""
   k = codes.astype(jnp.int32) - 127
   value = mul_pow2(jnp.ones(codes.shape, _F32), k)
   # Code 255 gives 2**128 = inf above, and inf - inf = NaN: no NaN constant
   # (jax_debug_nans would stop at one in a finite run).
   return jnp.where(codes == 255, value - value, value)
+
+
+def scale_e8m0_blocks(blocks: jax.Array, codes: jax.Array,
+                      shift: Any = 0) -> jax.Array:
+  """float32 ``blocks`` ``(..., nb, size)`` times ``2**(code - 127 + shift)``
+  per block, NaN in the blocks whose code is 255.
+
+  The scale is applied as :func:`mul_pow2` applies a power of two (two
+  multiplications by normal powers of two, as the float8 matmul applies a
+  scale product that is not a normal float32), never as the decoded scale:
+  code 0's ``2**-127`` is a float32 subnormal that XLA:CPU flushes to zero,
+  which would zero a block of normal values such as ``2 * 2**-127``. The
+  result is exact wherever it is a normal float32.
+  """
+  k = codes.astype(jnp.int32) - 127 + shift
+  # 0 for a finite scale, NaN for code 255 (2**128 * 0 = inf * 0).
+  poison = decode_e8m0_codes(codes) * jnp.zeros((), _F32)
+  return mul_pow2(blocks, k[..., None]) + poison[..., None]
 
 
 # ---------------------------------------------------------------------------
@@ -410,5 +432,5 @@ def dequantize_fp4(q: Nvfp4Tensor | Mxfp4Tensor,
             jnp.asarray(q.tensor_scale, _F32)).astype(dtype)
   codes = lax.bitcast_convert_type(q.scales, _U8)
   values = _blocks(q.values.astype(_F32), MXFP4_BLOCK_SIZE)
-  full = values * decode_e8m0_codes(codes)[..., None]
+  full = scale_e8m0_blocks(values, codes)
   return full.reshape(q.values.shape).astype(dtype)

@@ -52,7 +52,9 @@ the ``float4_e2m1fn`` values and the E4M3 (NVFP4) or E8M0 (MXFP4) scales:
 the ``__op$block_scaled_dot`` custom call, which XLA:GPU turns into a cuDNN
 block-scaled GEMM on Blackwell and into a dequantize-then-dot elsewhere.
 Everywhere else it is the exact emulation: the dequantized operands (exact in
-float32) and one float32 ``dot_general``. The choice is made by
+float32; MXFP4's lifted by ``2**2`` so that XLA:CPU flushes none of a
+``2**-127`` block's elements, see ``_emulated``) and one float32
+``dot_general``. The choice is made by
 ``jax.lax.platform_dependent``, by the platform the program is lowered for.
 Exporting the CUDA program needs ``disabled_checks=[jax.export.\
 DisabledSafetyCheck.custom_call("__op$block_scaled_dot")]``.
@@ -71,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
 from jmp_lite._src.fp8 import config as recipes_lib
@@ -150,22 +153,61 @@ def _quantize(x: jax.Array, config: Fp4Config, *, two_d: bool = False,
 _DN = (((2,), (2,)), ((0,), (0,)))  # (B, P, C) x (B, Q, C) -> (B, P, Q)
 
 
-def _dequantized_blocks(values: jax.Array, scales: jax.Array) -> jax.Array:
-  """float32 ``values`` times their block scales (exact)."""
+def _dequantized_blocks(values: jax.Array, scales: jax.Array,
+                        shift: Any = 0) -> jax.Array:
+  """float32 ``values`` times their block scales (exact); E8M0 scales
+  (uint8 codes) times ``2**shift`` too."""
   b, p, c = values.shape
   nb = scales.shape[-1]
+  blocks = values.reshape(b, p, nb, c // nb)
   if np.dtype(scales.dtype) == np.dtype(np.uint8):
-    scales = fp4_lib.decode_e8m0_codes(scales)
-  full = values.reshape(b, p, nb, c // nb) * scales.astype(_F32)[..., None]
+    full = fp4_lib.scale_e8m0_blocks(blocks, scales, shift)
+  else:
+    full = blocks * scales.astype(_F32)[..., None]
   return full.reshape(b, p, c)
 
 
+#: MXFP4's emulated product lifts each dequantized operand by ``2**2``: its
+#: smallest nonzero element ``0.5 * 2**-127`` becomes a normal float32.
+_MX_LIFT = 2
+
+
+def _mx_lift(a_scales: jax.Array, b_scales: jax.Array, c: int) -> jax.Array:
+  """int32 ``_MX_LIFT`` where lifting both MXFP4 operands by it can
+  overflow no element and no partial sum of the dot over ``c``, else 0."""
+  def top(codes):   # the largest finite block exponent k
+    k = jnp.where(codes == 255, jnp.zeros((), jnp.int32),
+                  codes.astype(jnp.int32) - 127)
+    return jnp.max(k, initial=-127)
+  ka, kb = top(a_scales), top(b_scales)
+  # |element| <= 6 * 2**k < 2**(k + 3); a sum of c products < 2**(ka + kb +
+  # 6 + log2(c)).
+  bound = 3 + _MX_LIFT
+  log_c = int(np.ceil(np.log2(max(c, 1))))
+  safe = ((ka + bound <= 127) & (kb + bound <= 127) &
+          (ka + kb + 2 * bound + log_c <= 127))
+  return jnp.where(safe, jnp.asarray(_MX_LIFT, jnp.int32),
+                   jnp.zeros((), jnp.int32))
+
+
 def _emulated(a_values, a_scales, b_values, b_scales):
-  """The exact emulation: one float32 dot of the dequantized operands."""
-  return jax.lax.dot_general(
-      _dequantized_blocks(a_values, a_scales),
-      _dequantized_blocks(b_values, b_scales), _DN,
+  """The exact emulation: one float32 dot of the dequantized operands.
+
+  MXFP4's operands are dequantized lifted by ``2**2`` each (where nothing
+  can overflow) and the product brought back by ``2**-4`` with
+  :func:`~jmp_lite._src.fp8.fp4.mul_pow2`: a block with scale ``2**-127`` or
+  ``2**-126`` dequantizes to float32 subnormals that XLA:CPU flushes to
+  zero, where the GPU's block-scaled product keeps them."""
+  shift = 0
+  if np.dtype(a_scales.dtype) == np.dtype(np.uint8):
+    shift = _mx_lift(a_scales, b_scales, a_values.shape[-1])
+  acc = jax.lax.dot_general(
+      _dequantized_blocks(a_values, a_scales, shift),
+      _dequantized_blocks(b_values, b_scales, shift), _DN,
       precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
+  if np.dtype(a_scales.dtype) == np.dtype(np.uint8):
+    acc = fp4_lib.mul_pow2(acc, -2 * shift)
+  return acc
 
 
 def _encoded_scales(scales: jax.Array) -> jax.Array:
@@ -398,8 +440,8 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   rhs = _operand(rhs, "rhs")
   del precision
   fp8_matmul_lib.check_axis_bound(config)
-  dimension_numbers = fp8_matmul_lib._check_dimension_numbers(  # pylint: disable=protected-access
-      dimension_numbers, lhs.shape, rhs.shape)
+  dimension_numbers = checks.dimension_numbers(
+      dimension_numbers, lhs.shape, rhs.shape, "fp4_dot_general")
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # Canonical forms, shard_map's varying types, explicit sharding: as float8's.

@@ -669,6 +669,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   dimension_numbers = _check_dimension_numbers(dimension_numbers, lhs.shape,
                                                rhs.shape)
   scales = _check_scales(scales, config)
+  # Delayed amaxes are global under pmap/shard_map by default.
+  config = scaling_lib.with_bound_axes(config)
   check_axis_bound(config)
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type, config)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))

@@ -61,6 +61,7 @@ import numpy as np
 from numpy.lib.array_utils import normalize_axis_tuple
 
 from jmp_lite._src import checks
+from jmp_lite._src import compat
 from jmp_lite._src.fp8 import config as config_lib
 from jmp_lite._src.fp8 import formats as formats_lib
 
@@ -287,6 +288,58 @@ def scale_from_history(history: Any, fmt: Any = "e4m3", *, margin: float = 0,
 
 
 # ---------------------------------------------------------------------------
+# Amaxes across replicas (pmap, shard_map, named vmap).
+# ---------------------------------------------------------------------------
+
+
+def global_amax(amax: jax.Array, axis_name: Any) -> jax.Array:
+  """The maximum of ``amax`` over the mapped axes ``axis_name`` (a name or a
+  tuple of names; ``amax`` itself where None): every replica gets the same.
+
+  Under ``shard_map``, an amax that varies over some of those axes but not
+  all (a weight sharded over one, replicated over another) is first marked
+  varying over the others: jax 0.12's ``lax.pmax`` takes axes of one kind
+  only, and the maximum over axes where every replica holds the same value
+  is that value.
+  """
+  if axis_name is None:
+    return amax
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  varying = compat.varying_axes(amax)
+  if varying & set(names):  # shard_map's types: make them one kind
+    for name in names:
+      if name not in varying:
+        amax = compat.to_varying(amax, name)
+  return jax.lax.pmax(amax, axis_name)
+
+
+def with_bound_axes(config: Any) -> Any:
+  """A delayed recipe without ``axis_name``, with the mapped axes bound here.
+
+  Delayed scaling keeps state: under ``pmap``, ``shard_map`` or a ``vmap``
+  with an ``axis_name``, replicas that each recorded their own shard's amax
+  would hold different histories (and a checkpoint one replica's). So a
+  delayed recipe whose ``axis_name`` is None reduces its amaxes over every
+  mapped axis bound where it runs (JAX's axis environment,
+  :func:`~jmp_lite._src.compat.bound_axis_names`), as Transformer Engine
+  reduces amaxes over its data-parallel group by default; under ``jax.jit``
+  alone none is bound and amaxes are global already. An explicit
+  ``axis_name`` (e.g. the data axes only, where another mapped axis holds
+  different layers) is kept, as is every other recipe (current scaling keeps
+  no state: each replica scales from its own shard unless ``axis_name``).
+  Axis names that are not strings (JAX's temporaries) are left out.
+  """
+  if (getattr(config, "scaling", None) != "delayed"
+      or config.axis_name is not None):
+    return config
+  names = tuple(n for n in compat.bound_axis_names() if isinstance(n, str))
+  if not names:
+    return config
+  return dataclasses.replace(
+      config, axis_name=names[0] if len(names) == 1 else names)
+
+
+# ---------------------------------------------------------------------------
 # Blocks.
 # ---------------------------------------------------------------------------
 
@@ -354,9 +407,7 @@ def quantize_blocks(x: jax.Array, fmt: formats_lib.Fp8Format,
   block_shape = tuple(max(b, 1) for b in block_shape)  # zero-size axes
   x32 = x.astype(_F32)
   if scalar_scale:
-    amax = jnp.max(jnp.abs(x32), initial=0.0)
-    if axis_name is not None:
-      amax = jax.lax.pmax(amax, axis_name)
+    amax = global_amax(jnp.max(jnp.abs(x32), initial=0.0), axis_name)
   else:
     amax = _block_reduce_max(jnp.abs(x32), block_shape)
   current = _scale_from_amax(amax, fmt, 0, power_of_two)
