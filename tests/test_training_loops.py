@@ -1076,6 +1076,127 @@ def test_issue_a_multi_steps_around_loss_scaling_is_refused_at_first_step(
     jax.jit(jmp_lite.get_loss_scale)(state)
 
 
+#: What the stall guard's error says (under jit JAX reports the callback's
+#: FloatingPointError as a runtime error carrying its message).
+STALL_ERROR = (FloatingPointError, RuntimeError)
+STALL_MESSAGE = (r"(?s)gave up.*optax\.MultiSteps around loss_scaling.*"
+                 r"loss_scaling\(inner, loss_scale, accumulation_steps=k\)")
+
+
+def _stalled_multi_steps_run(opt, update, micro_steps, state=None, start=0,
+                             **extra):
+  """Feeds ``MultiSteps(loss_scaling(...), 2)`` finite gradients with one inf
+  micro-batch (the third: window 0 trains, window 1 has the inf), calling
+  only init/update, as a loop that scales its loss with a scale of its own
+  does; returns the last state."""
+  params = {"w": jnp.zeros(2, F32)}
+  state = opt.init(params) if state is None else state
+  for i in range(start, micro_steps):
+    grads = _inf() if i == 2 else _ones()
+    with faulty(i >= 2):  # From the inf on, MultiSteps' accumulator is NaN.
+      _, state = update(grads, state, params, **extra)
+      jax.block_until_ready(state)
+  return state
+
+
+@standard_promotion  # optax.MultiSteps
+@pytest.mark.parametrize(
+    "scale,jit", [("dynamic", False), ("dynamic", True), ("noop", True),
+                  ("shared", True)],
+    ids=["dynamic-eager", "dynamic-jit", "noop-jit", "shared-jit"])
+def test_multi_steps_around_loss_scaling_stalls_loudly_through_update(
+    scale, jit):
+  """The loops no layout check sees (they never hand the whole state to
+  jmp_lite: a jmp-style loop with a scale of its own around a
+  DynamicLossScale or NoOpLossScale wrapper, a shared scale passed to update)
+  call only init and update. MultiSteps' accumulator turns NaN for good at
+  the inf micro-batch, every later window is skipped, and the stall guard
+  raises at the max_consecutive_skips-th skipped window in a row, naming
+  MultiSteps and the composition to write instead."""
+  wrapper_scale = {"dynamic": _DLS(2.0**10), "noop": jmp_lite.NoOpLossScale(),
+                   "shared": None}[scale]
+  extra = {"loss_scale": _DLS(2.0**10)} if scale == "shared" else {}
+  opt = optax.MultiSteps(jmp_lite.loss_scaling(
+      optax.sgd(0.1), wrapper_scale, max_consecutive_skips=3), 2)
+  update = jax.jit(opt.update) if jit else opt.update
+  # Window 0 trained; windows 1-2 skipped, not yet the limit.
+  state = _stalled_multi_steps_run(opt, update, 6, **extra)
+  assert int(state.inner_opt_state.consecutive_skips) == 2
+  assert int(state.inner_opt_state.skipped_steps) == 2
+  assert int(state.gradient_step) == 3
+  assert np.isnan(np.asarray(state.acc_grads["w"])[0])  # MultiSteps', for good
+  with pytest.raises(STALL_ERROR, match=STALL_MESSAGE):
+    _stalled_multi_steps_run(opt, update, 8, state, 6, **extra)
+
+
+@standard_promotion  # optax.MultiSteps
+def test_multi_steps_stall_raises_with_the_default_limit():
+  """With loss_scaling's defaults (max_consecutive_skips=1000,
+  on_max_skips='raise'), the stall fails loudly at the 1000th skipped window
+  and not before; one jitted scan of 2 * 1000 + 2 micro-steps."""
+  params = {"w": jnp.zeros(2, F32)}
+  opt = optax.MultiSteps(
+      jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.NoOpLossScale()), 2)
+  assert int(opt.init(params).inner_opt_state.max_consecutive_skips) == 1000
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def run(micro_steps, state):
+    def body(state, i):
+      grads = {"w": jnp.where(i == 2, np.float32(np.inf), jnp.ones(2, F32))}
+      return opt.update(grads, state, params)[1], None
+    return lax.scan(body, state, jnp.arange(micro_steps))[0]
+
+  with faulty():
+    state = run(2 + 2 * 999, opt.init(params))  # 1 trained, 999 skipped
+    assert int(state.inner_opt_state.consecutive_skips) == 999
+    with pytest.raises(STALL_ERROR, match=STALL_MESSAGE):
+      jax.block_until_ready(run(2 + 2 * 1000, opt.init(params)))
+
+
+@standard_promotion  # optax.MultiSteps
+def test_separate_scales_pattern_inside_multi_steps_stalls_loudly():
+  """docs/training_loops.md's separate-scales pattern (each loss's own
+  scale, the unscaled sum to a NoOpLossScale wrapper) with MultiSteps around
+  the wrapper: the losses' scales recover after an overflow, MultiSteps'
+  accumulator does not, and the guard raises."""
+  def separate_scales_step(params, opt_state, scales, x, optimizer):
+    total, new_scales = None, []
+    for loss_fn, scale in zip((lambda p: jnp.sum(p["w"] * x),
+                               lambda p: 1e3 * jnp.sum(p["w"] * x)), scales):
+      grads = jax.grad(lambda p: scale.scale(loss_fn(p)))(params)
+      grads = scale.unscale(grads)
+      new_scales.append(scale.adjust(jmp_lite.all_finite(grads)))
+      total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    updates, opt_state = optimizer.update(total, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, tuple(new_scales)
+
+  optimizer = optax.MultiSteps(jmp_lite.loss_scaling(
+      optax.sgd(1e-3), jmp_lite.NoOpLossScale(), max_consecutive_skips=2), 2)
+  step = jax.jit(functools.partial(separate_scales_step, optimizer=optimizer))
+  params = {"w": jnp.full(2, 0.1, F32)}
+  state = optimizer.init(params)
+  scales = (_DLS(2.0**10), _DLS(2.0**10))
+  with faulty():
+    with pytest.raises(STALL_ERROR, match=STALL_MESSAGE):
+      for i in range(8):  # Micro-batch 2 overflows the second loss only.
+        x = jnp.full(2, 1e35 if i == 2 else 1.0, F32)
+        params, state, scales = step(params, state, scales, x)
+        jax.block_until_ready(state)
+  assert [float(s.loss_scale) for s in scales] == [2.0**10, 2.0**9]
+
+
+@standard_promotion  # optax.MultiSteps
+def test_without_the_guard_the_stall_is_silent():
+  """max_consecutive_skips=None turns the guard off: docs/training_loops.md
+  says the stall is then silent again (every window skipped)."""
+  opt = optax.MultiSteps(jmp_lite.loss_scaling(
+      optax.sgd(0.1), jmp_lite.NoOpLossScale(), max_consecutive_skips=None),
+      2)
+  state = _stalled_multi_steps_run(opt, jax.jit(opt.update), 12)
+  assert int(state.inner_opt_state.consecutive_skips) == 5
+  assert state.inner_opt_state.max_consecutive_skips is None
+
+
 @JIT_IDS
 def test_issue_a_accumulation_steps_trains_windows_1_and_3(jit):
   params = {"w": jnp.zeros(2, F32)}
@@ -1253,7 +1374,7 @@ def _ones(n=2):
 def test_gave_up_flag_after_n_skips_and_reset_by_a_finite_step(jit):
   params = {"w": jnp.zeros(2, F32)}
   opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
-                              max_consecutive_skips=3)
+                              max_consecutive_skips=3, on_max_skips="flag")
   update = jax.jit(opt.update) if jit else opt.update
   state = opt.init(params)
   assert not bool(state.gave_up)
@@ -1269,7 +1390,8 @@ def test_gave_up_flag_after_n_skips_and_reset_by_a_finite_step(jit):
 
 
 def test_gave_up_is_false_without_a_limit():
-  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0))
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
+                              max_consecutive_skips=None)
   params = {"w": jnp.zeros(2, F32)}
   state = opt.init(params)
   for _ in range(3):
@@ -1301,7 +1423,8 @@ def test_on_max_skips_raise(jit):
 def test_max_consecutive_skips_with_accumulation_counts_windows():
   params = {"w": jnp.zeros(2, F32)}
   opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
-                              accumulation_steps=3, max_consecutive_skips=2)
+                              accumulation_steps=3, max_consecutive_skips=2,
+                              on_max_skips="flag")
   update = jax.jit(opt.update)
   state = opt.init(params)
   # Window 1: two bad micro-batches; window 2: the last one bad.
@@ -1321,7 +1444,7 @@ def test_gave_up_message_reports_the_scale_the_state_now_holds():
                               max_consecutive_skips=2, on_max_skips="raise")
   state = opt.init(params)
   _, state = _update(opt.update, _inf(), state, params)  # 128 -> 64
-  with pytest.raises(FloatingPointError) as excinfo:
+  with pytest.raises(STALL_ERROR) as excinfo:
     _update(opt.update, _inf(), state, params)  # 64 -> 32, and gives up
   assert "loss scale is now 32" in str(excinfo.value), str(excinfo.value)
 
@@ -1371,10 +1494,14 @@ def _update_own_with_shared_scale():
   opt.update(_ones(), opt.init(params), params, loss_scale=_DLS(8.0))
 
 
-def _update_shared_with_a_number():
+def _update_shared_with(loss_scale):
   opt = jmp_lite.loss_scaling(optax.sgd(0.1))
   params = {"w": jnp.zeros(2, F32)}
-  opt.update(_ones(), opt.init(params), params, loss_scale=8.0)
+  opt.update(_ones(), opt.init(params), params, loss_scale=loss_scale)
+
+
+def _update_shared_with_a_number():
+  _update_shared_with(8.0)
 
 
 def _nested():
@@ -1410,8 +1537,6 @@ BAD_OPTIONS = [
      TypeError, [r"max_consecutive_skips", r"'3'"]),
     ("on_max_skips_x", lambda: _sgd_scaled(on_max_skips="x"),
      ValueError, [r"on_max_skips", r"'x'", r"flag", r"raise"]),
-    ("raise_without_max", lambda: _sgd_scaled(on_max_skips="raise"),
-     ValueError, [r"on_max_skips", r"max_consecutive_skips"]),
     ("shared_with_accumulation",
      lambda: jmp_lite.loss_scaling(optax.sgd(0.1), accumulation_steps=2),
      ValueError, [r"accumulation_steps", r"loss scale"]),
@@ -1423,6 +1548,28 @@ BAD_OPTIONS = [
      TypeError, [r"number 8\.0", r"DynamicLossScale"]),
     ("loss_scale_class", lambda: jmp_lite.loss_scaling(optax.sgd(0.1), _DLS),
      TypeError, [r"class DynamicLossScale", r"DynamicLossScale\(2\.0\*\*15\)"]),
+    # A class where an instance belongs: NoOpLossScale's class even has the
+    # methods isinstance(x, LossScale) looks for. One check, at every door
+    # that takes a loss scale, naming it and the instance to create.
+    ("loss_scale_noop_class",
+     lambda: jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.NoOpLossScale),
+     TypeError, [r"^loss_scaling\b", r"class NoOpLossScale",
+                 r"NoOpLossScale\(\)"]),
+    ("loss_scale_static_class",
+     lambda: jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.StaticLossScale),
+     TypeError, [r"class StaticLossScale", r"StaticLossScale\(2\.0\*\*15\)"]),
+    ("get_loss_scale_of_a_class",
+     lambda: jmp_lite.get_loss_scale(jmp_lite.NoOpLossScale),
+     TypeError, [r"^get_loss_scale\b", r"class NoOpLossScale",
+                 r"NoOpLossScale\(\)"]),
+    ("scaled_value_and_grad_of_a_class",
+     lambda: jmp_lite.scaled_value_and_grad(jnp.sum, _DLS),
+     TypeError, [r"^scaled_value_and_grad\b", r"class DynamicLossScale",
+                 r"DynamicLossScale\(2\.0\*\*15\)"]),
+    ("shared_update_with_a_class",
+     lambda: _update_shared_with(jmp_lite.NoOpLossScale),
+     TypeError, [r"update\(loss_scale=\.\.\.\)", r"class NoOpLossScale",
+                 r"NoOpLossScale\(\)"]),
     ("nested_loss_scaling", _nested,
      TypeError, [r"already contains loss_scaling", r"outermost"]),
     ("dict_loss_scale_in_update", lambda: _restored_without_target(False),

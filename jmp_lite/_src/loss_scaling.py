@@ -22,10 +22,17 @@ from jmp_lite._src import loss_scale as loss_scale_lib
 from jmp_lite._src import tree as tree_lib
 
 #: What :func:`loss_scaling` does after ``max_consecutive_skips`` skipped steps
-#: in a row: ``"flag"`` sets ``state.gave_up`` (jit-safe, no host sync);
-#: ``"raise"`` raises ``FloatingPointError`` from the step (a host callback
-#: per step).
+#: in a row: ``"raise"`` (the default) raises ``FloatingPointError`` from the
+#: step that reaches the limit (a host callback that runs on that step only,
+#: behind a ``lax.cond``); ``"flag"`` only sets ``state.gave_up``.
 ON_MAX_SKIPS = ("flag", "raise")
+
+#: The default ``max_consecutive_skips``: more optimizer steps in a row than
+#: any back-off needs (halving a scale from 2**126 to 2**-126 takes 252), so a
+#: healthy run never reaches it, and a stalled one -- ``optax.MultiSteps``
+#: around ``loss_scaling``, which no structural check sees when the loop never
+#: hands its whole state to jmp_lite -- fails loudly instead of silently.
+_DEFAULT_MAX_SKIPS = 1000
 
 _F16_MAX = 65504.0
 
@@ -66,10 +73,6 @@ _WRAP_NUMBER = (
     "the scale, jmp_lite.StaticLossScale(value) to keep it fixed, or "
     "jmp_lite.NoOpLossScale()"
 )
-_RAISE_WITHOUT_LIMIT = (
-    "loss_scaling: on_max_skips='raise' needs max_consecutive_skips, the "
-    "number of skipped steps in a row after which to raise."
-)
 _SHARED_WITH_ACCUMULATION = (
     "loss_scaling: accumulation_steps needs the wrapper's own loss scale (it "
     "changes the scale once per window); a shared scale you adjust yourself "
@@ -83,9 +86,15 @@ _SHARES_A_SCALE = (
 _GAVE_UP = (
     "jmp_lite.loss_scaling gave up: {skips} optimizer steps in a row had "
     "non-finite gradients (max_consecutive_skips={limit}); the loss scale is "
-    "now {scale:g}. A scale that keeps backing off to its floor means the "
-    "model itself makes NaN/inf (learning rate, data, a log of 0...), or that "
-    "the gradients handed to update were not computed from a scaled loss."
+    "now {scale:g}. Training has stalled: every step is skipped. The usual "
+    "causes: (1) optax.MultiSteps around loss_scaling -- MultiSteps resets its"
+    " accumulator by multiplying it with 0, so one non-finite micro-batch "
+    "leaves NaN in it for good and every later window is non-finite; "
+    "accumulate inside the wrapper instead: jmp_lite.loss_scaling(inner, "
+    "loss_scale, accumulation_steps=k) (and drop MultiSteps); (2) the model "
+    "itself makes NaN/inf whatever the scale (learning rate, data, a log of "
+    "0...). Pass on_max_skips='flag' to only set state.gave_up, or "
+    "max_consecutive_skips=None to turn this guard off."
 )
 _STATE_ACCUMULATES = (
     "loss_scaling(accumulation_steps=1) got a state that accumulates "
@@ -127,7 +136,10 @@ _GRADS_NOT_LIKE_PARAMS = (
 # time, before anything is computed), and the init of jmp_lite's own wrappers.
 # What no layout shows (optax.named_chain's dict of states looks like any
 # dict of states; a loop that never hands the whole state to jmp_lite) is
-# said in docs/training_loops.md.
+# said in docs/training_loops.md. For MultiSteps in such a loop, what init
+# and update receive is what they receive without it, and the accumulator
+# that turns NaN is MultiSteps' own: the stall guard (max_consecutive_skips,
+# on by default, raising) makes that stall loud at run time instead.
 
 _BEFORE_IN_CHAIN = (
     "optax.{name} runs {count} transformation(s) before loss_scaling: they see"
@@ -429,20 +441,28 @@ class LossScaleState(NamedTuple):
 # -- the wrapper ---------------------------------------------------------------------
 
 
-def _check_loss_scale(loss_scale: Any) -> None:
+def _check_loss_scale(loss_scale: Any, owner: str = "loss_scaling") -> None:
+  """The one check of a loss-scale argument (``loss_scaling``'s, a shared
+  scale given to ``update``, ``get_loss_scale``'s and
+  ``scaled_value_and_grad``'s): a loss-scale object, not its class (the class
+  ``NoOpLossScale`` even passes ``isinstance(x, LossScale)``: it has the
+  methods), nor a number."""
   if loss_scale is None:
     return
-  if isinstance(loss_scale, loss_scale_lib.LossScale):
-    return
   if isinstance(loss_scale, type):
-    got = (f"the class {loss_scale.__name__}; create one: jmp_lite."
-           f"{loss_scale.__name__}("
-           f"{'' if loss_scale is loss_scale_lib.NoOpLossScale else '2.0**15'})")
+    name = loss_scale.__name__
+    fix = (f"jmp_lite.{name}()" if loss_scale is loss_scale_lib.NoOpLossScale
+           else f"jmp_lite.{name}(2.0**15)" if loss_scale in (
+               loss_scale_lib.StaticLossScale, loss_scale_lib.DynamicLossScale)
+           else "jmp_lite.DynamicLossScale(2.0**15) or jmp_lite.NoOpLossScale()")
+    got = f"the class {name}, not an instance of it; create one: {fix}"
+  elif isinstance(loss_scale, loss_scale_lib.LossScale):
+    return
   elif checks.is_real_number(loss_scale) or checks.is_array(loss_scale):
     got = f"the number {loss_scale!r}. {_WRAP_NUMBER}"
   else:
     got = f"{type(loss_scale).__name__}: {loss_scale!r}. {_WRAP_NUMBER}"
-  raise TypeError(f"loss_scaling expects a loss-scale object, got {got}.")
+  raise TypeError(f"{owner} expects a loss-scale object, got {got}.")
 
 
 def loss_scaling(
@@ -452,8 +472,8 @@ def loss_scaling(
     axis_name: Any = None,
     accumulation_steps: int = 1,
     check_scaling: bool = True,
-    max_consecutive_skips: int | None = None,
-    on_max_skips: str = "flag",
+    max_consecutive_skips: int | None = _DEFAULT_MAX_SKIPS,
+    on_max_skips: str = "raise",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with loss scaling and non-finite step skipping.
 
@@ -480,11 +500,12 @@ def loss_scaling(
       micro-batch voids its window.
     check_scaling: keep the evidence behind ``state.looks_unscaled`` (a few
       scalars; the reduction it reads is the one that decides finiteness).
-    max_consecutive_skips: optional limit on optimizer steps skipped in a row;
-      reaching it sets ``state.gave_up``.
-    on_max_skips: ``"flag"`` (default: ``state.gave_up`` only, jit-safe) or
-      ``"raise"`` (a ``FloatingPointError`` from the step; it costs a host
-      callback on every step).
+    max_consecutive_skips: the limit on optimizer steps (windows) skipped in a
+      row (default 1000, more than any back-off needs); reaching it sets
+      ``state.gave_up`` and acts as ``on_max_skips`` says. ``None``: no limit.
+    on_max_skips: ``"raise"`` (default: a ``FloatingPointError`` from the step
+      that reaches the limit, from a host callback behind a ``lax.cond`` that
+      runs on that step only) or ``"flag"`` (``state.gave_up`` only).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -523,8 +544,6 @@ def loss_scaling(
   check_scaling = checks.flag(check_scaling, "check_scaling", owner)
   on_max_skips = checks.choice(on_max_skips, "on_max_skips", owner,
                                ON_MAX_SKIPS)
-  if on_max_skips == "raise" and max_skips is None:
-    raise ValueError(_RAISE_WITHOUT_LIMIT)
   if loss_scale is None and k > 1:
     raise ValueError(_SHARED_WITH_ACCUMULATION)
   if axis_name is not None:
@@ -532,17 +551,28 @@ def loss_scaling(
   wrapper = _LossScaling(
       inner=inner, loss_scale=loss_scale, axis_name=axis_name, k=k,
       check_scaling=bool(check_scaling), max_skips=max_skips,
-      raise_on_max_skips=on_max_skips == "raise",
+      raise_on_max_skips=on_max_skips == "raise" and max_skips is not None,
   )
   return optax.GradientTransformationExtraArgs(wrapper.init, wrapper.update)
 
 
 def _gave_up(consecutive_skips, limit, loss_scale) -> None:
-  """Host callback of on_max_skips='raise'."""
-  if int(consecutive_skips) >= int(limit):
+  """Host callback of on_max_skips='raise' (its arguments may be batched:
+  under ``vmap`` the ``lax.cond`` around it becomes a select)."""
+  skips, limit = np.asarray(consecutive_skips), np.asarray(limit)
+  if np.any(skips >= limit):
     raise FloatingPointError(_GAVE_UP.format(
-        skips=int(consecutive_skips), limit=int(limit),
-        scale=float(loss_scale)))
+        skips=int(np.max(skips)), limit=int(np.min(limit)),
+        scale=float(np.min(np.asarray(loss_scale)))))
+
+
+def _raise_if_gave_up(consecutive_skips, limit, loss_scale) -> None:
+  """Raises from the step that reaches the limit, and costs no host callback
+  on the others: the callback sits in a ``lax.cond`` branch."""
+  args = (consecutive_skips, limit, jnp.asarray(loss_scale, jnp.float32))
+  lax.cond(consecutive_skips >= limit,
+           lambda *a: jax.debug.callback(_gave_up, *a),
+           lambda *a: None, *args)
 
 
 class _Window(NamedTuple):
@@ -624,10 +654,10 @@ class _LossScaling:
     if new_scale is not None:  # Shared scales are adjusted by their owner.
       new_scale = tree_lib.select_tree(
           jnp.asarray(window.step_ends), current.adjust(window.finite), current)
-    if self.raise_on_max_skips:
+    if self.raise_on_max_skips and state.max_consecutive_skips is not None:
       scale_now = current if new_scale is None else new_scale
-      jax.debug.callback(_gave_up, consecutive, state.max_consecutive_skips,
-                         scale_now.loss_scale)
+      _raise_if_gave_up(consecutive, state.max_consecutive_skips,
+                        scale_now.loss_scale)
     scaling_check = state.scaling_check
     if scaling_check is not None:
       scale = jnp.asarray(current.loss_scale, jnp.float32)
@@ -703,7 +733,7 @@ def _scale_for_update(own: Any, shared: Any) -> Any:
   if (own is None) == (shared is None):
     raise TypeError(_NO_SHARED_SCALE if own is None else _OWN_AND_SHARED)
   if own is None:
-    _check_loss_scale(shared)
+    _check_loss_scale(shared, "loss_scaling's update(loss_scale=...)")
     return shared
   return _restored(own)
 
@@ -747,7 +777,13 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.AnyLossScale:
     >>> float(jmp_lite.get_loss_scale(opt.init({"w": jnp.zeros(2)})).loss_scale)
     8.0
   """
-  if isinstance(opt_state, loss_scale_lib.LossScale):
+  return _loss_scale_of(opt_state, "get_loss_scale")
+
+
+def _loss_scale_of(opt_state: Any, owner: str) -> loss_scale_lib.AnyLossScale:
+  """:func:`get_loss_scale` for ``owner`` (named by the argument check)."""
+  if isinstance(opt_state, (type, loss_scale_lib.LossScale)):
+    _check_loss_scale(opt_state, owner)
     return opt_state
   _check_layout(opt_state)  # Before the count: a wrapper may hold several.
   found = tree_lib.find_one(
@@ -814,7 +850,7 @@ def scaled_value_and_grad(
     (2.0, [8.0, 8.0])
   """
   checks.function(fun, "scaled_value_and_grad", "a loss function")
-  loss_scale = get_loss_scale(loss_scale)
+  loss_scale = _loss_scale_of(loss_scale, "scaled_value_and_grad")
 
   def scaled_fun(*args, **kwargs):
     out = fun(*args, **kwargs)
