@@ -152,6 +152,34 @@ def test_fractions_match_the_reference(role, jit):
   assert stats.fraction("flushed", "tensor", "e4m3") > 0.5
 
 
+def test_rows_near_the_smallest_normal_float32_are_measured():
+  """Rows of normal values near 1e-38: the float8 recipes' errors are the
+  reference's (each row's difference is taken after normalising it, not as
+  a float32 subnormal that XLA:CPU flushes), and MXFP4's scale 2**-127
+  neither clips every entry nor loses the row (it was decoded to a float32
+  subnormal, flushed to zero)."""
+  import fp4_reference as fp4_ref  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(7)
+  x = (rng.uniform(2.0**-126, 1.2e-38, (4, 64)) *
+       np.where(rng.random((4, 64)) < 0.5, -1, 1)).astype(np.float32)
+  x[1, :32] = 7e-38                       # MXFP4 scale 2**-126
+  stats = jax.jit(lambda t: diagnostics.fp8_stats(t, "activation"))(x)
+  check_against_reference(stats, x)
+  assert stats.error("mxfp8", worst=True) > 0
+  fp4 = jax.jit(lambda t: diagnostics.fp8_stats(t, "activation",
+                                                fmt="e2m1"))(x)
+  values, codes = fp4_ref.mxfp4(x)
+  assert (codes == 0).any() and (codes == 1).any()
+  deq = fp4_ref.dequantize_mxfp4(values, codes).astype(np.float64)
+  x64 = x.astype(np.float64)
+  rel = np.linalg.norm(x64 - deq, axis=1) / np.linalg.norm(x64, axis=1)
+  assert fp4.fraction("clipped", "mxfp4") == 0
+  assert fp4.fraction("flushed", "mxfp4") == 0
+  np.testing.assert_allclose(fp4.error("mxfp4"), rel.mean(), rtol=1e-4)
+  np.testing.assert_allclose(fp4.error("mxfp4", worst=True), rel.max(),
+                             rtol=1e-4)
+
+
 def test_weights_contract_every_axis_but_the_last_with_128x128_blocks():
   rng = np.random.default_rng(1)
   kernel = rng.standard_normal((3, 3, 20, 150)).astype(np.float32)   # a conv

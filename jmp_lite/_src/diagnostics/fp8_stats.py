@@ -466,28 +466,37 @@ def _quantized(x, fmt, recipe, role, block_size, scale):
 
 
 def _fp4_quantized(x: jax.Array, recipe: str,
-                   role: str) -> tuple[jax.Array, jax.Array]:
+                   role: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """FP4 of a float32 ``(rows, K)`` matrix as ``fp4_dot_general`` quantizes
   an operand of ``role`` by default (weights: NVFP4's 16x16 tiles;
   gradients: stochastic rounding with a key derived from the values, as
-  ``key=None`` does): float32 ``(values, per-entry dequantization scale)``
-  of ``x``'s shape."""
+  ``key=None`` does): float32 ``(values, dequantized, limit)`` of ``x``'s
+  shape, ``limit`` the largest magnitude each entry's block holds unclipped
+  (6 times its scale). MXFP4's scales multiply as the matmul applies them
+  (:func:`~jmp_lite._src.fp8.fp4.scale_e8m0_blocks`): the scale ``2**-127``
+  is a float32 subnormal, which XLA:CPU flushes to zero."""
   rows, k = x.shape
   config = fp4_matmul_lib.Fp4Config(recipe)
   size = config.block_size
   two_d = role == "weight" and config.two_d_weights
   key = fp4_matmul_lib.data_key(x) if role == "gradient" else None
   padded = jnp.pad(x, ((0, -rows % size if two_d else 0), (0, -k % size)))
+  six = jnp.asarray(fp4_lib.E2M1_MAX, _F32)
   if recipe == "nvfp4":
     values, scales, tensor_scale = fp4_lib.nvfp4_quantize_f32(
         padded, two_d=two_d, key=key)
-    scales = scales * tensor_scale
+    per_entry = jnp.repeat(scales * tensor_scale, size, axis=-1)
+    dequantized, limit = values * per_entry, six * per_entry
   else:
     values, codes = fp4_lib.mxfp4_quantize_f32(
         padded, rule=config.mx_scale_rule, key=key)
-    scales = fp4_lib.decode_e8m0_codes(codes)
-  per_entry = jnp.repeat(scales, size, axis=-1)
-  return values[:rows, :k], per_entry[:rows, :k]
+    blocks = values.reshape(values.shape[0], -1, size)
+    dequantized = fp4_lib.scale_e8m0_blocks(blocks, codes).reshape(
+        values.shape)
+    limit = jnp.repeat(fp4_lib.scale_e8m0_blocks(
+        jnp.broadcast_to(six, codes.shape + (1,)), codes)[..., 0], size,
+                       axis=-1)
+  return values[:rows, :k], dequantized[:rows, :k], limit[:rows, :k]
 
 
 def _inverse_power_of_two(v: jax.Array) -> jax.Array:
@@ -533,8 +542,8 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
     counts = {c: [] for c in ("clipped", "flushed", "error_sum", "error_max")}
     for recipe in recipes:
       if name == FP4_FORMAT:
-        values, per_entry = _fp4_quantized(x32, recipe, role)
-        over = magnitude > jnp.asarray(fp4_lib.E2M1_MAX, _F32) * per_entry
+        values, dequantized, limit = _fp4_quantized(x32, recipe, role)
+        over = magnitude > limit
       else:
         fmt = fp8_formats.get_format(name)
         q = _quantized(x, fmt, recipe, role, block_size, scale)
@@ -545,10 +554,13 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
         else:                     # powers of two: the product is exact
           over = magnitude > top * per_entry
         values = q.values.astype(_F32)
+        dequantized = values * per_entry
       counts["clipped"].append(jnp.sum(over, dtype=jnp.int32))
       counts["flushed"].append(jnp.sum(nonzero & (values == 0),
                                        dtype=jnp.int32))
-      err2 = jnp.sum(jnp.square((x32 - values * per_entry) * inv), axis=1)
+      # Each side normalised first (exact): the difference of two values
+      # near 2**-126 may be a float32 subnormal, which XLA:CPU flushes.
+      err2 = jnp.sum(jnp.square(x32 * inv - dequantized * inv), axis=1)
       rel = jnp.where(valid, jnp.sqrt(err2 / jnp.maximum(row_norm2, 1.0)), 0.0)
       counts["error_sum"].append(jnp.sum(rel))
       counts["error_max"].append(jnp.max(rel, initial=0.0))
