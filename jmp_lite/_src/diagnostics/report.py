@@ -9,6 +9,7 @@ only when a plot is drawn. Guide: ``docs/diagnostics.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -507,6 +508,12 @@ def plot_histograms(
 
 #: How to call :func:`report` without a figure.
 NO_FIGURE = "Leave path=None to print the tables and the advice without a figure."
+#: What :func:`report`'s ``file`` takes.
+REPORT_FILE_HELP = (
+    "Pass a writable text stream (sys.stdout, io.StringIO(), a file opened "
+    "with open(name, 'w')) or a file path (a str or os.PathLike such as "
+    "'report.txt', created or overwritten with the report); path= names the "
+    "figure, not the text.")
 
 
 def report(
@@ -539,15 +546,18 @@ def report(
     max_underflow: see :func:`advise`.
     keep_f32_underflow: see :func:`advise`.
     title: a line printed first, and the figure's title.
-    file: where to print: a writable text stream (default ``sys.stdout``).
+    file: where to print: a writable text stream (default ``sys.stdout``),
+      or a file path (a str or os.PathLike), which is created or
+      overwritten with the report (text, UTF-8) and closed again.
 
   Returns:
     The :class:`Advice`.
 
   Raises:
-    TypeError: if ``path`` is not None, a str or os.PathLike, or ``title``
-      is not None or a str (checked before anything is printed or drawn);
-      as ``print`` raises, if ``file`` is a binary stream.
+    TypeError: if ``path`` is not None, a str or os.PathLike, ``title``
+      is not None or a str, or ``file`` is neither a path nor an object
+      with a ``write`` method (checked before anything is printed or
+      drawn); as ``print`` raises, if ``file`` is a binary stream.
     ValueError: on bad advice settings (see :func:`advise`); as ``print``
       raises, if ``file`` is closed or not writable (the tables are printed
       before the figure is drawn, so nothing is written then).
@@ -573,7 +583,11 @@ def report(
       checks.path(path, "path", "report")
     except TypeError as err:
       raise TypeError(f"{err} {NO_FIGURE}") from None
-  file = sys.stdout if file is None else file
+  to_path = isinstance(file, (str, os.PathLike))
+  if not (file is None or to_path or callable(getattr(file, "write", None))):
+    raise TypeError(
+        f"report: file must be a writable text stream or a file path, got "
+        f"{type(file).__name__}: {file!r}. {REPORT_FILE_HELP}")
   grad_stats = _as_stats(grad_stats)
   if activation_stats is not None:
     activation_stats = _as_stats(activation_stats)
@@ -587,11 +601,16 @@ def report(
   if activation_stats is not None:
     parts.append("Activations:\n\n" + format_table(activation_stats, by=by))
   parts.append(str(advice))
-  # Printed before the figure is drawn: a file that print cannot write to
-  # (closed, binary, read-only) fails before anything is written.
-  print("\n\n".join(parts), file=file)
-  if path is not None:
-    plot_histograms(grad_stats, path, activation_stats=activation_stats, by=by,
-                    title=title)
-    print(f"\nWrote {path}", file=file)
+  # A path is opened only now, when every argument has been checked: a bad
+  # setting leaves an existing file as it was.
+  with (open(file, "w", encoding="utf-8") if to_path  # pylint: disable=consider-using-with
+        else contextlib.nullcontext(sys.stdout if file is None else file)
+        ) as stream:
+    # Printed before the figure is drawn: a file that print cannot write to
+    # (closed, binary, read-only) fails before anything is written.
+    print("\n\n".join(parts), file=stream)
+    if path is not None:
+      plot_histograms(grad_stats, path, activation_stats=activation_stats,
+                      by=by, title=title)
+      print(f"\nWrote {path}", file=stream)
   return advice
