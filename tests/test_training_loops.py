@@ -1131,13 +1131,13 @@ def test_multi_steps_around_loss_scaling_stalls_loudly_through_update(
 
 @standard_promotion  # optax.MultiSteps
 def test_multi_steps_stall_raises_with_the_default_limit():
-  """With loss_scaling's defaults (max_consecutive_skips=1000,
-  on_max_skips='raise'), the stall fails loudly at the 1000th skipped window
-  and not before; one jitted scan of 2 * 1000 + 2 micro-steps."""
+  """With loss_scaling's defaults (max_consecutive_skips=100,
+  on_max_skips='raise'), the stall fails loudly at the 100th skipped window
+  and not before; one jitted scan of 2 * 100 + 2 micro-steps."""
   params = {"w": jnp.zeros(2, F32)}
   opt = optax.MultiSteps(
       jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.NoOpLossScale()), 2)
-  assert int(opt.init(params).inner_opt_state.max_consecutive_skips) == 1000
+  assert int(opt.init(params).inner_opt_state.max_consecutive_skips) == 100
 
   @functools.partial(jax.jit, static_argnums=0)
   def run(micro_steps, state):
@@ -1147,10 +1147,10 @@ def test_multi_steps_stall_raises_with_the_default_limit():
     return lax.scan(body, state, jnp.arange(micro_steps))[0]
 
   with faulty():
-    state = run(2 + 2 * 999, opt.init(params))  # 1 trained, 999 skipped
-    assert int(state.inner_opt_state.consecutive_skips) == 999
+    state = run(2 + 2 * 99, opt.init(params))  # 1 trained, 99 skipped
+    assert int(state.inner_opt_state.consecutive_skips) == 99
     with pytest.raises(STALL_ERROR, match=STALL_MESSAGE):
-      jax.block_until_ready(run(2 + 2 * 1000, opt.init(params)))
+      jax.block_until_ready(run(2 + 2 * 100, opt.init(params)))
 
 
 @standard_promotion  # optax.MultiSteps

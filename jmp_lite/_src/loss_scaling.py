@@ -27,12 +27,12 @@ from jmp_lite._src import tree as tree_lib
 #: behind a ``lax.cond``); ``"flag"`` only sets ``state.gave_up``.
 ON_MAX_SKIPS = ("flag", "raise")
 
-#: The default ``max_consecutive_skips``: more optimizer steps in a row than
-#: any back-off needs (halving a scale from 2**126 to 2**-126 takes 252), so a
-#: healthy run never reaches it, and a stalled one -- ``optax.MultiSteps``
+#: The default ``max_consecutive_skips``: a run that skips 100 optimizer steps
+#: in a row is not training (backing off from jmp's suggested 2**15 to its
+#: floor of 1 takes 15), so a healthy run never reaches it, and a stalled one -- ``optax.MultiSteps``
 #: around ``loss_scaling``, which no structural check sees when the loop never
 #: hands its whole state to jmp_lite -- fails loudly instead of silently.
-_DEFAULT_MAX_SKIPS = 1000
+_DEFAULT_MAX_SKIPS = 100
 
 _F16_MAX = 65504.0
 
@@ -501,7 +501,7 @@ def loss_scaling(
     check_scaling: keep the evidence behind ``state.looks_unscaled`` (a few
       scalars; the reduction it reads is the one that decides finiteness).
     max_consecutive_skips: the limit on optimizer steps (windows) skipped in a
-      row (default 1000, more than any back-off needs); reaching it sets
+      row (default 100: a run that skips 100 steps in a row is not training); reaching it sets
       ``state.gave_up`` and acts as ``on_max_skips`` says. ``None``: no limit.
     on_max_skips: ``"raise"`` (default: a ``FloatingPointError`` from the step
       that reaches the limit, from a host callback behind a ``lax.cond`` that
