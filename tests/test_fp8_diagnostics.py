@@ -374,8 +374,12 @@ def test_bad_arguments_name_the_problem():
   # Axes are NumPy's (normalize_axis_tuple): its errors.
   with pytest.raises(np.exceptions.AxisError, match="axis 2 is out of bounds"):
     diagnostics.fp8_stats({"w": x}, "activation", axis=2)
-  with pytest.raises(TypeError, match="'str' object cannot be interpreted"):
-    diagnostics.fp8_stats(x, "activation", axis="last")
+  for bad in ("last", 1.0, (0, "1"), True):
+    with pytest.raises(TypeError, match=(
+        r"fp8_stats: axis must be an int, a tuple of ints or None, got "
+        + type(bad).__name__ + ": " + re.escape(repr(bad)) +
+        r"\. axis names the contracting axes .* axis=-1, the last axis")):
+      diagnostics.fp8_stats(x, "activation", axis=bad)
   with pytest.raises(ValueError, match="repeated axis"):
     diagnostics.fp8_stats(x, "activation", axis=(0, -2))
   with pytest.raises(ValueError, match="block_size=100 is not a positive "

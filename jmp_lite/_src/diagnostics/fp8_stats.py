@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any, Sequence
 
 import jax
@@ -70,6 +71,14 @@ ROLE_HELP = (
     "contracting every axis but the last, as for Flax's Dense (in, out) and "
     "Conv (..., in, out) kernels) or 'gradient' (the gradient flowing into "
     "the matmul's output: e5m2, contracting the last axis)."
+)
+
+#: What ``axis`` takes, for :func:`fp8_stats`' error messages.
+AXIS_HELP = (
+    "axis names the contracting axes of every leaf of rank >= 1 (rows, tiles "
+    "and MX blocks run along them): an int (e.g. axis=-1, the last axis) or "
+    "a tuple of ints (e.g. axis=(0, 1)); None (the default): the role's, the "
+    "last axis, or every axis but the last for weights."
 )
 
 #: What ``scale`` means.
@@ -390,7 +399,8 @@ def _block_size(block_size: Any) -> int:
 def _leaf_axes(axis, role, shape) -> tuple[int, ...]:
   """The contracting axes of one leaf, non-negative and in the given order.
 
-  NumPy reports an axis that is not an int, out of range or repeated.
+  NumPy reports an axis out of range or repeated (:func:`_check_axis` one
+  that is no int).
   """
   ndim = len(shape)
   if ndim == 0:
@@ -400,6 +410,20 @@ def _leaf_axes(axis, role, shape) -> tuple[int, ...]:
       return tuple(range(ndim - 1))
     return (ndim - 1,)
   return normalize_axis_tuple(axis, ndim, "fp8_stats: axis")
+
+
+def _check_axis(axis: Any) -> Any:
+  """``axis`` if it is None, an int or a tuple or list of ints (a teaching
+  TypeError otherwise: NumPy's names neither the argument nor the value)."""
+  if axis is None:
+    return None
+  items = axis if isinstance(axis, (tuple, list)) else (axis,)
+  for a in items:
+    if isinstance(a, (bool, np.bool_)) or not isinstance(a, numbers.Integral):
+      raise TypeError(
+          f"fp8_stats: axis must be an int, a tuple of ints or None, got "
+          f"{type(axis).__name__}: {axis!r}. {AXIS_HELP}")
+  return axis
 
 
 def _scales(scale: Any, tree: Any) -> Any:
@@ -618,7 +642,8 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
     ``tree`` with each floating leaf replaced by its :class:`Fp8Stats`.
 
   Raises:
-    TypeError: for a role, format, axis or scale of the wrong type.
+    TypeError: for a role, format, axis (e.g. ``axis="last"``: write
+      ``axis=-1``) or scale of the wrong type.
     ValueError: for an unknown role or format, an axis out of range for a
       leaf or repeated (NumPy's errors), a block size that is not a positive
       multiple of 16, a scale that is not positive and finite or does not
@@ -637,6 +662,7 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   how to capture a model's matmul inputs and gradients, and the advice.
   """
   role = checks.choice(role, "role", "fp8_stats", ROLES, ROLE_HELP)
+  axis = _check_axis(axis)
   formats = _formats(fmt, role, scale is not None)
   block_size = _block_size(block_size)
   fp4 = formats == (FP4_FORMAT,)
