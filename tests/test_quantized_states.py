@@ -288,8 +288,34 @@ def test_unknown_format():
 def test_bad_roles_and_patterns():
   with pytest.raises(ValueError, match=r"unknown role of 'sq' 'second'.*'nu'"):
     quantized_states(optax.adam(1e-3), mu="8bit", roles={"sq": "second"})
-  with pytest.raises(re.error):  # Python's own report of a bad expression.
+  with pytest.raises(ValueError, match=r"keep=\('\[',\) holds '\[', not a "
+                     r"valid regular expression \(unterminated"):
     quantized_states(optax.adam(1e-3), mu="8bit", keep=("[",))
+
+
+@pytest.mark.parametrize("keep,bad", [
+    ((3,), "3 (int)"), (("x", None), "None (NoneType)"),
+    ((b"x",), "b'x' (bytes)")])
+def test_keep_items_that_are_not_patterns(keep, bad):
+  with pytest.raises(TypeError, match=r"keep=.* holds " + re.escape(bad)
+                     + r", not a string\. They are regular expressions"):
+    jmp_lite.with_state_dtype(optax.adam(1e-3), mu="8bit", keep=keep)
+
+
+@pytest.mark.parametrize("keep", [42, b"x", None])
+def test_keep_that_is_not_a_sequence(keep):
+  with pytest.raises(TypeError, match=re.escape(f"keep={keep!r}")
+                     + r".*tuple/list of strings.*regular expressions"):
+    jmp_lite.with_state_dtype(optax.adam(1e-3), mu="8bit", keep=keep)
+
+
+def test_roles_keys_that_are_not_patterns():
+  with pytest.raises(TypeError, match=r"roles \(a key\) holds 3 \(int\)"):
+    jmp_lite.with_state_dtype(optax.adam(1e-3), mu="8bit", roles={3: "nu"})
+  with pytest.raises(ValueError, match=r"roles \(a key\) holds '\('.*regular"):
+    jmp_lite.with_state_dtype(optax.adam(1e-3), mu="8bit", roles={"(": "nu"})
+  with pytest.raises(TypeError, match=r"roles=\['nu'\] \(list\).*dict"):
+    jmp_lite.with_state_dtype(optax.adam(1e-3), mu="8bit", roles=["nu"])
 
 
 def test_bad_block_size():
@@ -324,12 +350,18 @@ def test_state_restored_into_another_format():
   params = _params()
   state = quantized_states(optax.adam(1e-3), mu="8bit", nu="8bit").init(params)
   other = quantized_states(optax.adam(1e-3), mu="4bit", nu="8bit")
-  with pytest.raises(ValueError, match=r"mu='4bit'.*\.mu\['e'\] is uint8"):
+  with pytest.raises(ValueError, match=r"holds moments stored as mu=8bit,"
+                     r"nu=8bit.*stores mu=4bit,nu=8bit.*restore it into "
+                     r"with_state_dtype\(inner, mu='8bit', nu='8bit'\)"):
     other.update(_grads(params, 0), state, params)
   e4m3 = quantized_states(optax.adam(1e-3), mu="e4m3", nu="8bit")
-  with pytest.raises(ValueError, match="expected int8"):
-    e4m3.update(_grads(params, 0), state, params)
-  with pytest.raises(ValueError, match="random key is missing"):
+  with pytest.raises(ValueError, match="stores mu=e4m3,nu=8bit"):
+    jax.jit(e4m3.update)(_grads(params, 0), state, params)  # static: jit too
+  kept = quantized_states(optax.adam(1e-3), mu="8bit", nu="8bit",
+                          keep=(r"\['e'\]",))
+  with pytest.raises(ValueError, match=r"leaf formats .*keep=, roles= or"):
+    kept.update(_grads(params, 0), state, params)
+  with pytest.raises(ValueError, match="stores mu=bfloat16_sr"):
     quantized_states(optax.adam(1e-3), mu="bf16_sr").update(
         _grads(params, 0), state, params)
 
@@ -497,3 +529,91 @@ def test_4bit_adam_is_adam_on_the_reference_codes():
   # and the codes cost something: float32 Adam moves elsewhere.
   f32_p, _ = _run(adam, params)
   assert np.max(np.abs(np.asarray(f32_p["w"] - p["w"]))) > 1e-3
+
+
+def test_state_says_its_formats_through_orbax_and_tree_map_params(tmp_path):
+  """The tag is a dict key of the state (its structure) over uint8 codes
+  (finite): it survives orbax's restore into jax.eval_shape(opt.init) and
+  optax.tree_map_params; restoring an 8-bit checkpoint into an e4m3 target,
+  or a 4-bit nu into a 4bit_rank1 one whose bytes coincide (256 x 256), is
+  refused by orbax's structure check (the message names both tags)."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = {"w": jnp.ones((256, 256), jnp.float32)}
+  opt = jmp_lite.with_state_dtype(optax.adam(1e-3), mu="8bit", nu="4bit")
+  state = opt.init(params)
+  (tag, codes), = state.formats.items()
+  assert tag == "mu=8bit,nu=4bit,block_size=default"
+  assert codes.dtype == jnp.uint8
+  mapped = optax.tree_map_params(opt, lambda _, s: s, state, params,
+                                 transform_non_params=lambda x: x)
+  assert list(mapped.formats) == [tag]
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save(tmp_path / "a", state)
+    checkpointer.wait_until_finished()
+    restored = checkpointer.restore(tmp_path / "a",
+                                    jax.eval_shape(opt.init, params))
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+    jax.jit(opt.update)(params, restored, params)
+    for mu, nu in [("e4m3", "4bit"), ("8bit", "4bit_rank1")]:
+      other = jmp_lite.with_state_dtype(optax.adam(1e-3), mu=mu, nu=nu)
+      target = jax.eval_shape(other.init, params)
+      if nu == "4bit_rank1":  # the same bytes: only the tag tells them apart
+        assert jax.tree.map(lambda x: (x.shape, x.dtype),
+                            target.inner_state) == jax.tree.map(
+                                lambda x: (x.shape, x.dtype),
+                                state.inner_state)
+      with pytest.raises(ValueError, match=re.escape(
+          f"mu={mu},nu={nu},block_size=default") + r"(.|\n)*"
+                         + re.escape(tag)):
+        checkpointer.restore(tmp_path / "a", target)
+  # Handed over directly, the other optimizer's update refuses it.
+  with pytest.raises(ValueError, match="stores mu=8bit,nu=4bit_rank1"):
+    jax.jit(jmp_lite.with_state_dtype(
+        optax.adam(1e-3), mu="8bit", nu="4bit_rank1").update)(
+            params, state, params)
+
+
+def _negative_extremes(shape, seed):
+  """Moments whose blocks' largest magnitudes are negative (the signed
+  maps hold +1 but no -1)."""
+  x = np.asarray(_grads({"w": jnp.zeros(shape)}, seed)["w"])
+  x = -np.abs(x)
+  x[..., ::7] *= -0.5
+  return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("mu,nu", [("e4m3", "e4m3"), ("8bit", "8bit"),
+                                   ("4bit", "4bit"), ("4bit", "4bit_rank1"),
+                                   ("bf16_sr", "8bit")])
+def test_unchanged_moments_keep_their_bits(mu, nu):
+  """MultiSteps' mini-steps (either side of with_state_dtype) and steps
+  apply_if_finite skips leave every stored moment bit-identical, for blocks
+  whose extreme is negative too."""
+  params = {"w": jnp.zeros((64, 256), jnp.float32)}
+  grads = [{"w": _negative_extremes((64, 256), i)} for i in range(4)]
+  inner = lambda: jmp_lite.with_state_dtype(optax.adam(1e-2), mu=mu, nu=nu)
+  moments = lambda s: [np.asarray(x) for x in jax.tree.leaves(
+      (optax.tree.get(s, "mu"), optax.tree.get(s, "nu")))]
+  for opt in (optax.MultiSteps(inner(), 4),
+              jmp_lite.with_state_dtype(optax.MultiSteps(optax.adam(1e-2), 4),
+                                        mu=mu, nu=nu)):
+    step = jax.jit(opt.update)
+    state = opt.init(params)
+    _, state = step(grads[0], state, params)  # a first moment
+    for g in grads[1:]:
+      _, state = step(g, state, params)
+    before = moments(state)  # a full window: stepped
+    for g in grads[:3]:  # mini-steps
+      _, state = step(g, state, params)
+      jax.tree.map(np.testing.assert_array_equal, moments(state), before)
+  bad = {"w": jnp.full((64, 256), jnp.nan)}
+  for opt in (optax.apply_if_finite(inner(), 10),
+              jmp_lite.with_state_dtype(
+                  optax.apply_if_finite(optax.adam(1e-2), 10), mu=mu, nu=nu)):
+    step = jax.jit(opt.update)
+    _, state = step(grads[0], opt.init(params), params)
+    before = moments(state)
+    for _ in range(7):
+      _, state = step(bad, state, params)
+    jax.tree.map(np.testing.assert_array_equal, moments(state), before)
+

@@ -123,6 +123,14 @@ RESTORED_FORMAT = (
 )
 
 
+FORMAT_MISMATCH = (
+    "{owner}: the state holds moments stored as {got}, but this optimizer "
+    "stores {want}{detail}. It was saved by an optimizer with other "
+    "formats: restore it into {owner}(inner, {got_args}), or start the "
+    "moments afresh from this optimizer's init."
+)
+
+
 class QuantizedStatesState(NamedTuple):
   """State of an optimizer whose moments are stored in low-bit formats.
 
@@ -133,10 +141,18 @@ class QuantizedStatesState(NamedTuple):
       leaves as the inner optimizer made them (float32).
     rng_key: the raw ``uint32`` PRNG key of ``"bfloat16_sr"`` (split at
       every update), or ``None``.
+    formats: which formats the state holds: ``{tag: codes}``, the tag
+      (``"mu=8bit,nu=4bit,block_size=default"``) a dict key, so that it is
+      part of the state's structure (orbax refuses to restore into a target
+      with another tag; ``update`` refuses a state with another tag), and
+      ``codes`` a ``uint8`` array: 1, then per leaf of ``inner_state`` 0
+      (stored as the inner optimizer made it) or 1 + the index in
+      ``state_codes.FORMAT_NAMES`` of the format it is stored in.
   """
 
   inner_state: Any
   rng_key: Any = None
+  formats: Any = None
 
 
 def _format(value: Any, role: str, owner: str) -> state_codes.StateFormat:
@@ -154,16 +170,49 @@ def _format(value: Any, role: str, owner: str) -> state_codes.StateFormat:
   return fmt
 
 
-def _patterns(value: Any) -> tuple[re.Pattern, ...]:
-  """Regular expressions (``re`` reports one that is not)."""
-  return tuple(re.compile(item) for item in (
-      (value,) if isinstance(value, str) else value))
+#: What keep= and the keys of roles= take.
+PATTERN_HELP = (
+    "They are regular expressions (str), searched in each state leaf's path "
+    "as jax.tree_util.keystr writes it, e.g. keep=(r\"\\['embed'\\]\",) "
+    "or roles={{'v_diag': 'nu'}}."
+)
+
+
+def _pattern(item: Any, what: str, owner: str) -> re.Pattern:
+  if not isinstance(item, str):
+    raise TypeError(f"{owner}: {what} holds {item!r} "
+                    f"({type(item).__name__}), not a string. "
+                    + PATTERN_HELP.format())
+  try:
+    return re.compile(item)
+  except re.error as error:
+    raise ValueError(f"{owner}: {what} holds {item!r}, not a valid regular "
+                     f"expression ({error}). " + PATTERN_HELP.format()
+                     ) from error
+
+
+def _patterns(value: Any, owner: str) -> tuple[re.Pattern, ...]:
+  """keep=: a string or a sequence of strings, each a regular expression."""
+  if isinstance(value, str):
+    value = (value,)
+  if (not isinstance(value, (list, tuple, set, frozenset))
+      or isinstance(value, (bytes, bytearray))):
+    raise TypeError(f"{owner}: keep={value!r} ({type(value).__name__}); keep "
+                    "must be a string or a tuple/list of strings. "
+                    + PATTERN_HELP.format())
+  return tuple(_pattern(item, f"keep={value!r}", owner) for item in value)
 
 
 def _role_rules(roles: Any, owner: str) -> tuple[tuple[re.Pattern, str], ...]:
-  return tuple((re.compile(pattern), checks.choice(
+  if roles is None:
+    return ()
+  if not isinstance(roles, Mapping):
+    raise TypeError(f"{owner}: roles={roles!r} ({type(roles).__name__}); "
+                    "roles must be a dict {pattern: 'mu' | 'nu' | 'keep'}. "
+                    + PATTERN_HELP.format())
+  return tuple((_pattern(pattern, "roles (a key)", owner), checks.choice(
       role, f"role of {pattern!r}", owner, ROLES, ROLE_HELP))
-               for pattern, role in (roles or {}).items())
+               for pattern, role in roles.items())
 
 
 def _block_size(value: Any, owner: str) -> int | None:
@@ -261,7 +310,7 @@ def quantized_states(
   """
   inner = checks.optax_transformation(inner, owner)
   mu_fmt, nu_fmt = _format(mu, "mu", owner), _format(nu, "nu", owner)
-  keep_rules = _patterns(keep)
+  keep_rules = _patterns(keep, owner)
   role_rules = _role_rules(roles, owner)
   min_size = checks.integer(min_size, "min_size", owner, low=0)
   size = _block_size(block_size, owner)
@@ -271,6 +320,18 @@ def quantized_states(
   stochastic = mu_fmt.stochastic or nu_fmt.stochastic
   seed = checks.integer(seed, "seed", owner, 0, checks.UINT32_MAX)
   names = {"mu": mu_fmt, "nu": nu_fmt}
+  tag = (f"mu={mu_fmt.name},nu={nu_fmt.name},"
+         f"block_size={size or 'default'}")
+
+  def format_codes(leaves_plan) -> np.ndarray:
+    codes = [1]
+    for spec in leaves_plan:
+      if spec is None or spec.fmt is None:
+        codes.append(0)
+      else:
+        fmt = state_codes.for_shape(spec.fmt, spec.shape)
+        codes.append(1 + state_codes.FORMAT_NAMES.index(fmt.name))
+    return np.array(codes, np.uint8)
 
   def plan(state: Any) -> list[_Leaf | None]:
     """One entry per leaf of the inner state: None for non-floating ones."""
@@ -319,8 +380,12 @@ def quantized_states(
             owner=owner, path=jax.tree_util.keystr(path),
             dtype=np.dtype(leaf.dtype).name, value=value))
 
-  def encode_state(state: Any, leaves_plan, key) -> Any:
+  def encode_state(state: Any, leaves_plan, key, old=None) -> Any:
+    """Encodes the moments; with ``old`` (decoded, stored), a moment left
+    bitwise unchanged keeps its stored bytes (state_codes.reencode)."""
     leaves, treedef = jax.tree.flatten(state)
+    if old is not None:
+      decoded, stored = (treedef.flatten_up_to(t) for t in old)
     out = []
     for index, (leaf, spec) in enumerate(zip(leaves, leaves_plan)):
       if spec is None or spec.fmt is None:
@@ -328,8 +393,14 @@ def quantized_states(
         continue
       leaf_key = (jax.random.fold_in(key, index)
                   if spec.fmt.stochastic else None)
-      out.append(state_codes.encode(jnp.asarray(leaf, _F32), spec.fmt,
-                                    spec.role == "nu", leaf_key))
+      x = jnp.asarray(leaf, _F32)
+      if old is None:
+        out.append(state_codes.encode(x, spec.fmt, spec.role == "nu",
+                                      leaf_key))
+      else:
+        out.append(state_codes.reencode(
+            x, jnp.asarray(decoded[index], _F32), stored[index], spec.fmt,
+            spec.role == "nu", leaf_key))
     return treedef.unflatten(out)
 
   def decode_state(state: Any, leaves_plan) -> Any:
@@ -358,7 +429,8 @@ def quantized_states(
     stored = encode_state(state, leaves_plan,
                           None if key is None else jax.random.fold_in(key, 0))
     return QuantizedStatesState(
-        stored, None if key is None else jax.random.key_data(key))
+        stored, None if key is None else jax.random.key_data(key),
+        {tag: jnp.asarray(format_codes(leaves_plan))})
 
   def expected_state(updates: Any) -> tuple[Any, list[_Leaf | None]]:
     abstract = jax.eval_shape(inner.init, float32_params(updates))
@@ -374,7 +446,8 @@ def quantized_states(
             state_codes.stored_dtype(spec.fmt)))
     return treedef.unflatten(stored), leaves_plan
 
-  def check_layout(state: QuantizedStatesState, expected: Any) -> None:
+  def check_layout(state: QuantizedStatesState, expected: Any,
+                   leaves_plan) -> None:
     def fail(detail):
       raise ValueError(RESTORED_FORMAT.format(
           owner=owner, mu=mu_fmt.name, nu=nu_fmt.name,
@@ -383,6 +456,25 @@ def quantized_states(
     if not isinstance(state, QuantizedStatesState):
       fail(f"it is a {type(state).__name__}, not the QuantizedStatesState "
            "made by this optimizer's init")
+    formats = state.formats
+    if not isinstance(formats, Mapping) or len(formats) != 1:
+      fail(f"its formats field is {formats!r}, not the {{tag: codes}} made "
+           "by this optimizer's init")
+    (got_tag, codes), = formats.items()
+    if got_tag != tag:
+      raise ValueError(FORMAT_MISMATCH.format(
+          owner=owner, got=got_tag, want=tag, detail="",
+          got_args=_as_args(got_tag)))
+    if checks.is_concrete(codes):
+      want_codes = format_codes(leaves_plan)
+      got_codes = np.asarray(codes)
+      if (got_codes.shape != want_codes.shape
+          or not np.array_equal(got_codes, want_codes)):
+        raise ValueError(FORMAT_MISMATCH.format(
+            owner=owner, got=f"{got_tag} (leaf formats {got_codes.tolist()})",
+            want=f"{tag} (leaf formats {want_codes.tolist()})",
+            detail=" (keep=, roles= or min_size= differ)",
+            got_args=_as_args(got_tag)))
     if (state.rng_key is None) == stochastic:
       fail("its random key is " + ("missing" if stochastic else
                                    "present, but no format rounds "
@@ -402,7 +494,7 @@ def quantized_states(
 
   def update_fn(updates, state, params=None, **extra_args):
     expected, leaves_plan = expected_state(updates)
-    check_layout(state, expected)
+    check_layout(state, expected, leaves_plan)
     inner_state = decode_state(state.inner_state, leaves_plan)
     new_updates, new_inner = inner.update(
         tree_lib.widen_floating(updates), inner_state,
@@ -411,11 +503,23 @@ def quantized_states(
     if stochastic:
       key, step_key = jax.random.split(jax.random.wrap_key_data(state.rng_key))
     new_inner = tree_lib.cast_like(new_inner, inner_state)
-    stored = encode_state(new_inner, leaves_plan, step_key)
+    stored = encode_state(new_inner, leaves_plan, step_key,
+                          old=(inner_state, state.inner_state))
     return new_updates, QuantizedStatesState(
-        stored, None if key is None else jax.random.key_data(key))
+        stored, None if key is None else jax.random.key_data(key),
+        state.formats)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _as_args(tag: str) -> str:
+  """``"mu=8bit,nu=4bit,block_size=default"`` -> ``mu='8bit', nu='4bit'``
+  (and ``block_size=...`` unless the default)."""
+  parts = dict(item.split("=", 1) for item in tag.split(",") if "=" in item)
+  out = [f"{k}={parts[k]!r}" for k in ("mu", "nu") if k in parts]
+  if parts.get("block_size", "default") != "default":
+    out.append(f"block_size={parts['block_size']}")
+  return ", ".join(out)
 
 
 def bytes_per_parameter(state: Any, params: Any) -> float:

@@ -693,3 +693,35 @@ def _decode(stored, fmt, non_negative, shape):
   codes, scales = unpack(stored, fmt)
   return _unblocks(dequantize_blocks(codes, scales, fmt, non_negative),
                    shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "non_negative"),
+                   inline=True)
+def reencode(new: jax.Array, old: jax.Array, stored: jax.Array,
+             fmt: StateFormat, non_negative: bool,
+             key: jax.Array | None = None) -> jax.Array:
+  """:func:`encode` of ``new``, keeping ``stored``'s bytes wherever ``new``
+  is bitwise ``old`` (``stored`` decoded): per element for the float
+  formats, per block for block formats, per leaf for the rank-1 layout
+  (whose column maxes every row shares). A moment an update left unchanged
+  keeps its bits, however its codes round."""
+  fresh = encode(new, fmt, non_negative, key)
+  same = (lax.bitcast_convert_type(new.astype(_F32), jnp.uint32)
+          == lax.bitcast_convert_type(old.astype(_F32), jnp.uint32))
+  if fmt.kind == "float":
+    return jnp.where(same, stored, fresh)
+  if for_shape(fmt, new.shape).kind == "rank1":
+    return jnp.where(jnp.all(same), stored, fresh)
+
+  def per_block(same, stored, fresh):
+    fmt_n = block_for(fmt, same.shape[-1])
+    kept = jnp.all(_blocks(same, fmt_n.block_size), axis=-1)
+    *lead, total = stored.shape
+    nb = kept.shape[-1]
+    pick = jnp.where(kept[..., None], stored.reshape(*lead, nb, total // nb),
+                     fresh.reshape(*lead, nb, total // nb))
+    return pick.reshape(stored.shape)
+
+  return compat.partitioned_as_auto(
+      per_block, compat.spec_for_shape(stored, stored.shape), same, stored,
+      fresh)
