@@ -8,7 +8,7 @@ leaf at a time, and how the leaf is turned back into float32. Formats
 * ``"bfloat16"``: the moment rounded to nearest even; ``"bfloat16_sr"``:
   rounded stochastically (unbiased), from random bits the caller passes.
 * ``"e4m3"``: float8 e4m3 values under a float32 absmax scale per block of
-  256 (``x / absmax * 448`` rounded to nearest even on e4m3's grid).
+  256 (the nearest e4m3 value of ``x / absmax * 448``, by the rule below).
 * ``"8bit"``: bitsandbytes' dynamic-exponent code (Dettmers et al., arXiv
   2110.02861), blocks of 256, nearest code: the signed map for moments that
   can be negative, the unsigned map for non-negative ones.
@@ -46,18 +46,29 @@ column maxes, both exact, so results still do not depend on the number of
 devices. A NaN or inf makes its row's and its column's maxes NaN, and
 every element of that row and column decodes to NaN.
 
-Rules every block format follows (the spec :mod:`tests.state_codes_reference`
+Rules every block format follows (rank-1 leaves too, with each element's
+scale) (the spec :mod:`tests.state_codes_reference`
 re-implements):
 
 * Subnormal moments (``|x| < 2**-126``) count as zero, on every backend (XLA
   on CPU flushes them anyway).
-* ``absmax`` is the block's largest magnitude. A block holding NaN or inf
-  gets a NaN scale and code 0 everywhere, so it decodes to NaN: a non-finite
-  moment stays visible, never becomes a finite code. A block of zeros gets
-  scale 0 and decodes to zeros.
-* Nearest code, ties to the lower code, of ``x / absmax`` (the code books
-  are sorted; a threshold between two codes is their midpoint, rounded down
-  to float32, and ``x`` goes above it only if strictly greater).
+* The scale ``s`` is the block's largest magnitude; for signed 8-bit and
+  4-bit moments it carries that element's sign (the positive one on a tie):
+  their maps hold +1 but no -1, so the extreme element takes code 1 and
+  decodes to exactly itself, and decode -> encode gives back the same bytes.
+  A block holding NaN or inf gets a NaN scale and code 0 everywhere, so it
+  decodes to NaN: a non-finite moment stays visible, never becomes a finite
+  code. A block of zeros gets scale 0 and decodes to zeros.
+* With ``|s| = m * 2**e`` (``1 <= m < 2``), the code of ``x`` is the number
+  of thresholds ``t`` (the sorted code book's midpoints of neighbouring
+  codes, rounded down to float32; for e4m3 the book is e4m3's finite values
+  over 448) with ``x / (+-2**e) > float32(t * m)``: the left side exact (two
+  multiplications by powers of two; below ``2**-126`` it is 0), the right
+  side one rounded product. No division or reciprocal, which XLA rewrites
+  (``x / s`` into ``x * (1 / s)``, a flushed subnormal for ``s >= 2**126``):
+  the same codes on every backend. It is the nearest code of ``x / s``, ties
+  to the lower one, up to the rounding of ``t * m``.
+* Decoding is ``value[code] * s``; results below ``2**-126`` are 0.
 * Non-negative moments never decode to 0 unless their whole block is 0:
   their code books' zero is unreachable (a second moment quantized to zero
   makes ``1 / sqrt(v)`` explode, lpmm's "zero-point problem"). Values below
