@@ -277,7 +277,9 @@ def test_fp4_recipe_fields_in_the_grammar():
      ["mx_scale_rule='floor'", "recipe='nvfp4'"]),
     ("c=bf16,m=mxfp4(two_d_weights=true)", ValueError,
      ["two_d_weights=True", "recipe='mxfp4'"]),
-    ("c=bf16,m=nvfp4(rht=1)", TypeError, ["rht must be True or False"]),
+    ("c=bf16,m=nvfp4(rht=1)", ValueError,
+     ["Invalid policy spec 'c=bf16,m=nvfp4(rht=1)'", "Field 'rht'",
+      "takes true or false, got '1'", "rht=true or rht=false"]),
     ("c=bf16,m=nvfp4(dim_multiple=0)", ValueError, ["dim_multiple"]),
     ("p=f32,c=f64,o=f32,m=nvfp4", ValueError,
      ["'nvfp4' is an FP4 recipe", "float64", "mixed_nvfp4"]),
@@ -405,7 +407,9 @@ def test_delayed_defaults_and_matmul_context():
     ("m=fp8(granularity=row;scaling=delayed)", ValueError,
      "granularity='tensor'"),
     ("m=fp8(dim_multiple=0)", ValueError, "dim_multiple.*got 0"),
-    ("m=fp8(include_batched=yes)", TypeError, "include_batched must be a bool"),
+    ("m=fp8(include_batched=yes)", ValueError,
+     "'m=fp8\\(include_batched=yes\\)'.*Field 'include_batched' .*takes true "
+     "or false, got 'yes'"),
     ("c=f64,m=fp8", ValueError, "computes in float64"),
     ("c=fp8", ValueError, "Unknown dtype 'fp8'.*matmul recipe.*mixed_fp8"),
     ("c=float8_e4m3fn", ValueError, "float8_e4m3fn.*matmul recipe"),
@@ -415,6 +419,50 @@ def test_delayed_defaults_and_matmul_context():
 def test_bad_specs_name_the_value(spec, error, pattern):
   with pytest.raises(error, match=pattern):
     jmp_lite.get_policy(spec)
+
+
+@pytest.mark.parametrize("recipe, field, value, takes", [
+    ("nvfp4", "rht", "maybe", "true or false"),
+    ("nvfp4", "stochastic_rounding", "1", "true or false"),
+    ("nvfp4", "two_d_weights", "yes", "true, false or none"),
+    ("mxfp4", "mx_scale_rule", "1", "one of round_up, floor or none"),
+    ("nvfp4", "dim_multiple", "x", "a whole number or none"),
+    ("nvfp4", "quantize_forward", "none", "true or false"),
+    ("fp8", "power_of_two_scales", "0", "true or false"),
+    ("fp8", "native_mx", "none", "true or false"),
+    ("fp8", "granularity", "3", "one of tensor, row, blockwise, mxfp8"),
+    ("fp8", "forward_format", "true", "one of e4m3, e5m2"),
+    ("fp8", "scaling", "false", "one of current, delayed"),
+    ("fp8_delayed", "amax_algorithm", "2", "one of max, most_recent or none"),
+    ("fp8_delayed", "history_length", "1.5", "a whole number or none"),
+    ("fp8_delayed", "margin", "abc", "a whole number"),
+    ("fp8_blockwise", "block_size", "true", "a whole number or none"),
+    ("fp8", "dim_multiple", "sixteen", "a whole number"),
+])
+def test_a_recipe_field_of_the_wrong_type_is_a_value_error(recipe, field,
+                                                           value, takes):
+  """Every field type of Fp8Config and Fp4Config (bool, int, str choice):
+  a ValueError that quotes the field, the value as written, what it takes
+  and the policy text, like every other malformed spec (rht=maybe was the
+  config's TypeError, without the policy)."""
+  spec = f"p=f32,c=bf16,o=f32,m={recipe}({field}={value})"
+  with pytest.raises(ValueError) as info:
+    jmp_lite.get_policy(spec)
+  message = str(info.value)
+  for words in (f"Invalid policy spec {spec!r}", f"Field {field!r} in the",
+                f"recipe '{recipe}({field}={value})' takes {takes}, got "
+                f"{value!r}: write ", "Fields: "):
+    assert words in message, (words, message)
+
+
+def test_recipe_fields_of_the_right_type_still_read_back():
+  for spec in ("c=bf16,m=nvfp4(two_d_weights=none;dim_multiple=none)",
+               "c=bf16,m=fp8_delayed(margin=1.0;amax_algorithm=none)",
+               "c=bf16,m=fp8(axis_name=(data|fsdp))"):
+    policy = jmp_lite.get_policy(spec)
+    assert jmp_lite.get_policy(str(policy)) == policy
+  assert jmp_lite.get_policy(
+      "c=bf16,m=fp8_delayed(margin=1.0)").fp8_recipe.margin == 1
 
 
 def test_float8_dtypes_and_bad_recipes_are_refused():

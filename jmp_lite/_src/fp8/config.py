@@ -674,6 +674,60 @@ def _parse_value(key: str, text: str) -> Any:
   return text
 
 
+#: The values a recipe field takes in the grammar, by the field's type.
+_GRAMMAR_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "true or false"),
+    "bool | None": ((bool, type(None)), "true, false or none"),
+    "int": ((int,), "a whole number"),
+    "int | None": ((int, type(None)), "a whole number or none"),
+    "str": ((str,), "a name"),
+    "str | None": ((str, type(None)), "a name or none"),
+}
+
+
+#: Whole-number fields whose config reads a whole float too (``margin=1.0``)
+#: and explains why any other number is refused: the grammar passes it on.
+_WHOLE_FLOAT_FIELDS = ("margin",)
+
+
+def _field_choices(key: str) -> tuple[str, ...] | None:
+  """The names a string field of a recipe takes, or None."""
+  return {
+      "forward_format": formats_lib.FORMAT_NAMES,
+      "gradient_format": formats_lib.FORMAT_NAMES,
+      "granularity": MATMUL_GRANULARITIES,
+      "scaling": SCALING_MODES,
+      "amax_algorithm": AMAX_ALGORITHMS,
+      "mx_scale_rule": MX_SCALE_RULES,
+  }.get(key)
+
+
+def _type_problem(kind: type, key: str, value: Any, text: str,
+                  where: str) -> str | None:
+  """What is wrong with the type of a recipe field's value as the grammar
+  read it, or None (the config validates the value itself)."""
+  field = {f.name: f for f in dataclasses.fields(kind)}[key]
+  if field.type not in _GRAMMAR_TYPES:   # axis_name: read as names
+    return None
+  types, allowed = _GRAMMAR_TYPES[field.type]
+  if key in _WHOLE_FLOAT_FIELDS:
+    types += (float,)
+  if isinstance(value, types) and not (
+      isinstance(value, bool) and bool not in types):
+    return None
+  choices = _field_choices(key)
+  if choices:
+    allowed = "one of " + ", ".join(choices) + (
+        " or none" if type(None) in types else "")
+    fix = f"e.g. {key}={choices[0]}"
+  elif bool in types:
+    fix = f"{key}=true or {key}=false"
+  else:   # whole numbers: the default, or a size every such field takes
+    example = field.default if isinstance(field.default, int) else 16
+    fix = f"e.g. {key}={example}"
+  return f"Field {key!r} {where} takes {allowed}, got {text!r}: write {fix}."
+
+
 SPEC_HELP = (
     "A float8 recipe is one of {names}, optionally followed by the fields to "
     "change in parentheses, separated by ';', e.g. "
@@ -734,8 +788,9 @@ def from_spec(text: str) -> Fp8Config | Fp4Config:
 
   Raises:
     ValueError: for an unknown name or field, a field given twice, fields
-      separated by ``,``, or a malformed entry.
-    TypeError: for a value of the wrong type (as the config raises).
+      separated by ``,``, a malformed entry, a value of the wrong type for
+      its field (``rht=maybe``: quoting the field, the value and what it
+      takes), or a value the config refuses.
   """
   compact = "".join(text.split())
   name, paren, rest = compact.partition("(")
@@ -757,10 +812,12 @@ def from_spec(text: str) -> Fp8Config | Fp4Config:
         f"Unknown field {key!r} {where}." if key not in names else
         f"Field {key!r} is given twice {where} ({given[key]}, then {entry}):"
         " give each field once." if key in given else None)
+    parsed = None if problem else _parse_value(key, value)
+    problem = problem or _type_problem(kind, key, parsed, value, where)
     if problem:
       break
     given[key] = entry
-    fields[key] = _parse_value(key, value)
+    fields[key] = parsed
   if problem:
     help_text = (_spec_help(kind) if name in RECIPE_NAMES else
                  f"{_spec_help()} {_spec_help(Fp4Config)}")
