@@ -375,6 +375,73 @@ def argnums_in_range(nums: Sequence[int], what: str, nargs: int,
         nums=nums if len(nums) > 1 else nums[0]))
 
 
+# -- matmuls --------------------------------------------------------------------------
+
+#: The form of a dot_general's dimension numbers.
+DIMENSION_NUMBERS = (
+    "dimension_numbers must be (((lhs_contract,), (rhs_contract,)), "
+    "((lhs_batch,), (rhs_batch,))) as for jax.lax.dot_general: tuples of "
+    "distinct non-negative integer axes of each operand, as many for the lhs "
+    "as for the rhs, axis for axis of the same size; e.g. "
+    "(((x.ndim - 1,), (0,)), ((), ())) for x @ w"
+)
+
+
+def _axes(value: Any) -> tuple[int, ...] | None:
+  """A group of axes as a tuple of ints (a bare int is one axis), or None."""
+  items = value if isinstance(value, (tuple, list)) else (value,)
+  out = []
+  for a in items:
+    if isinstance(a, (bool, np.bool_)) or not isinstance(a, numbers.Integral):
+      return None
+    out.append(int(a))
+  return tuple(out)
+
+
+def dimension_numbers(dn: Any, lhs_shape: Sequence[int],
+                      rhs_shape: Sequence[int],
+                      owner: str) -> tuple[tuple[tuple[int, ...], ...], ...]:
+  """``jax.lax.dot_general``'s dimension numbers, normalised to
+  ``((lc, rc), (lb, rb))`` tuples of ints for operands of these shapes.
+
+  Raises a ``TypeError`` (as ``jax.lax.dot_general`` does for numbers that do
+  not fit its operands) naming ``dimension_numbers``, the value received and
+  the expected form: for a malformed structure, a non-integer axis, an axis
+  out of range, an axis repeated, unequal numbers of lhs and rhs axes, and
+  paired axes of different sizes.
+  """
+  def refuse(problem: str):
+    raise TypeError(f"{owner}: {problem}; got dimension_numbers={dn!r} for "
+                    f"lhs of shape {tuple(lhs_shape)} and rhs of shape "
+                    f"{tuple(rhs_shape)}. {DIMENSION_NUMBERS}.")
+
+  try:
+    (lc, rc), (lb, rb) = dn
+  except (TypeError, ValueError):
+    lc = None
+  if lc is None:
+    refuse("not a pair of (lhs, rhs) pairs")
+  groups = [_axes(g) for g in (lc, rc, lb, rb)]
+  if any(g is None for g in groups):
+    refuse("an axis is not an integer")
+  lc, rc, lb, rb = groups
+  for side, shape, contract, batch in (("lhs", lhs_shape, lc, lb),
+                                       ("rhs", rhs_shape, rc, rb)):
+    axes = contract + batch
+    if any(not 0 <= a < len(shape) for a in axes):
+      refuse(f"the {side} axes {axes} are not all in [0, {len(shape)})")
+    if len(set(axes)) != len(axes):
+      refuse(f"the {side} axes {axes} repeat an axis")
+  for what, l, r in (("contracting", lc, rc), ("batch", lb, rb)):
+    if len(l) != len(r):
+      refuse(f"{len(l)} lhs but {len(r)} rhs {what} axes")
+    lsize = tuple(lhs_shape[a] for a in l)
+    rsize = tuple(rhs_shape[a] for a in r)
+    if lsize != rsize:
+      refuse(f"the {what} axes have sizes {lsize} (lhs) and {rsize} (rhs)")
+  return (lc, rc), (lb, rb)
+
+
 # -- files ---------------------------------------------------------------------------
 
 
