@@ -404,6 +404,53 @@ def test_the_product_is_inlined_into_a_jitted_forward(matmul):
   np.testing.assert_array_equal(forward(X, W), jax.jit(forward)(X, W))
 
 
+def test_repeated_matmuls_trace_forward_and_backward_once(monkeypatch):
+  """Matmuls of the same shapes and config (a deep model's blocks) share one
+  trace of the quantized product and one of its backward pass (a
+  custom_vjp's bwd runs per call site; it is a jitted function): four
+  matmuls quantize as often while tracing as one does."""
+  from jmp_lite._src.fp8 import scaling  # pylint: disable=g-import-not-at-top
+  calls = []
+  quantize_blocks = scaling.quantize_blocks
+
+  def counting(x, *args, **kwargs):
+    calls.append(x.shape)
+    return quantize_blocks(x, *args, **kwargs)
+
+  monkeypatch.setattr(scaling, "quantize_blocks", counting)
+
+  def traced(n, rows):  # shapes no other test uses: nothing is cached yet
+    def loss(w, x):
+      for _ in range(n):
+        x = fp8.fp8_dot_general(x, w, DENSE)
+      return x.sum()
+    calls.clear()
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(
+        jnp.ones((48, 48)), jnp.ones((rows, 48)))
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 * n  # each matmul keeps its own three products
+    return len(calls)
+
+  assert traced(4, 5) == traced(1, 7) <= 5, calls
+
+
+def test_per_tensor_dense_matmul_transposes_nothing():
+  """Per tensor, a Dense matmul's operands and gradients keep their layouts:
+  x (M, K) and w (K, N) are quantized as they are, and the three products
+  contract where they must (the weight gradient's result comes back
+  transposed, a float32 (N, K) -> (K, N) that XLA folds into the dot)."""
+  def loss(x, w):
+    return fp8.fp8_dot_general(x, w, DENSE).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(X, W)
+  transposes = [e for e in jaxpr.eqns if e.primitive.name == "transpose"]
+  assert [e.invars[0].aval.dtype for e in transposes] == [jnp.float32]
+  dots = [tuple(str(v.aval.dtype) for v in e.invars)
+          for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert dots == [("float8_e4m3fn",) * 2,
+                  ("float8_e5m2", "float8_e4m3fn"),
+                  ("float8_e5m2", "float8_e4m3fn")]
+
+
 # ---------------------------------------------------------------------------
 # Delayed scaling.
 # ---------------------------------------------------------------------------
@@ -867,17 +914,18 @@ def test_config_errors(kwargs, error, pattern):
     ((jnp.arange(6).reshape(2, 3), W[:3]), {}, TypeError, "lhs.*int32"),
     ((X, W.astype(jnp.float8_e4m3fn)), {}, TypeError,
      "rhs is already float8"),
-    # (lax.dot_general's shape rule reports dimension numbers that do not
-    # fit.)
-    ((X, W), {"dimension_numbers": ((1, 0), ())}, ValueError,
-     "not enough values to unpack"),
+    # Dimension numbers: checks.dimension_numbers names the value and the
+    # expected form (a TypeError, as jax.lax.dot_general raises).
+    ((X, W), {"dimension_numbers": ((1, 0), ())}, TypeError,
+     r"not a pair of \(lhs, rhs\) pairs; got dimension_numbers=\(\(1, 0\), "
+     r"\(\)\).*\(\(\(lhs_contract,\), \(rhs_contract,\)\), "
+     r"\(\(lhs_batch,\), \(rhs_batch,\)\)\)"),
     ((X, W[:50]), {}, TypeError,
-     r"contracting dimensions to have the same shape, got \(96,\) and "
-     r"\(50,\)"),
+     r"contracting axes have sizes \(96,\) \(lhs\) and \(50,\) \(rhs\)"),
     ((X, W), {"dimension_numbers": (((2,), (0,)), ((), ()))}, TypeError,
-     "less than the number of axes"),
+     r"lhs axes \(2,\) are not all in \[0, 2\)"),
     ((X, W), {"dimension_numbers": (((1,), (0,)), ((0,), ()))}, TypeError,
-     "equal numbers of lhs_batch and rhs_batch"),
+     "1 lhs but 0 rhs batch axes"),
     ((X, W), {"config": "row"}, TypeError, "Fp8Config"),
     ((X, W), {"out_sharding": "x"}, ValueError, "out_sharding"),
     ((X, W), {"preferred_element_type": jnp.int32}, ValueError,
@@ -888,6 +936,37 @@ def test_argument_errors(args, kwargs, error, pattern):
   dn = kwargs.pop("dimension_numbers", DENSE)
   with pytest.raises(error, match=pattern):
     fp8.fp8_dot_general(*args, dn, **kwargs)
+
+
+@pytest.mark.parametrize("dn,problem", [
+    (None, "not a pair of (lhs, rhs) pairs"),
+    ((((1.0,), (0,)), ((), ())), "an axis is not an integer"),
+    ((((True,), (0,)), ((), ())), "an axis is not an integer"),
+    ((((1,), (0,)), (("0",), (0,))), "an axis is not an integer"),
+    ((((-1,), (0,)), ((), ())), "the lhs axes (-1,) are not all in [0, 2)"),
+    ((((1, 1), (0, 0)), ((), ())), "the lhs axes (1, 1) repeat an axis"),
+    ((((1,), (0,)), ((1,), (0,))), "the lhs axes (1, 1) repeat an axis"),
+])
+@pytest.mark.parametrize("dot,owner", [(fp8.fp8_dot_general, "fp8_dot_general"),
+                                       (fp4.fp4_dot_general, "fp4_dot_general")])
+def test_dimension_numbers_errors_teach(dn, problem, dot, owner):
+  """fp8_dot_general and fp4_dot_general refuse malformed dimension numbers
+  through one check: the owner, the problem, the value and the form."""
+  with pytest.raises(TypeError) as info:
+    dot(jnp.ones((16, 32)), jnp.ones((32, 16)), dn)
+  message = str(info.value)
+  assert message.startswith(f"{owner}: {problem}; got dimension_numbers={dn!r}")
+  assert ("(((lhs_contract,), (rhs_contract,)), ((lhs_batch,), (rhs_batch,)))"
+          in message)
+
+
+def test_dimension_numbers_in_other_spellings():
+  """Lists, NumPy integers and a bare int per group are dimension numbers
+  too (as for jax.lax.dot_general), and give the same product."""
+  y = fp8.fp8_dot_general(X, W, DENSE)
+  for dn in (([1], [0]), ([], [])), ((1, 0), ((), ())), (
+      ((np.int64(1),), (np.int32(0),)), ((), ())):
+    np.testing.assert_array_equal(fp8.fp8_dot_general(X, W, dn), y)
 
 
 # ---------------------------------------------------------------------------

@@ -314,10 +314,11 @@ def round_up_pow2(scale: jax.Array) -> jax.Array:
 
   Non-finite values pass through unchanged. Exact (bit manipulation, no
   ``log2``): adding ``2**23 - 1`` to the bit pattern carries into the exponent
-  exactly when the mantissa is nonzero.
+  exactly when the mantissa is nonzero. That maps inf to inf and a NaN to
+  0: ``lax.max`` with the value itself (which propagates NaN) keeps the NaN,
+  and is the rounded value everywhere else.
   """
   scale = scale.astype(_F32)
   bits = jax.lax.bitcast_convert_type(scale, _U32)
   rounded = (bits + _MANT_MASK) & _EXP_MASK
-  return jnp.where(jnp.isfinite(scale),
-                   jax.lax.bitcast_convert_type(rounded, _F32), scale)
+  return jax.lax.max(jax.lax.bitcast_convert_type(rounded, _F32), scale)

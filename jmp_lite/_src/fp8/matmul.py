@@ -175,19 +175,6 @@ class DelayedScales(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):
-  """Normalised ``((lc, rc), (lb, rb))``; ``lax.dot_general``'s own shape
-  rule reports dimension numbers that do not fit the shapes."""
-  avals = [jax.ShapeDtypeStruct(tuple(shape), _F32)
-           for shape in (lhs_shape, rhs_shape)]
-  jax.eval_shape(functools.partial(
-      jax.lax.dot_general, dimension_numbers=dimension_numbers), *avals)
-  (lc, rc), (lb, rb) = dimension_numbers
-  lc, rc, lb, rb = (tuple(int(a) for a in np.atleast_1d(np.asarray(axes, np.int64)))
-                    for axes in (lc, rc, lb, rb))
-  return (lc, rc), (lb, rb)
-
-
 def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
   if config.scaling == "current":
     if scales is not None:
@@ -229,16 +216,18 @@ def _result_dtype(lhs, rhs, preferred_element_type, config):
 # ---------------------------------------------------------------------------
 
 
-def _to_canonical(x, batch, contract):
-  """``x`` as ``(B, F, K)``: batch axes (in order), free axes, contracting."""
+def _to_canonical(x, batch, contract, contract_first=False):
+  """``x`` as ``(B, F, K)``: batch axes (in order), free axes, contracting;
+  ``(B, K, F)`` if ``contract_first``."""
   free = [d for d in range(x.ndim) if d not in batch and d not in contract]
-  perm = list(batch) + free + list(contract)
+  middle, last = (contract, free) if contract_first else (free, contract)
+  perm = list(batch) + list(middle) + list(last)
   if perm != list(range(x.ndim)):
     x = jnp.transpose(x, perm)
   b = math.prod(x.shape[:len(batch)])
-  f = math.prod(x.shape[len(batch):len(batch) + len(free)])
-  k = math.prod(x.shape[len(batch) + len(free):])
-  return x.reshape(b, f, k), free
+  m = math.prod(x.shape[len(batch):len(batch) + len(middle)])
+  n = math.prod(x.shape[len(batch) + len(middle):])
+  return x.reshape(b, m, n), free
 
 
 # ---------------------------------------------------------------------------
@@ -309,20 +298,21 @@ def _quantize_operand_values(x, fmt, kind, config, scale):
   return _Operand(q.values, per_row, "kblock"), q.amax
 
 
-def _transposed(op: _Operand) -> _Operand:
-  """A per-tensor operand ``(B, P, C)`` as ``(B, C, P)``: same scale."""
-  assert op.kind == "row" and op.scale.ndim == 0
-  return _Operand(jnp.swapaxes(op.values, 1, 2), op.scale, op.kind)
-
-
 _DN = (((2,), (2,)), ((0,), (0,)))  # (B, P, C) x (B, Q, C) -> (B, P, Q)
+# Per tensor, the rhs is canonical as (B, K, N) (a weight (K, N) needs no
+# transpose), and the three products contract as they come:
+_DN_FORWARD = (((2,), (1,)), ((0,), (0,)))  # (B, M, K) x (B, K, N) -> (B, M, N)
+_DN_WGRAD = (((1,), (1,)), ((0,), (0,)))    # (B, M, N) x (B, M, K) -> (B, N, K)
+# (dgrad: (B, M, N) x (B, K, N) -> (B, M, K) is _DN.)
 
 
-def _product(a: _Operand, b: _Operand, native_mx: bool) -> jax.Array:
-  """float32 ``(B, P, Q)``: the scaled product of two float8 operands."""
+def _product(a: _Operand, b: _Operand, native_mx: bool,
+             dn: Any = _DN) -> jax.Array:
+  """float32 ``(B, P, Q)``: the scaled product of two float8 operands,
+  contracting as ``dn`` says (per-tensor scales only; else ``_DN``)."""
   if a.kind == "row":
-    assert b.kind == "row"
-    acc = jax.lax.dot_general(a.values, b.values, _DN,
+    assert b.kind == "row" and (dn == _DN or b.scale.ndim == 0)
+    acc = jax.lax.dot_general(a.values, b.values, dn,
                               preferred_element_type=_F32)
     b_scale = b.scale if b.scale.ndim == 0 else jnp.swapaxes(b.scale, 1, 2)
     return _scaled(acc, a.scale, b_scale)
@@ -354,22 +344,20 @@ def _scaled(acc, a_scale, b_scale):
   overflows only where the result does, unlike ``(acc * a_scale) * b_scale``
   with a huge ``a_scale`` and a tiny ``b_scale``. Where the product of the
   scales underflows or overflows (``amax_a * amax_b`` below ~2.4e-33 or
-  above ~1e43) the result may still be representable: there the scales are
-  applied in log space, as the product of their mantissas (in [1/4, 1)) and
-  two powers of two, each half of the sum of their exponents, so that every
-  intermediate lies between ``acc`` and the result.
+  above ~1e43), both scales lie on the same side of 1 (two normal scales on
+  either side of 1 have a product between them), so multiplying by one and
+  then by the other moves monotonically from ``acc`` to the result: no
+  intermediate overflows or flushes unless the result does. The choice is
+  made on the scales (scalars per tensor): two factors, the second 1 where
+  the product is normal.
   """
+  a_scale, b_scale = jnp.broadcast_arrays(a_scale, b_scale)
   product = a_scale * b_scale
-  direct = acc * product
-  normal = jnp.isfinite(product) & (product >= jnp.asarray(2.0**-126, _F32))
-  a_mant, a_exp = jnp.frexp(a_scale)
-  b_mant, b_exp = jnp.frexp(b_scale)
-  exponent = a_exp.astype(jnp.int32) + b_exp.astype(jnp.int32)
-  half = jnp.clip(exponent // 2, -126, 127)
-  rest = jnp.clip(exponent - half, -126, 127)
-  split = ((acc * (a_mant * b_mant)) * dtypes_lib.pow2(half)) * dtypes_lib.pow2(
-      rest)
-  return jnp.where(normal, direct, split)
+  normal = ((product >= jnp.asarray(2.0**-126, _F32)) &
+            (product <= jnp.asarray(np.finfo(np.float32).max, _F32)))
+  first = jax.lax.select(normal, product, a_scale)
+  second = jax.lax.select(normal, jnp.ones_like(product), b_scale)
+  return (acc * first) * second
 
 
 def _mx_emulated(a_values, a_scale, b_values, b_scale):
@@ -449,9 +437,9 @@ def _fake_quantized_jvp(side, primals, tangents):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _straight_through(spec, value, x, y, x_scale, y_scale):
-  """``value``, the float8 product of ``x`` and ``y`` (``(B, P, C)``,
-  ``(B, Q, C)``) quantized as ``spec = (config, (fmt, kind), (fmt, kind))``
-  says, with the derivative of the float32 product of the two quantized
+  """``value``, the float8 product of ``x`` and ``y`` (contracting as ``dn``
+  says, ``_DN`` but per tensor) quantized as ``spec = (config, (fmt, kind),
+  (fmt, kind), dn)`` says, with the derivative of the float32 product of the two quantized
   operands: ``dx . q(y) + q(x) . dy`` (straight-through quantization).
 
   The value is returned as it is (first-order numerics unchanged); only a
@@ -466,10 +454,10 @@ def _straight_through(spec, value, x, y, x_scale, y_scale):
 def _straight_through_jvp(spec, primals, tangents):
   value, x, y, x_scale, y_scale = primals
   _, dx, dy, _, _ = tangents
-  config, (x_fmt, x_kind), (y_fmt, y_kind) = spec
+  config, (x_fmt, x_kind), (y_fmt, y_kind), dn = spec
   qx = _fake_quantized((config, x_fmt, x_kind), x, x_scale)
   qy = _fake_quantized((config, y_fmt, y_kind), y, y_scale)
-  dot = functools.partial(jax.lax.dot_general, dimension_numbers=_DN,
+  dot = functools.partial(jax.lax.dot_general, dimension_numbers=dn,
                           preferred_element_type=_F32)
   tangent = dot(dx.astype(_F32), qy) + dot(qx, dy.astype(_F32))
   out = _straight_through(spec, value, x, y, x_scale, y_scale)
@@ -494,7 +482,8 @@ def _forward(a, b, scales, config):
                                  None if scales is None else scales.lhs)
   qb, amax_b = _quantize_operand(b, fmt, rhs_kind, config,
                                  None if scales is None else scales.rhs)
-  return _product(qa, qb, config.native_mx), qa, qb, amax_a, amax_b
+  dn = _DN_FORWARD if config.granularity == "tensor" else _DN
+  return _product(qa, qb, config.native_mx, dn), qa, qb, amax_a, amax_b
 
 
 class _Static(NamedTuple):
@@ -508,7 +497,8 @@ class _Static(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_matmul(a, b, scales, static):
-  """``(B, M, K) x (B, N, K) -> (B, M, N)`` in float8, result in out_dtype."""
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` in float8, result in out_dtype;
+  per tensor ``(B, M, K) x (B, K, N)``."""
   return _forward(a, b, scales, static.config)[0].astype(static.out_dtype)
 
 
@@ -516,8 +506,9 @@ def _fp8_matmul_fwd(a, b, scales, static):
   config = static.config
   out, qa, qb, amax_a, amax_b = _forward(a, b, scales, config)
   lhs_kind, rhs_kind = _FORWARD_KINDS[config.granularity]
+  dn = _DN_FORWARD if config.granularity == "tensor" else _DN
   out = _straight_through(
-      (config, (config.forward, lhs_kind), (config.forward, rhs_kind)),
+      (config, (config.forward, lhs_kind), (config.forward, rhs_kind), dn),
       out, a, b, _part(scales, "lhs"), _part(scales, "rhs"))
   # Per-tensor scales fit any contraction: the backward matmuls reuse the
   # float8 operands. The high-precision operands are residuals too, but only
@@ -529,22 +520,38 @@ def _fp8_matmul_fwd(a, b, scales, static):
 
 
 def _fp8_matmul_bwd(static, residuals, g):
+  # JAX calls a custom_vjp's bwd once per call site; jitted (inline=True), a
+  # deep model's matmuls of one shape share one trace of it.
+  return _backward(residuals, g, static=static)
+
+
+@functools.partial(jax.jit, inline=True, static_argnames=("static",))
+def _backward(residuals, g, *, static):
+  """The float8 backward pass of :func:`_fp8_matmul`."""
   config = static.config
   (a, b), quantized, scales, amax_a, amax_b = residuals
   grad_fmt, fwd_fmt = config.gradient, config.forward
-  gt = jnp.swapaxes(g, 1, 2)  # (B, N, M): the gradient contracting over M
-  at, bt = jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)
   if config.granularity == "tensor":
+    # a (B, M, K), b (B, K, N), g (B, M, N): the float8 operands as they
+    # are, each product contracting where it must (no transposes of them;
+    # the gradient first in each, as cuBLASLt's float8 GEMMs are written).
     qa, qb = quantized
     sg = _part(scales, "grad")
     g_op, amax_g = _quantize_operand(g, grad_fmt, "tensor", config, sg)
     if scales is not None and scales.grad is None:
       amax_g = None
-    da = _product(g_op, _transposed(qb), config.native_mx)
-    db = _product(_transposed(g_op), _transposed(qa), config.native_mx)
-    dgrad_kinds = wgrad_kinds = ("tensor", "tensor")
     sa, sb = _part(scales, "lhs"), _part(scales, "rhs")
+    da = _product(g_op, qb, config.native_mx, _DN)
+    db = _product(g_op, qa, config.native_mx, _DN_WGRAD)
+    da = _straight_through(
+        (config, (grad_fmt, "tensor"), (fwd_fmt, "tensor"), _DN),
+        da, g, b, sg, sb)
+    db = jnp.swapaxes(_straight_through(
+        (config, (grad_fmt, "tensor"), (fwd_fmt, "tensor"), _DN_WGRAD),
+        db, g, a, sg, sa), 1, 2)
   else:
+    gt = jnp.swapaxes(g, 1, 2)  # (B, N, M): the gradient contracting over M
+    at, bt = jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)
     if config.granularity == "blockwise":
       # DeepSeek-V3: gradients in 1 x T tiles along the contracting dimension;
       # the weight's T x T blocks serve both directions; the activation is
@@ -558,15 +565,16 @@ def _fp8_matmul_bwd(static, residuals, g):
     g_m, _ = _quantize_operand(gt, grad_fmt, wgrad_kinds[0], config)
     at_op, _ = _quantize_operand(at, fwd_fmt, wgrad_kinds[1], config)
     db = _product(g_m, at_op, config.native_mx)
-    amax_g = sg = sa = sb = None
-  # Differentiable (second order): each backward product is differentiated
-  # as the high-precision product of its straight-through quantized operands.
-  da = _straight_through(
-      (config, (grad_fmt, dgrad_kinds[0]), (fwd_fmt, dgrad_kinds[1])),
-      da, g, bt, sg, sb)
-  db = _straight_through(
-      (config, (grad_fmt, wgrad_kinds[0]), (fwd_fmt, wgrad_kinds[1])),
-      db, gt, at, sg, sa)
+    amax_g = None
+    # Differentiable (second order): each backward product is differentiated
+    # as the high-precision product of its straight-through quantized
+    # operands (per tensor likewise, above).
+    da = _straight_through(
+        (config, (grad_fmt, dgrad_kinds[0]), (fwd_fmt, dgrad_kinds[1]), _DN),
+        da, g, bt, None, None)
+    db = _straight_through(
+        (config, (grad_fmt, wgrad_kinds[0]), (fwd_fmt, wgrad_kinds[1]), _DN),
+        db, gt, at, None, None)
   da = da.astype(static.lhs_dtype)
   db = db.astype(static.rhs_dtype)
   if scales is None:
@@ -640,8 +648,10 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   Raises:
     TypeError: for non-floating, float8 or None operands, a config that is
       not an ``Fp8Config``, or missing delayed-scaling scales; as
-      ``jax.lax.dot_general`` raises, for dimension numbers that do not fit
-      the operands.
+      ``jax.lax.dot_general`` raises (its type), for dimension numbers that
+      are not ``(((lhs_contract,), (rhs_contract,)), ((lhs_batch,),
+      (rhs_batch,)))`` of distinct integer axes fitting the operands (the
+      message names the value and that form).
     ValueError: for scales given to current scaling, a Python/NumPy scale that is zero, negative,
       subnormal or not finite, a ``config.axis_name`` that is not bound
       here, or an out_sharding for operands on no mesh with Explicit axes.
@@ -666,8 +676,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   lhs = checks.float_array(lhs, "lhs")
   rhs = checks.float_array(rhs, "rhs")
   del precision
-  dimension_numbers = _check_dimension_numbers(dimension_numbers, lhs.shape,
-                                               rhs.shape)
+  dimension_numbers = checks.dimension_numbers(dimension_numbers, lhs.shape,
+                                              rhs.shape, "fp8_dot_general")
   scales = _check_scales(scales, config)
   # Delayed amaxes are global under pmap/shard_map by default.
   config = scaling_lib.with_bound_axes(config)
@@ -675,15 +685,17 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   out_dtype = _result_dtype(lhs, rhs, preferred_element_type, config)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return as_dot_general(_fp8_matmul, static, lhs, rhs, dimension_numbers,
-                        out_dtype, out_sharding, "fp8_dot_general", scales)
+                        out_dtype, out_sharding, "fp8_dot_general", scales,
+                        rhs_contract_first=config.granularity == "tensor")
 
 
 def as_dot_general(matmul: Any, static: Any, lhs: jax.Array, rhs: jax.Array,
                    dimension_numbers: Any, out_dtype: Any, out_sharding: Any,
-                   owner: str, *extra: Any) -> jax.Array:
+                   owner: str, *extra: Any,
+                   rhs_contract_first: bool = False) -> jax.Array:
   """``matmul(a, b, *extra, static)`` of the canonical forms ``(B, M, K)``
-  and ``(B, N, K)`` of ``lhs`` and ``rhs``, as ``jax.lax.dot_general``'s
-  result.
+  and ``(B, N, K)`` of ``lhs`` and ``rhs`` (``(B, K, N)`` if
+  ``rhs_contract_first``), as ``jax.lax.dot_general``'s result.
 
   Shaped as it, and typed as it under explicit sharding (``jax.make_mesh``'s
   default axis types): the result sharded as ``jax.lax.dot_general`` shards
@@ -692,7 +704,8 @@ def as_dot_general(matmul: Any, static: Any, lhs: jax.Array, rhs: jax.Array,
   (:func:`~jmp_lite._src.compat.partitioned_as_auto`: its block reshapes and
   the weight gradient's contraction over a sharded batch need no sharding of
   their own). ``dimension_numbers`` are normalised
-  (:func:`_check_dimension_numbers`); an empty operand gives zeros.
+  (:func:`~jmp_lite._src.checks.dimension_numbers`); an empty operand gives
+  zeros.
   ``matmul`` (a module-level function) and ``static`` (its hashable static
   arguments) make the product one jitted function
   (:func:`_canonical_product`).
@@ -710,6 +723,7 @@ def as_dot_general(matmul: Any, static: Any, lhs: jax.Array, rhs: jax.Array,
     raise ValueError(f"{owner}: out_sharding={out_sharding!r} is not "
                      f"supported here. {NO_OUT_SHARDING}")
   return _canonical_product(lhs, rhs, extra, matmul=matmul, static=static,
+                            rhs_contract_first=rhs_contract_first,
                             dimension_numbers=dimension_numbers,
                             out_dtype=np.dtype(out_dtype), out_spec=out_spec)
 
@@ -719,16 +733,17 @@ def as_dot_general(matmul: Any, static: Any, lhs: jax.Array, rhs: jax.Array,
 # an eager call compiles one program per shape (and its gradient likewise)
 # instead of each of the quantized matmul's hundreds of operations.
 @functools.partial(jax.jit, inline=True,
-                   static_argnames=("matmul", "static", "dimension_numbers",
-                                    "out_dtype", "out_spec"))
-def _canonical_product(lhs, rhs, extra, *, matmul, static, dimension_numbers,
-                       out_dtype, out_spec):
+                   static_argnames=("matmul", "static", "rhs_contract_first",
+                                    "dimension_numbers", "out_dtype",
+                                    "out_spec"))
+def _canonical_product(lhs, rhs, extra, *, matmul, static, rhs_contract_first,
+                       dimension_numbers, out_dtype, out_spec):
   """:func:`as_dot_general`'s product, partitioned as under Auto axes."""
   (lc, rc), (lb, rb) = dimension_numbers
 
   def product(lhs, rhs, *extra):
     a, lhs_free = _to_canonical(lhs, lb, lc)
-    b, rhs_free = _to_canonical(rhs, rb, rc)
+    b, rhs_free = _to_canonical(rhs, rb, rc, rhs_contract_first)
     shape = ([lhs.shape[d] for d in lb] + [lhs.shape[d] for d in lhs_free] +
              [rhs.shape[d] for d in rhs_free])
     if 0 in a.shape or 0 in b.shape:

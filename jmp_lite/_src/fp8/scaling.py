@@ -193,19 +193,25 @@ def scale_from_amax(amax: Any, fmt: Any = "e4m3", *, margin: float = 0,
 
 
 def _scale_from_amax(amax, fmt, margin, power_of_two):
-  scale = amax / jnp.asarray(fmt.max, _F32)
+  # lax operations, not jnp's jitted wrappers: this runs for every operand of
+  # every float8 matmul, and each wrapper is a call to trace and lower.
+  f32 = lambda v: jnp.asarray(v, _F32)
+  scale = jax.lax.div(amax, f32(fmt.max))
   if margin:
-    scale = scale * jnp.asarray(2.0**margin, _F32)
+    scale = scale * f32(2.0**margin)
   # Within [2**-126, 2**126] for every finite amax, so that neither the scale
   # nor its reciprocal is 0 or inf (after rounding up to a power of two too);
-  # a NaN or infinite amax keeps its NaN or inf scale.
-  clamped = jnp.clip(scale, jnp.asarray(MIN_SCALE, _F32),
-                     jnp.asarray(MAX_SCALE, _F32))
-  scale = jnp.where(jnp.isfinite(amax), clamped, scale)
-  scale = jnp.where(amax == 0, jnp.asarray(1.0, _F32), scale)
+  # a NaN or infinite amax keeps its NaN or inf scale (lax.max propagates
+  # NaN, and the ceiling is applied where the amax is finite). Without a margin
+  # no finite float32 amax reaches the ceiling (float32's largest / the
+  # format's largest < 2**126): it is left out.
+  scale = jax.lax.max(scale, f32(MIN_SCALE))
+  if float(np.finfo(np.float32).max) * 2.0**margin / fmt.max > MAX_SCALE:
+    scale = jax.lax.select(jax.lax.is_finite(amax),
+                           jax.lax.min(scale, f32(MAX_SCALE)), scale)
   if power_of_two:
     scale = formats_lib.round_up_pow2(scale)
-  return scale
+  return jax.lax.select(amax == f32(0.0), jnp.ones_like(scale), scale)
 
 
 def update_amax_history(history: Any, amax: Any) -> jax.Array:
@@ -383,11 +389,17 @@ def broadcast_blocks(per_block: jax.Array, block_shape: Sequence[int],
   return expanded
 
 
-def _cast_scaled(x32, scale_full, fmt):
-  """``saturating_cast(x / scale)``, with infinities mapped to NaN."""
+def _cast_scaled(x32, scale_full, fmt, given=True):
+  """``saturating_cast(x / scale)``, with infinities mapped to NaN.
+
+  ``given=False`` says that each scale is the current scale of its block:
+  an infinity in a block makes its scale inf and ``inf / inf`` NaN already
+  (and a NaN makes it NaN), so the explicit mapping is left out."""
   hi = jnp.asarray(fmt.max, _F32)
-  y = jnp.clip(x32 / scale_full, -hi, hi)
-  y = jnp.where(jnp.isinf(x32), jnp.asarray(np.nan, _F32), y)
+  y = jax.lax.min(jax.lax.max(jax.lax.div(x32, scale_full), -hi), hi)
+  if given:
+    y = jax.lax.select(jnp.isinf(x32),
+                       jnp.full(y.shape, np.nan, _F32), y)
   return formats_lib.encode(y, fmt)
 
 
@@ -411,12 +423,13 @@ def quantize_blocks(x: jax.Array, fmt: formats_lib.Fp8Format,
   else:
     amax = _block_reduce_max(jnp.abs(x32), block_shape)
   current = _scale_from_amax(amax, fmt, 0, power_of_two)
-  if scale is None:
-    scale = current
-  else:
+  given = scale is not None
+  if given:
     scale = usable_scale(scale.astype(_F32).reshape(amax.shape), current)
+  else:
+    scale = current
   values = _cast_scaled(x32, broadcast_blocks(scale, block_shape, x.shape),
-                        fmt)
+                        fmt, given)
   return Quantized(values, scale, amax, tuple(block_shape))
 
 
