@@ -268,6 +268,30 @@ def test_mxfp4_smallest_scale_reaches_the_product():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("two_d", [True, False])
+def test_nvfp4_tiny_tensor_scales_reach_the_product(two_d):
+  """An activation of amax 1.5e-35 (its tensor scale 1 / S_enc a float32
+  subnormal) whose other blocks have amax below 5e-38 (their block scale
+  times the tensor scale a subnormal too): forward and both gradients equal
+  the reference bit for bit wherever the reference's result is a normal
+  float32 (XLA:CPU flushed both: a zero or saturated product). Without the
+  Hadamard transform, whose sums and differences of such values are float32
+  subnormals themselves."""
+  config = fp4.Fp4Config("nvfp4", stochastic_rounding=False, rht=False,
+                         two_d_weights=two_d)
+  x = _positive((32, 64), 37, 2.0**-126, 5e-38)
+  x[3] *= F32(300)
+  w, g = _positive((64, 32), 38, 1, 6), _positive((32, 32), 39, 1, 6)
+  got = _value_and_grads(config, x, w, g)
+  with np.errstate(over="ignore"):
+    want = _reference("nvfp4", x, w, g, two_d=config.two_d_weights,
+                      rht=config.rht)
+  for part, a, b in zip(("y", "dx", "dw"), got, want):
+    normal = np.abs(b) >= 2.0**-126
+    assert normal.mean() > 0.9, part
+    _same(a[normal], b[normal])
+
+
 def test_mxfp8_smallest_scales_reach_the_product():
   """MXFP8's blocks near 1e-38 get the E8M0 scale 2**-126 (never 2**-127
   for a nonzero block): forward and both gradients equal the exact product

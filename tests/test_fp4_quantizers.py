@@ -224,6 +224,36 @@ def _tiny_normal(shape, seed, high=1.2e-38):
           rng.uniform(tiny, high, shape)).astype(np.float32)
 
 
+@pytest.mark.parametrize("two_d", [False, True])
+def test_nvfp4_tiny_tensors_bit_for_bit(two_d):
+  """Below an amax of 2688 * 2**-126 (3.2e-35) the tensor scale 1 / S_enc
+  is a float32 subnormal, and so is a block scale times it for blocks of
+  amax below 7e-38: XLA:CPU flushed both to zero (every value saturated,
+  then dequantized to 0). Values, block scales and the tensor scale's bits
+  equal the reference's (which keeps subnormals, as the GPU does), and so
+  does every dequantized value that is a normal float32."""
+  quantize = jax.jit(fp4.quantize_nvfp4, static_argnames="two_d")
+  dequantize = jax.jit(fp4.dequantize_fp4)
+  cases = ((1.3e-38, 1), (1e-37, 100), (1e-36, 1), (2e-37, 100))
+  for seed, (high, rows) in enumerate(cases):
+    x = _tiny_normal((32, 64), 20 + seed, high)
+    x[:2] *= np.float32(rows)   # the other blocks' scale products: subnormal
+    x[5, :16] = np.float32(2.0**-126)
+    q = quantize(x, two_d=two_d)
+    with np.errstate(over="ignore"):   # the reference's 1 / subnormal
+      values, scales, tensor_scale = ref.nvfp4(x, two_d=two_d)
+    assert 0 < tensor_scale < 2.0**-126
+    _same(q.values.astype(jnp.float32), values)
+    _same(q.block_scales.astype(jnp.float32), scales)
+    _same(q.tensor_scale, tensor_scale)
+    want = ref.dequantize_nvfp4(values, scales, tensor_scale)
+    normal = np.abs(want) >= 2.0**-126
+    # (Below ~1.5e-38 NVFP4 itself dequantizes to subnormals: S_enc is
+    # capped at the largest float32.)
+    assert normal.sum() > 100 or high < 2e-38, high
+    _same(np.asarray(dequantize(q))[normal], want[normal])
+
+
 @pytest.mark.parametrize("rule", fp4.MX_SCALE_RULES)
 def test_mxfp4_smallest_scale_is_not_flushed(rule):
   """Blocks whose amax is near 1e-38 (scale 2**-127 or 2**-126) and the

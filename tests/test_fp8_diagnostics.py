@@ -157,7 +157,7 @@ def test_rows_near_the_smallest_normal_float32_are_measured():
   reference's (each row's difference is taken after normalising it, not as
   a float32 subnormal that XLA:CPU flushes), and MXFP4's scale 2**-127
   neither clips every entry nor loses the row (it was decoded to a float32
-  subnormal, flushed to zero)."""
+  subnormal, flushed to zero), nor does NVFP4's subnormal tensor scale."""
   import fp4_reference as fp4_ref  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(7)
   x = (rng.uniform(2.0**-126, 1.2e-38, (4, 64)) *
@@ -177,6 +177,18 @@ def test_rows_near_the_smallest_normal_float32_are_measured():
   assert fp4.fraction("flushed", "mxfp4") == 0
   np.testing.assert_allclose(fp4.error("mxfp4"), rel.mean(), rtol=1e-4)
   np.testing.assert_allclose(fp4.error("mxfp4", worst=True), rel.max(),
+                             rtol=1e-4)
+  # NVFP4: its tensor scale 1 / S_enc is a float32 subnormal here (flushed:
+  # every entry counted clipped, every row 100% wrong).
+  with np.errstate(over="ignore"):
+    values, scales, tensor_scale = fp4_ref.nvfp4(x)
+  assert 0 < tensor_scale < 2.0**-126
+  deq = fp4_ref.dequantize_nvfp4(values, scales, tensor_scale)
+  rel = (np.linalg.norm(x64 - deq.astype(np.float64), axis=1) /
+         np.linalg.norm(x64, axis=1))
+  assert fp4.fraction("clipped", "nvfp4") < 0.1
+  np.testing.assert_allclose(fp4.error("nvfp4"), rel.mean(), rtol=1e-4)
+  np.testing.assert_allclose(fp4.error("nvfp4", worst=True), rel.max(),
                              rtol=1e-4)
 
 

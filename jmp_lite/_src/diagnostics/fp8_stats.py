@@ -489,33 +489,42 @@ def _quantized(x, fmt, recipe, role, block_size, scale):
   return q(x, fmt, granularity, axis=axis, block_size=block_size)
 
 
-def _fp4_quantized(x: jax.Array, recipe: str,
-                   role: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _fp4_quantized(x: jax.Array, recipe: str, role: str,
+                   norm: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """FP4 of a float32 ``(rows, K)`` matrix as ``fp4_dot_general`` quantizes
   an operand of ``role`` by default (weights: NVFP4's 16x16 tiles;
   gradients: stochastic rounding with a key derived from the values, as
-  ``key=None`` does): float32 ``(values, dequantized, limit)`` of ``x``'s
-  shape, ``limit`` the largest magnitude each entry's block holds unclipped
-  (6 times its scale). MXFP4's scales multiply as the matmul applies them
-  (:func:`~jmp_lite._src.fp8.fp4.scale_e8m0_blocks`): the scale ``2**-127``
-  is a float32 subnormal, which XLA:CPU flushes to zero."""
+  ``key=None`` does): float32 ``(values, dequantized * 2**norm, limit)`` of
+  ``x``'s shape (``norm``: int32 ``(rows, 1)``, each row's normalising
+  exponent), ``limit`` the largest magnitude each entry's block holds
+  unclipped (6 times its scale). The scales multiply as the matmul applies them
+  (:func:`~jmp_lite._src.fp8.fp4.scale_e8m0_blocks`,
+  :func:`~jmp_lite._src.fp8.fp4.lift_scale`): MXFP4's ``2**-127`` and
+  NVFP4's tensor scale of a tiny tensor are float32 subnormals, which
+  XLA:CPU flushes to zero."""
   rows, k = x.shape
   config = fp4_matmul_lib.Fp4Config(recipe)
   size = config.block_size
   two_d = role == "weight" and config.two_d_weights
   key = fp4_matmul_lib.data_key(x) if role == "gradient" else None
-  padded = jnp.pad(x, ((0, -rows % size if two_d else 0), (0, -k % size)))
+  pad_rows = -rows % size if two_d else 0
+  padded = jnp.pad(x, ((0, pad_rows), (0, -k % size)))
+  norm = jnp.pad(norm, ((0, pad_rows), (0, 0)))
   six = jnp.asarray(fp4_lib.E2M1_MAX, _F32)
   if recipe == "nvfp4":
     values, scales, tensor_scale = fp4_lib.nvfp4_quantize_f32(
         padded, two_d=two_d, key=key)
-    per_entry = jnp.repeat(scales * tensor_scale, size, axis=-1)
-    dequantized, limit = values * per_entry, six * per_entry
+    # The tensor scale may be a float32 subnormal (amax below 3.2e-35):
+    # applied lifted, as the matmul applies it.
+    lifted, lift = fp4_lib.lift_scale(tensor_scale)
+    per_entry = jnp.repeat(scales * lifted, size, axis=-1)
+    dequantized = fp4_lib.mul_pow2(values * per_entry, norm - lift)
+    limit = fp4_lib.mul_pow2(six * per_entry, -lift)
   else:
     values, codes = fp4_lib.mxfp4_quantize_f32(
         padded, rule=config.mx_scale_rule, key=key)
     blocks = values.reshape(values.shape[0], -1, size)
-    dequantized = fp4_lib.scale_e8m0_blocks(blocks, codes).reshape(
+    dequantized = fp4_lib.scale_e8m0_blocks(blocks, codes, norm).reshape(
         values.shape)
     limit = jnp.repeat(fp4_lib.scale_e8m0_blocks(
         jnp.broadcast_to(six, codes.shape + (1,)), codes)[..., 0], size,
@@ -559,6 +568,7 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
   # Rows are normalised (their squares would overflow) by an exact power of
   # two near their largest entry: multiplications, no rounding, no division.
   inv = _inverse_power_of_two(jnp.where(valid, row_max, 1.0))[:, None]
+  norm = (lax.bitcast_convert_type(inv, jnp.int32) >> 23) - 127   # log2(inv)
   row_norm2 = jnp.sum(jnp.square(x32 * inv), axis=1)
 
   clipped, flushed, error_sum, error_max = [], [], [], []
@@ -566,7 +576,7 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
     counts = {c: [] for c in ("clipped", "flushed", "error_sum", "error_max")}
     for recipe in recipes:
       if name == FP4_FORMAT:
-        values, dequantized, limit = _fp4_quantized(x32, recipe, role)
+        values, dequantized, limit = _fp4_quantized(x32, recipe, role, norm)
         over = magnitude > limit
       else:
         fmt = fp8_formats.get_format(name)
@@ -578,13 +588,14 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
         else:                     # powers of two: the product is exact
           over = magnitude > top * per_entry
         values = q.values.astype(_F32)
-        dequantized = values * per_entry
+        dequantized = (values * per_entry) * inv
       counts["clipped"].append(jnp.sum(over, dtype=jnp.int32))
       counts["flushed"].append(jnp.sum(nonzero & (values == 0),
                                        dtype=jnp.int32))
-      # Each side normalised first (exact): the difference of two values
-      # near 2**-126 may be a float32 subnormal, which XLA:CPU flushes.
-      err2 = jnp.sum(jnp.square(x32 * inv - dequantized * inv), axis=1)
+      # Both sides normalised (exactly) before the difference: the values
+      # near 2**-126 and their differences may be float32 subnormals, which
+      # XLA:CPU flushes.
+      err2 = jnp.sum(jnp.square(x32 * inv - dequantized), axis=1)
       rel = jnp.where(valid, jnp.sqrt(err2 / jnp.maximum(row_norm2, 1.0)), 0.0)
       counts["error_sum"].append(jnp.sum(rel))
       counts["error_max"].append(jnp.max(rel, initial=0.0))

@@ -22,7 +22,9 @@ and CUDA kernel (``compute_global_encode_scaling_factor_FP4``):
 
 1. NVFP4's tensor scale: ``S_enc = 6 * 448 / amax`` (float32), at most the
    largest float32; ``S_enc = 1`` where ``amax == 0``. The stored (decoding)
-   tensor scale is ``1 / S_enc``.
+   tensor scale is ``1 / S_enc``, a float32 subnormal below an amax of
+   3.2e-35: computed from integers there, and multiplied lifted
+   (:func:`lift_scale`), as XLA:CPU would flush it to zero.
 2. Each block's scale is ``amax_block * (S_enc * float32(1/6))``, clipped to
    448 and rounded to nearest even onto the E4M3 grid; the block is multiplied
    by ``min(1 / (block_scale * (1 / S_enc)), float32 max)``, clipped to
@@ -230,9 +232,60 @@ def _finite_part(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 # ---------------------------------------------------------------------------
 
 
+#: A float32 scale below 2**-126 (a subnormal, which XLA:CPU flushes to zero
+#: in any arithmetic) is carried as a normal float32 lifted by 2**_LIFT.
+_LIFT = 64
+
+
+def _reciprocal_units(encode: jax.Array) -> jax.Array:
+  """uint32 ``round(2**149 / encode)`` (to nearest, ties to even) for
+  float32 ``encode`` in ``(2**126, 2**128)``: the float32 subnormal
+  ``1 / encode`` in units of ``2**-149``, by integer long division (a
+  float32 quotient rounded again to the subnormal grid would round twice)."""
+  bits = lax.bitcast_convert_type(encode, _U32)
+  m = (bits & 0x7FFFFF) | 0x800000                  # encode = m * 2**(e - 23)
+  e = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127  # 126 or 127
+  # 2**149 / encode = 2**(172 - e) / m: 2**31 first, then 8 and 7 - (e - 126)
+  # more bits (every partial remainder < 2**24, shifted by at most 8).
+  top = jnp.asarray(2**31, _U32)
+  q, r = top // m, top % m
+  for shift in (jnp.asarray(8, _U32), (7 - (e - 126)).astype(_U32)):
+    t = r << shift
+    q, r = (q << shift) + t // m, t % m
+  up = ((r << 1) > m) | (((r << 1) == m) & ((q & 1) == 1))
+  return q + up.astype(_U32)
+
+
+def lift_scale(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A float32 scale ``s >= 0`` (or NaN) as ``(S, L)`` with ``s = S * 2**-L``:
+  ``(s, 0)`` for a normal (or zero, or NaN) ``s``, ``(s * 2**64, 64)`` (a
+  normal float32) for a subnormal one, read from its bits. Multiply by
+  ``S``, then :func:`mul_pow2` by ``-L``: the float8 matmul's way with a
+  scale product that is no normal float32; exact wherever the result is a
+  normal float32, where ``x * s`` on XLA:CPU would flush ``s`` to zero."""
+  bits = lax.bitcast_convert_type(scale.astype(_F32), _U32)
+  subnormal = (bits & 0x7F800000) == 0
+  units = (bits & 0x7FFFFF).astype(_F32)           # s / 2**-149
+  lifted = units * jnp.asarray(2.0**(_LIFT - 149), _F32)
+  return (jnp.where(subnormal, lifted, scale),
+          jnp.where(subnormal, jnp.asarray(_LIFT, jnp.int32),
+                    jnp.zeros((), jnp.int32)))
+
+
+def mul_scale(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """float32 ``x * scale`` rounded once, as a float32 product that keeps
+  subnormal operands would give it, wherever the result is a normal float32
+  (``scale`` may be a subnormal: see :func:`lift_scale`)."""
+  lifted, lift = lift_scale(scale)
+  return mul_pow2(x * lifted, -lift)
+
+
 def nvfp4_tensor_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(S_enc, 1 / S_enc)`` for a finite float32 ``amax``: ``S_enc = 2688 /
-  amax`` at most the largest float32, 1 where ``amax == 0``."""
+  amax`` at most the largest float32, 1 where ``amax == 0``. ``1 / S_enc``
+  is the float32 quotient, a subnormal for ``amax`` below ``2688 *
+  2**-126`` (3.2e-35): built from its bits there (XLA:CPU flushes a
+  subnormal result to zero), so multiply by it with :func:`mul_scale`."""
   # Below _TINY_AMAX, 2688 / amax exceeds the largest float32: the result is
   # that maximum, computed without the intermediate inf (jax_debug_infs).
   tiny = jnp.asarray(_TINY_AMAX, _F32)
@@ -241,7 +294,56 @@ def nvfp4_tensor_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
       jnp.asarray(E2M1_MAX * E4M3_MAX, _F32) / jnp.maximum(amax, tiny),
       jnp.asarray(_F32_MAX, _F32))
   encode = jnp.where((amax == 0) | (encode == 0), jnp.ones((), _F32), encode)
-  return encode, jnp.ones((), _F32) / encode
+  small = encode > jnp.asarray(2.0**126, _F32)
+  normal = jnp.ones((), _F32) / jnp.where(small, jnp.ones((), _F32), encode)
+  subnormal = lax.bitcast_convert_type(
+      _reciprocal_units(jnp.where(small, encode, jnp.asarray(2.0**127, _F32))),
+      _F32)
+  return encode, jnp.where(small, subnormal, normal)
+
+
+def _split_e4m3(d: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """float32 E4M3 values ``d >= 0`` as ``(m, k)``, ``d = m * 2**k`` with
+  uint32 ``m < 16`` and int32 ``k`` in ``[-9, 5]``."""
+  biased = (lax.bitcast_convert_type(d, _U32) >> 23).astype(jnp.int32)
+  k = jnp.maximum(biased - 127, -6) - 3
+  return mul_pow2(d, -k).astype(_U32), k
+
+
+def _block_encode(block_scales: jax.Array, decode: jax.Array) -> jax.Array:
+  """``min(1 / (block_scale * (1 / S_enc)), float32 max)``, each product and
+  quotient rounded once as float32 arithmetic that keeps subnormals rounds
+  it (the reference quantizer's): a block scale times a tiny tensor scale is
+  a float32 subnormal for blocks of amax below ``6 * 2**-126`` (7e-38),
+  rounded to its grid of ``2**-149`` here in integers."""
+  f32_max = jnp.asarray(_F32_MAX, _F32)
+  lifted, lift = lift_scale(decode)
+  product = block_scales * lifted                    # the denominator * 2**L
+  normal = product >= dtypes.pow2(lift - 126)
+  normal_encode = mul_pow2(
+      jnp.ones((), _F32) / jnp.where(normal, product, jnp.ones((), _F32)),
+      lift)
+  # Subnormal: round(block_scale * decode / 2**-149) from the integers
+  # decode / 2**-149 (< 2**32 wherever the product is subnormal) and m.
+  # (Clamped first, where that branch is not taken: no intermediate inf.)
+  units = jnp.minimum(
+      mul_pow2(jnp.minimum(lifted, dtypes.pow2(lift - 117)), 149 - lift),
+      jnp.asarray(2.0**32 - 256, _F32)).astype(_U32)
+  m, k = _split_e4m3(block_scales)
+  whole = units * m
+  right = jnp.clip(-k, 0, 31).astype(_U32)
+  floor = (whole << jnp.clip(k, 0, 31).astype(_U32)) >> right
+  rest = whole - ((whole >> right) << right)
+  half = (jnp.ones((), _U32) << right) >> 1
+  up = (right > 0) & ((rest > half) | ((rest == half) & ((floor & 1) == 1)))
+  grid = (floor + up.astype(_U32)).astype(_F32)      # the subnormal / 2**-149
+  # 1 / (grid * 2**-149) = (2**85 / grid) * 2**64, the maximum above it.
+  quotient = (jnp.asarray(2.0**85, _F32) /
+              jnp.maximum(grid, jnp.ones((), _F32)))
+  fits = (grid > 0) & (quotient < jnp.asarray(2.0**64, _F32))
+  sub_encode = jnp.where(fits, mul_pow2(jnp.where(fits, quotient, 1.0), 64),
+                         f32_max)
+  return jnp.where(normal, jnp.minimum(normal_encode, f32_max), sub_encode)
 
 
 def _tile_amax(magnitude: jax.Array) -> jax.Array:
@@ -270,7 +372,8 @@ def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
   amax = jnp.max(magnitude) if x.size else jnp.zeros((), _F32)
   amax, poison = global_tensor_stats(amax, nonfinite_poison(x), axis_name)
   encode, decode = nvfp4_tensor_scales(amax)
-  tensor_scale = decode + poison
+  # The NaN flag replaces the scale (an addition would flush a subnormal).
+  tensor_scale = jnp.where(jnp.isnan(poison), poison, decode)
   if two_d:
     block_amax = _tile_amax(magnitude)
   else:
@@ -278,17 +381,7 @@ def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
   multiplier = encode * jnp.asarray(np.float32(1.0) / np.float32(E2M1_MAX))
   block_scales = round_e4m3(jnp.minimum(block_amax * multiplier,
                                         jnp.asarray(E4M3_MAX, _F32)))
-  # min(1 / (block_scale / S_enc), float32 max); a zero (all-zero block) or
-  # subnormal denominator (flushed to zero by XLA) gives the maximum, without
-  # an intermediate inf.
-  denominator = block_scales * decode
-  usable = denominator >= jnp.asarray(2.0**-126, _F32)
-  block_encode = jnp.where(
-      usable,
-      jnp.minimum(jnp.ones((), _F32) /
-                  jnp.where(usable, denominator, jnp.ones((), _F32)),
-                  jnp.asarray(_F32_MAX, _F32)),
-      jnp.asarray(_F32_MAX, _F32))
+  block_encode = _block_encode(block_scales, decode)
   scaled = (_blocks(xf, NVFP4_BLOCK_SIZE) * block_encode[..., None]).reshape(
       x.shape)
   return _quantize_elements(scaled, key), block_scales, tensor_scale
@@ -428,8 +521,8 @@ def dequantize_fp4(q: Nvfp4Tensor | Mxfp4Tensor,
   if isinstance(q, Nvfp4Tensor):
     values = _blocks(q.values.astype(_F32), NVFP4_BLOCK_SIZE)
     full = values * q.block_scales.astype(_F32)[..., None]
-    return (full.reshape(q.values.shape) *
-            jnp.asarray(q.tensor_scale, _F32)).astype(dtype)
+    return mul_scale(full.reshape(q.values.shape),
+                     jnp.asarray(q.tensor_scale, _F32)).astype(dtype)
   codes = lax.bitcast_convert_type(q.scales, _U8)
   values = _blocks(q.values.astype(_F32), MXFP4_BLOCK_SIZE)
   full = scale_e8m0_blocks(values, codes)

@@ -256,10 +256,21 @@ def apply_tensor_scales(acc: jax.Array, a_scale: jax.Array,
                         b_scale: jax.Array) -> jax.Array:
   """``acc * (a_scale * b_scale)`` (cuBLAS's alpha) where that product is a
   normal float32, else ``(acc * a_scale) * b_scale`` (tiny or huge amaxes);
-  NaN if either scale is NaN."""
-  alpha = a_scale * b_scale
-  normal = jnp.isfinite(alpha) & (alpha >= jnp.asarray(2.0**-126, _F32))
-  return jnp.where(normal, acc * alpha, (acc * a_scale) * b_scale)
+  NaN if either scale is NaN. A tensor scale may be a float32 subnormal
+  (NVFP4's ``1 / S_enc`` for an amax below 3.2e-35): each is carried lifted
+  to a normal float32 (:func:`~jmp_lite._src.fp8.fp4.lift_scale`) and the
+  lift taken back with exact powers of two, as the float8 matmul applies a
+  scale product that is no normal float32, so that the result is right
+  wherever it is a normal float32."""
+  a_lifted, a_lift = fp4_lib.lift_scale(a_scale)
+  b_lifted, b_lift = fp4_lib.lift_scale(b_scale)
+  lift = a_lift + b_lift
+  alpha = a_lifted * b_lifted                          # a * b * 2**lift
+  normal = jnp.isfinite(alpha) & (alpha >= dtypes_lib.pow2(lift - 126))
+  alpha = fp4_lib.mul_pow2(jnp.where(normal, alpha, jnp.ones((), _F32)),
+                           -lift)
+  split = fp4_lib.mul_pow2((acc * a_lifted) * b_lifted, -lift)
+  return jnp.where(normal, acc * alpha, split)
 
 
 # ---------------------------------------------------------------------------
