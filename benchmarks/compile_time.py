@@ -14,7 +14,11 @@ in three families, each against the hand-cast step of its own family:
   ``with_policy`` and ``autocast`` with ``mixed_bfloat16``, ``with_policy_fp8``
   and ``autocast_fp8`` with ``mixed_fp8``, and ``hand_fp8`` (the hand-cast
   step with the blocks' dense matmuls through ``jmp_lite.fp8.fp8_dot_general``:
-  the float8 step written by hand, the float8 routes' second baseline);
+  the float8 step written by hand, the float8 routes' second baseline), and
+  ``plain_fp8`` (the same with a per-tensor e4m3/e5m2 float8 matmul written
+  plainly with ``jax.custom_vjp``, ``plain_fp8_matmul`` below, no jmp_lite:
+  what jmp_lite's float8 matmul costs beyond the float8 work itself, issue 36;
+  ``hand_fp8`` and the float8 routes get ``ratios_plain`` to it);
 * linen (a linen twin of ``CharLM``): ``linen_hand`` (params cast to bfloat16
   by hand) and ``linen_policy`` (``jmp_lite.linen.apply_policy``);
 * NNX (``models/flax_models.py``'s ``CharLM``): ``nnx_hand`` and
@@ -37,6 +41,8 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import re
 import sys
 import time
@@ -65,6 +71,9 @@ ROUTES = {
     "autocast": ("jax", "autocast(loss, 'mixed_bfloat16')"),
     "hand_fp8": ("jax", "hand, with the blocks' dense matmuls through "
                  "jmp_lite.fp8.fp8_dot_general (mixed_fp8's recipe)"),
+    "plain_fp8": ("jax", "hand, with the blocks' dense matmuls through a per-tensor "
+                  "e4m3/e5m2 float8 matmul written plainly with jax.custom_vjp "
+                  "(plain_fp8_matmul, not jmp_lite)"),
     "with_policy_fp8": ("jax", "with_policy(apply_lm, 'mixed_fp8')"),
     "autocast_fp8": ("jax", "autocast(loss, 'mixed_fp8')"),
     "linen_hand": ("linen", "linen LM, params cast to bfloat16 by hand"),
@@ -75,8 +84,10 @@ ROUTES = {
 HAND = {"jax": "hand", "linen": "linen_hand", "nnx": "nnx_hand"}
 #: The float8 routes' second baseline: the float8 step written by hand.
 HAND_FP8 = "hand_fp8"
+#: The float8 routes' third baseline: a float8 matmul written plainly, no jmp_lite.
+PLAIN_FP8 = "plain_fp8"
 #: The routes that put float8 on the matmuls through jmp_lite.
-FP8_ROUTES = tuple(r for r in ROUTES if r.endswith("_fp8") and r != HAND_FP8)
+FP8_ROUTES = tuple(r for r in ROUTES if r.endswith("_fp8") and r not in (HAND_FP8, PLAIN_FP8))
 #: The issue's targets: every route / hand-cast at the deepest depth.
 TARGET_UNROLLED = 1.3
 TARGET_SCAN = 1.1
@@ -88,6 +99,49 @@ SIZES = {
 }
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?[\w.\-]+ .*\{$", re.M)
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", re.M)
+
+
+# --- the plain float8 matmul ------------------------------------------------------------
+
+
+def _plain_quantize(x: jax.Array, dtype: Any, fmax: float) -> tuple[jax.Array, jax.Array]:
+  """Per-tensor current scaling: ``clip(x * fmax / amax)`` cast to ``dtype``,
+  and the dequantization scale ``amax / fmax``."""
+  x32 = x.astype(jnp.float32)
+  amax = jnp.max(jnp.abs(x32))
+  scale = jnp.where(amax > 0, fmax / amax, 1.0)
+  return jnp.clip(x32 * scale, -fmax, fmax).astype(dtype), 1.0 / scale
+
+
+def _plain_dot(a, a_scale, b, b_scale, contract, out_dtype):
+  out = lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+  return (out * (a_scale * b_scale)).astype(out_dtype)
+
+
+@jax.custom_vjp
+def plain_fp8_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x @ w`` (``w`` 2-D) in float8 as a user would write it without jmp_lite:
+  e4m3 operands, e5m2 gradients, per-tensor current scales (448/amax,
+  57344/amax), saturating casts, float32 accumulation, ``x.dtype`` out."""
+  return _plain_fwd(x, w)[0]
+
+
+def _plain_fwd(x, w):
+  qx, sx = _plain_quantize(x, jnp.float8_e4m3fn, 448.0)
+  qw, sw = _plain_quantize(w, jnp.float8_e4m3fn, 448.0)
+  return _plain_dot(qx, sx, qw, sw, ((x.ndim - 1,), (0,)), x.dtype), (qx, sx, qw, sw)
+
+
+def _plain_bwd(residuals, g):
+  qx, sx, qw, sw = residuals
+  qg, sg = _plain_quantize(g, jnp.float8_e5m2, 57344.0)
+  lead = tuple(range(g.ndim - 1))
+  dx = _plain_dot(qg, sg, qw, sw, ((g.ndim - 1,), (1,)), g.dtype)  # dgrad
+  dw = _plain_dot(qx, sx, qg, sg, (lead, lead), g.dtype)          # wgrad
+  return dx, dw
+
+
+plain_fp8_matmul.defvjp(_plain_fwd, _plain_bwd)
 
 
 # --- the models -----------------------------------------------------------------------
@@ -123,6 +177,8 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
     def matmul(x, w):  # what with_policy's float8 rule binds for a Dense matmul
       return jmp_lite.fp8.fp8_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                           preferred_element_type=x.dtype, config=recipe)
+  elif route == PLAIN_FP8:
+    matmul = plain_fp8_matmul
 
   apply = lambda p, x: (apply_lm_scanned if scan else models.apply_lm)(p, x, cfg, matmul)
   if scan:
@@ -133,7 +189,7 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
 
   if route == "float32":
     loss = f32_loss
-  elif route in ("hand", HAND_FP8):
+  elif route in ("hand", HAND_FP8, PLAIN_FP8):
     def loss(p, b):
       p, x = policy.cast_to_compute((p, b["x"]))
       return wl.cross_entropy(apply(p, x), b["y"])
@@ -282,20 +338,27 @@ def _ratios(row: dict[str, Any], base: dict[str, Any] | None) -> dict[str, float
   return {
       "trace_lower": row["trace_lower_s"] / base["trace_lower_s"],
       "compile": row["compile_s"] / base["compile_s"],
+      "total": ((row["trace_lower_s"] + row["compile_s"])
+                / (base["trace_lower_s"] + base["compile_s"])),
       "hlo_instructions": (row["optimized_hlo"]["instructions"]
                            / base["optimized_hlo"]["instructions"]),
   }
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-  """Each row's ratios to its family's hand-cast step at the same depth, and
-  a float8 route's (``ratios_fp8``) to the float8 step written by hand."""
+  """Each row's ratios to its family's hand-cast step at the same depth, a
+  float8 route's (``ratios_fp8``) to the float8 step written by hand, and
+  every jmp_lite float8 row's, ``hand_fp8``'s included (``ratios_plain``), to
+  the plain float8 matmul's step (``plain_fp8``)."""
   hand = {(r["family"], r["layers"], r["scan"]): r for r in rows if r["route"] in HAND.values()}
   hand_fp8 = {(r["layers"], r["scan"]): r for r in rows if r["route"] == HAND_FP8}
+  plain = {(r["layers"], r["scan"]): r for r in rows if r["route"] == PLAIN_FP8}
   for r in rows:
     r["ratios"] = _ratios(r, hand.get((r["family"], r["layers"], r["scan"])))
     if r["route"] in FP8_ROUTES:
       r["ratios_fp8"] = _ratios(r, hand_fp8.get((r["layers"], r["scan"])))
+    if r["route"] in FP8_ROUTES + (HAND_FP8,):
+      r["ratios_plain"] = _ratios(r, plain.get((r["layers"], r["scan"])))
 
 
 def measure_all(args) -> dict[str, Any]:
@@ -311,6 +374,48 @@ def measure_all(args) -> dict[str, Any]:
       rows.append(measure_one(route, size, layers, scan, args))
   add_ratios(rows)
   return {"results": rows}
+
+
+def _key(row: dict[str, Any]) -> tuple[str, int, bool]:
+  return row["route"], row["layers"], row["scan"]
+
+
+def merge_previous(report: dict[str, Any], out: pathlib.Path) -> dict[str, Any]:
+  """With ``--merge``: this run's rows replace those of the same route, depth
+  and scan in ``out/compile_time.json``, the others are kept, each naming the
+  run that measured it (``row["run"]``, an index into ``report["runs"]``:
+  command, date, wall time and load average of every run still represented).
+  Ratios stay those of each row's own run (a same-process comparison); a
+  report of other sizes or repeats is replaced, never mixed in."""
+  run = {k: report[k] for k in ("command", "date", "wall_s", "load_average")}
+  path = out / f"{NAME}.json"
+  old = None
+  if path.exists():
+    old = json.loads(path.read_text())
+    same = all(old.get("config", {}).get(k) == report["config"][k]
+               for k in ("quick", "repeats", "size", "seed"))
+    if old.get("benchmark") != NAME or not same:
+      print(f"[{NAME}] note: {path} is replaced, not merged (another configuration).",
+            flush=True)
+      old = None
+  if old is None:
+    return dict(report, runs=[run], results=[dict(r, run=0) for r in report["results"]])
+  runs = old.get("runs") or [{k: old[k] for k in run}]
+  new = {_key(r) for r in report["results"]}
+  rows = [dict(r, run=r.get("run", 0)) for r in old["results"] if _key(r) not in new]
+  rows += [dict(r, run=len(runs)) for r in report["results"]]
+  runs = runs + [run]
+  used = sorted({r["run"] for r in rows})
+  rows = [dict(r, run=used.index(r["run"])) for r in rows]
+  order = list(ROUTES)
+  rows.sort(key=lambda r: (r["scan"], r["layers"], order.index(r["route"])))
+  config = dict(old["config"])
+  config["routes"] = {r: ROUTES[r][1] for r in order
+                      if r in old["config"]["routes"] or r in report["config"]["routes"]}
+  config["depths"] = sorted(set(old["config"]["depths"]) | set(report["config"]["depths"]))
+  config["scan"] = old["config"]["scan"] or report["config"]["scan"]
+  print(f"[{NAME}] merged into {path}.", flush=True)
+  return dict(report, config=config, runs=[runs[i] for i in used], results=rows)
 
 
 # --- the page -------------------------------------------------------------------------
@@ -335,6 +440,22 @@ def table(report: dict[str, Any]) -> list[str]:
       f"Targets at the deepest depth: <= {TARGET_UNROLLED} unrolled, <= {TARGET_SCAN} with "
       "scan.",
       "",
+  ]
+  runs = report.get("runs", [])
+  if len(runs) > 1:
+    lines += [f"Merged from {len(runs)} runs (`--merge`); each row's ratios are to the "
+              "baselines measured in its own run:", ""]
+    for i, run in enumerate(runs):
+      measured = sorted({(r["route"], r["scan"]) for r in rows if r["run"] == i},
+                        key=lambda k: (k[1], list(ROUTES).index(k[0])))
+      depths = sorted({r["layers"] for r in rows if r["run"] == i})
+      lines.append(f"* run {i}: `{run['command']}` on {run['date']} ({run['wall_s']:.0f} s, "
+                   f"load average {run['load_average']['before'][0]:.2f} / "
+                   f"{run['load_average']['after'][0]:.2f}): "
+                   + ", ".join(f"{r}{' (scan)' if sc else ''}" for r, sc in measured)
+                   + f" at {', '.join(map(str, depths))} blocks")
+    lines.append("")
+  lines += [
       "| route | blocks | trace+lower s | compile s | lowered functions | optimized HLO "
       "instructions | trace+lower / hand | compile / hand | HLO / hand |",
       "|---|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -357,11 +478,26 @@ def table(report: dict[str, Any]) -> list[str]:
       lines.append(f"| {r['route']} | {r['layers']}{' (scan)' if r['scan'] else ''} "
                    + "".join(f"| {runner.fmt(r['ratios_fp8'].get(k), '.2f')} "
                              for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
-  lines += ["", "Per block (unrolled depths in order), milliseconds of compile time:", ""]
-  for route in dict.fromkeys(r["route"] for r in rows):
-    per = _per_block(rows, route, lambda r: r["compile_s"])
-    if per:
-      lines.append(f"* {route}: {' / '.join(per)}")
+  plain_rows = [r for r in rows if r.get("ratios_plain")]
+  if plain_rows:
+    lines += ["", f"jmp_lite's float8 steps against the plain float8 matmul's ({PLAIN_FP8}: "
+              "the hand-cast step's dense matmuls through a per-tensor float8 matmul "
+              "written plainly with `jax.custom_vjp`, `plain_fp8_matmul`), same run:", "",
+              "| route | blocks | trace+lower / plain fp8 | compile / plain fp8 "
+              "| trace+lower+compile / plain fp8 | HLO / plain fp8 |",
+              "|---|---|---:|---:|---:|---:|"]
+    for r in plain_rows:
+      lines.append(f"| {r['route']} | {r['layers']}{' (scan)' if r['scan'] else ''} "
+                   + "".join(f"| {runner.fmt(r['ratios_plain'].get(k), '.2f')} "
+                             for k in ("trace_lower", "compile", "total",
+                                       "hlo_instructions")) + "|")
+  for what, key in (("compile time", lambda r: r["compile_s"]),
+                    ("trace + lower", lambda r: r["trace_lower_s"])):
+    lines += ["", f"Per block (unrolled depths in order), milliseconds of {what}:", ""]
+    for route in dict.fromkeys(r["route"] for r in rows):
+      per = _per_block(rows, route, key)
+      if per:
+        lines.append(f"* {route}: {' / '.join(per)}")
   return lines + [""]
 
 
@@ -386,6 +522,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                            "(default: every depth; at 48 blocks XLA:CPU takes over 15 "
                            "minutes and ~14 GB for it)")
   parser.add_argument("--seed", type=int, default=0, help="PRNG seed (default 0)")
+  parser.add_argument("--merge", action="store_true",
+                      help="merge into the output folder's compile_time.json: this run's rows "
+                           "replace those of the same route, depth and scan, the others are "
+                           "kept with the run that measured them")
   common.OUTPUTS.add_args(parser)
   args = parser.parse_args(argv)
   args.routes = runner.split_choices(parser, "--routes", args.routes, tuple(ROUTES))
@@ -394,6 +534,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
       args.routes.insert(0, hand)  # Ratios need the family's baseline.
   if any(r in FP8_ROUTES for r in args.routes) and HAND_FP8 not in args.routes:
     args.routes.insert(args.routes.index(HAND["jax"]) + 1, HAND_FP8)
+  if HAND_FP8 in args.routes and PLAIN_FP8 not in args.routes:
+    args.routes.insert(args.routes.index(HAND_FP8) + 1, PLAIN_FP8)
   if args.repeats is None:
     args.repeats = 1 if args.quick else 3
   if args.repeats < 1:
@@ -423,7 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "targets": {"unrolled": TARGET_UNROLLED, "scan": TARGET_SCAN}}
   runner.publish(NAME, f"benchmarks.{NAME}", argv, args.out, config,
                  lambda: measure_all(args),
-                 lambda report: "\n".join(runner.header(TITLE, report) + table(report)))
+                 lambda report: "\n".join(runner.header(TITLE, report) + table(report)),
+                 finish=(lambda r: merge_previous(r, args.out)) if args.merge else None)
   return 0
 
 

@@ -301,7 +301,9 @@ def test_compile_time_float8_baseline_is_the_program_with_policy_binds():
   route brings both baselines."""
   from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
   assert compile_time.parse(["--routes", "autocast_fp8"]).routes == [
-      "hand", "hand_fp8", "autocast_fp8"]
+      "hand", "hand_fp8", "plain_fp8", "autocast_fp8"]
+  assert compile_time.parse(["--routes", "hand_fp8"]).routes == [
+      "hand", "hand_fp8", "plain_fp8"]
 
   def operations(route):
     loss, operands = compile_time.program(route, compile_time.SIZES[True], 1, False, 0)
@@ -311,6 +313,68 @@ def test_compile_time_float8_baseline_is_the_program_with_policy_binds():
   hand_fp8 = operations("hand_fp8")
   assert hand_fp8 == operations("with_policy_fp8")
   assert hand_fp8 != operations("hand")  # the float8 matmuls are there
+
+
+@pytest.mark.standard_promotion  # the benchmarks' models mix bfloat16 and float32
+def test_compile_time_plain_float8_baseline():
+  """``plain_fp8`` (a per-tensor float8 matmul written plainly with
+  ``jax.custom_vjp``, no jmp_lite) puts e4m3 operands on the forward dots and
+  an e5m2 gradient on both backward dots, accumulating in float32; jmp_lite's
+  float8 rows get their ratios to it."""
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+  loss, operands = compile_time.program("plain_fp8", compile_time.SIZES[True], 1, False, 0)
+  text = jax.jit(jax.value_and_grad(loss)).lower(*operands).as_text()
+  dots = re.findall(r"stablehlo\.dot_general.*?: \((.*?)\) -> tensor<[^>]*x(\w+)>", text)
+  fp8 = [(operands_, out) for operands_, out in dots if "f8E" in operands_]
+  assert len(fp8) == 3 * 4  # four dense matmuls per block, three products each
+  assert all(out == "f32" for _, out in fp8)
+  assert sum("f8E5M2" in o for o, _ in fp8) == 2 * 4
+  row = lambda route, t: {"route": route, "family": "jax", "layers": 1, "scan": False,
+                          "trace_lower_s": t, "compile_s": 2 * t,
+                          "optimized_hlo": {"instructions": 10 * t}}
+  rows = [row("hand", 1.0), row("hand_fp8", 3.0), row("plain_fp8", 2.0),
+          row("with_policy_fp8", 4.0)]
+  compile_time.add_ratios(rows)
+  assert rows[1]["ratios_plain"] == {"trace_lower": 1.5, "compile": 1.5, "total": 1.5,
+                                     "hlo_instructions": 1.5}
+  assert rows[3]["ratios_plain"]["total"] == 2.0
+  assert "ratios_plain" not in rows[2] and "ratios_plain" not in rows[0]
+
+
+def test_compile_time_merge_keeps_rows_it_did_not_measure(tmp_path):
+  """``--merge``: a run's rows replace those of the same route, depth and
+  scan; the others stay, each naming its run; another configuration is
+  replaced, never mixed in."""
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+
+  def report(date, rows, **config):
+    config = {"quick": False, "repeats": 3, "seed": 0, "size": {"width": 64}, "scan": False,
+              "depths": sorted({layers for _, layers in rows}),
+              "routes": {r: "" for r, _ in rows}, **config}
+    return {"benchmark": "compile_time", "command": f"run {date}", "date": date,
+            "wall_s": 1.0, "load_average": {"before": [0.0], "after": [0.0]},
+            "config": config, "results": [{"route": r, "layers": n, "scan": False, "t": date}
+                                          for r, n in rows]}
+
+  first = compile_time.merge_previous(
+      report("a", [("hand", 12), ("autocast", 12), ("hand", 24)]), tmp_path)
+  (tmp_path / "compile_time.json").write_text(json.dumps(first))
+  merged = compile_time.merge_previous(
+      report("b", [("hand", 12), ("hand_fp8", 12), ("plain_fp8", 12)]), tmp_path)
+  got = [(r["route"], r["layers"], r["t"], r["run"]) for r in merged["results"]]
+  assert got == [("hand", 12, "b", 1), ("autocast", 12, "a", 0), ("hand_fp8", 12, "b", 1),
+                 ("plain_fp8", 12, "b", 1), ("hand", 24, "a", 0)]
+  assert [run["date"] for run in merged["runs"]] == ["a", "b"]
+  assert merged["config"]["depths"] == [12, 24]
+  assert list(merged["config"]["routes"]) == ["hand", "autocast", "hand_fp8", "plain_fp8"]
+  page = "\n".join(compile_time.table(dict(merged, config=dict(
+      merged["config"], size=dict(width=64, heads=4, seq_len=32, vocab=256, batch=8)),
+      results=[dict(r, trace_lower_s=1.0, compile_s=1.0, lowered_functions=1,
+                    optimized_hlo={"instructions": 1}, ratios=None)
+               for r in merged["results"]])))
+  assert "Merged from 2 runs" in page and "* run 1: `run b`" in page
+  other = compile_time.merge_previous(report("c", [("hand", 12)], repeats=1), tmp_path)
+  assert [r["t"] for r in other["results"]] == ["c"] and len(other["runs"]) == 1
 
 
 def test_compile_time_study_refuses_bad_flags(capsys):

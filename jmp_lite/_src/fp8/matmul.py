@@ -9,7 +9,10 @@ How it computes (every granularity, every platform):
 
 1. Each operand is brought to the canonical form ``(B, M, K)`` / ``(B, N, K)``
    (batch dimensions, free dimensions, contracting dimensions, each group
-   flattened), with plain transposes and reshapes that autodiff handles.
+   flattened), with plain transposes and reshapes that autodiff handles. Per
+   tensor the rhs is ``(B, K, N)`` instead: a scalar scale fits any layout,
+   so a Dense weight ``(K, N)`` and the float8 operands are never
+   transposed, and each product contracts where it must.
 2. A ``jax.custom_vjp`` quantizes both operands with saturating casts
    (e4m3 by default) and multiplies them with ``preferred_element_type=
    float32``: float8 operands reach the ``dot_general`` (no upcast before it)
@@ -20,7 +23,8 @@ How it computes (every granularity, every platform):
    dtype.
 3. The backward pass quantizes the incoming gradient (e5m2 by default) and
    runs both backward matmuls in float8 with float32 accumulation:
-   ``dlhs = g @ rhs^T`` contracts over N and ``drhs = g^T @ lhs`` over M. Per
+   ``dlhs = g @ rhs^T`` contracts over N and ``drhs = g^T @ lhs`` over M (a
+   jitted function: a deep model's matmuls of one shape trace it once). Per
    tensor, the forward's float8 operands are reused (saved as residuals, a
    quarter of a float32 copy); per row, per block and MX, a scale computed
    along K does not fit a contraction along N or M, so the operands are
