@@ -1099,6 +1099,18 @@ def _stalled_multi_steps_run(opt, update, micro_steps, state=None, start=0,
   return state
 
 
+def _stalled_multi_steps_updates(opt, update, micro_steps, **extra):
+  """:func:`_stalled_multi_steps_run`, keeping every micro-step's updates."""
+  params = {"w": jnp.zeros(2, F32)}
+  state, out = opt.init(params), []
+  for i in range(micro_steps):
+    grads = _inf() if i == 2 else _ones()
+    with faulty(i >= 2):
+      updates, state = update(grads, state, params, **extra)
+      out.append(np.asarray(updates["w"]))
+  return out, state
+
+
 @standard_promotion  # optax.MultiSteps
 @pytest.mark.parametrize(
     "scale,jit", [("dynamic", False), ("dynamic", True), ("noop", True),
@@ -1110,47 +1122,67 @@ def test_multi_steps_around_loss_scaling_stalls_loudly_through_update(
   jmp_lite: a jmp-style loop with a scale of its own around a
   DynamicLossScale or NoOpLossScale wrapper, a shared scale passed to update)
   call only init and update. MultiSteps' accumulator turns NaN for good at
-  the inf micro-batch, every later window is skipped, and the stall guard
-  raises at the max_consecutive_skips-th skipped window in a row, naming
+  the inf micro-batch and every later window is skipped, until the stall
+  guard acts at the max_consecutive_skips-th non-finite window in a row: by
+  default it applies that window (its NaN reaches the updates, as
+  optax.apply_if_finite does), with on_max_skips='raise' it raises, naming
   MultiSteps and the composition to write instead."""
   wrapper_scale = {"dynamic": _DLS(2.0**10), "noop": jmp_lite.NoOpLossScale(),
                    "shared": None}[scale]
   extra = {"loss_scale": _DLS(2.0**10)} if scale == "shared" else {}
+  # The default mode, "apply".
   opt = optax.MultiSteps(jmp_lite.loss_scaling(
       optax.sgd(0.1), wrapper_scale, max_consecutive_skips=3), 2)
+  update = jax.jit(opt.update) if jit else opt.update
+  updates, state = _stalled_multi_steps_updates(opt, update, 8, **extra)
+  # Window 0 trained; windows 1-2 skipped (zero updates); window 3 applied
+  # (MultiSteps calls update on every micro-step and multiplies a mid-step's
+  # updates by 0, which keeps their NaN: both of window 3's are non-finite).
+  assert np.all(np.isfinite(updates[1])) and np.any(updates[1] != 0)
+  assert all(np.all(u == 0) for u in updates[2:6]), updates
+  assert all(not np.isfinite(u).all() for u in updates[6:8]), updates
+  assert bool(state.inner_opt_state.gave_up)
+  assert int(state.inner_opt_state.skipped_steps) == 2
+  assert np.isnan(np.asarray(state.acc_grads["w"])[0])  # MultiSteps', for good
+  # on_max_skips="raise".
+  opt = optax.MultiSteps(jmp_lite.loss_scaling(
+      optax.sgd(0.1), wrapper_scale, max_consecutive_skips=3,
+      on_max_skips="raise"), 2)
   update = jax.jit(opt.update) if jit else opt.update
   # Window 0 trained; windows 1-2 skipped, not yet the limit.
   state = _stalled_multi_steps_run(opt, update, 6, **extra)
   assert int(state.inner_opt_state.consecutive_skips) == 2
   assert int(state.inner_opt_state.skipped_steps) == 2
   assert int(state.gradient_step) == 3
-  assert np.isnan(np.asarray(state.acc_grads["w"])[0])  # MultiSteps', for good
   with pytest.raises(STALL_ERROR, match=STALL_MESSAGE):
     _stalled_multi_steps_run(opt, update, 8, state, 6, **extra)
 
 
 @standard_promotion  # optax.MultiSteps
-def test_multi_steps_stall_raises_with_the_default_limit():
+def test_multi_steps_stall_is_applied_at_the_default_limit():
   """With loss_scaling's defaults (max_consecutive_skips=100,
-  on_max_skips='raise'), the stall fails loudly at the 100th skipped window
-  and not before; one jitted scan of 2 * 100 + 2 micro-steps."""
+  on_max_skips='apply'), the stalled run's 100th non-finite window in a row
+  is applied (NaN reaches the updates) and no window before it; one jitted
+  scan of 2 * 100 + 2 micro-steps."""
   params = {"w": jnp.zeros(2, F32)}
   opt = optax.MultiSteps(
       jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.NoOpLossScale()), 2)
   assert int(opt.init(params).inner_opt_state.max_consecutive_skips) == 100
 
-  @functools.partial(jax.jit, static_argnums=0)
-  def run(micro_steps, state):
+  @jax.jit
+  def run(state):
     def body(state, i):
       grads = {"w": jnp.where(i == 2, np.float32(np.inf), jnp.ones(2, F32))}
-      return opt.update(grads, state, params)[1], None
-    return lax.scan(body, state, jnp.arange(micro_steps))[0]
+      updates, state = opt.update(grads, state, params)
+      return state, ~jnp.all(jnp.isfinite(updates["w"]))
+    return lax.scan(body, state, jnp.arange(2 + 2 * 100))
 
   with faulty():
-    state = run(2 + 2 * 99, opt.init(params))  # 1 trained, 99 skipped
-    assert int(state.inner_opt_state.consecutive_skips) == 99
-    with pytest.raises(STALL_ERROR, match=STALL_MESSAGE):
-      jax.block_until_ready(run(2 + 2 * 100, opt.init(params)))
+    state, nan = run(opt.init(params))
+  nan = np.asarray(nan)
+  assert not nan[:-2].any() and nan[-2:].all()  # the 100th window only
+  assert int(state.inner_opt_state.skipped_steps) == 99
+  assert bool(state.inner_opt_state.gave_up)
 
 
 @standard_promotion  # optax.MultiSteps
@@ -1158,7 +1190,7 @@ def test_separate_scales_pattern_inside_multi_steps_stalls_loudly():
   """docs/training_loops.md's separate-scales pattern (each loss's own
   scale, the unscaled sum to a NoOpLossScale wrapper) with MultiSteps around
   the wrapper: the losses' scales recover after an overflow, MultiSteps'
-  accumulator does not, and the guard raises."""
+  accumulator does not, and the guard raises (on_max_skips='raise')."""
   def separate_scales_step(params, opt_state, scales, x, optimizer):
     total, new_scales = None, []
     for loss_fn, scale in zip((lambda p: jnp.sum(p["w"] * x),
@@ -1171,7 +1203,8 @@ def test_separate_scales_pattern_inside_multi_steps_stalls_loudly():
     return optax.apply_updates(params, updates), opt_state, tuple(new_scales)
 
   optimizer = optax.MultiSteps(jmp_lite.loss_scaling(
-      optax.sgd(1e-3), jmp_lite.NoOpLossScale(), max_consecutive_skips=2), 2)
+      optax.sgd(1e-3), jmp_lite.NoOpLossScale(), max_consecutive_skips=2,
+      on_max_skips="raise"), 2)
   step = jax.jit(functools.partial(separate_scales_step, optimizer=optimizer))
   params = {"w": jnp.full(2, 0.1, F32)}
   state = optimizer.init(params)
@@ -1420,6 +1453,32 @@ def test_on_max_skips_raise(jit):
     jax.block_until_ready(state)
 
 
+@JIT_IDS
+def test_on_max_skips_apply_is_the_default(jit):
+  """From the limit-th non-finite step in a row on, the step is applied like
+  a finite one (optax.apply_if_finite's rule): its NaN reaches the updates
+  and the inner state; the steps before are skipped, and a finite step in
+  between starts the count again. No host callback: the step exports."""
+  params = {"w": jnp.zeros(2, F32)}
+  opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
+                              max_consecutive_skips=2)
+  update = jax.jit(opt.update) if jit else opt.update
+  state = opt.init(params)
+  seen = []
+  with faulty():
+    for grads in (_inf(), _ones(), _inf(), _inf(), _inf(), _ones()):
+      updates, state = _update(update, grads, state, params)
+      seen.append((not np.isfinite(np.asarray(updates["w"])).all(),
+                   int(state.skipped_steps), int(state.consecutive_skips),
+                   bool(state.gave_up)))
+  assert seen == [(False, 1, 1, False), (False, 1, 0, False),
+                  (False, 2, 1, False), (True, 2, 2, True),
+                  (True, 2, 3, True), (False, 2, 0, False)]
+  exported = jax.export.export(jax.jit(opt.update), platforms=["cuda"])(
+      _ones(), opt.init(params), params)
+  assert "callback" not in exported.mlir_module()
+
+
 def test_max_consecutive_skips_with_accumulation_counts_windows():
   params = {"w": jnp.zeros(2, F32)}
   opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(8.0),
@@ -1536,7 +1595,7 @@ BAD_OPTIONS = [
      lambda: _sgd_scaled(max_consecutive_skips="3"),
      TypeError, [r"max_consecutive_skips", r"'3'"]),
     ("on_max_skips_x", lambda: _sgd_scaled(on_max_skips="x"),
-     ValueError, [r"on_max_skips", r"'x'", r"flag", r"raise"]),
+     ValueError, [r"on_max_skips", r"'x'", r"apply", r"flag", r"raise"]),
     ("shared_with_accumulation",
      lambda: jmp_lite.loss_scaling(optax.sgd(0.1), accumulation_steps=2),
      ValueError, [r"accumulation_steps", r"loss scale"]),

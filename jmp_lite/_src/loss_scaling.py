@@ -21,11 +21,15 @@ from jmp_lite._src import dtypes
 from jmp_lite._src import loss_scale as loss_scale_lib
 from jmp_lite._src import tree as tree_lib
 
-#: What :func:`loss_scaling` does after ``max_consecutive_skips`` skipped steps
-#: in a row: ``"raise"`` (the default) raises ``FloatingPointError`` from the
-#: step that reaches the limit (a host callback that runs on that step only,
-#: behind a ``lax.cond``); ``"flag"`` only sets ``state.gave_up``.
-ON_MAX_SKIPS = ("flag", "raise")
+#: What :func:`loss_scaling` does from the ``max_consecutive_skips``-th
+#: non-finite optimizer step in a row on: ``"apply"`` (the default) applies it
+#: like a finite one, as ``optax.apply_if_finite`` does after
+#: ``max_consecutive_errors`` (the non-finite values reach the params, so a
+#: stalled run shows NaN/inf instead of skipping silently forever; no host
+#: callback, so a step stays exportable with ``jax.export``); ``"raise"``
+#: raises ``FloatingPointError`` from that step (a host callback behind a
+#: ``lax.cond``: not exportable); ``"flag"`` only sets ``state.gave_up``.
+ON_MAX_SKIPS = ("apply", "raise", "flag")
 
 #: The default ``max_consecutive_skips``: a run that skips 100 optimizer steps
 #: in a row is not training (backing off from jmp's suggested 2**15 to its
@@ -376,8 +380,9 @@ class LossScaleState(NamedTuple):
       log. ``None`` when the wrapper shares a scale passed to every ``update``.
     skipped_steps: int32, optimizer steps skipped so far because the
       gradients were not finite (with accumulation: windows).
-    consecutive_skips: int32, optimizer steps skipped in a row (0 after a
-      finite step).
+    consecutive_skips: int32, optimizer steps in a row whose gradients were
+      not finite (0 after a finite step): skipped, or from the limit on under
+      ``on_max_skips="apply"``, applied.
     accumulated: with ``accumulation_steps > 1``, the float32 sum of the
       unscaled gradients of the finite micro-batches of the current window;
       ``None`` otherwise.
@@ -422,8 +427,9 @@ class LossScaleState(NamedTuple):
 
   @property
   def gave_up(self) -> jax.Array:
-    """Whether ``max_consecutive_skips`` steps in a row were skipped (always
-    False without a limit)."""
+    """Whether the last ``max_consecutive_skips`` optimizer steps (or more) in
+    a row had non-finite gradients (always False without a limit). Under
+    ``on_max_skips="apply"`` those from the limit on were applied."""
     if self.max_consecutive_skips is None:
       return jnp.zeros_like(self.consecutive_skips, dtype=bool)
     return self.consecutive_skips >= self.max_consecutive_skips
@@ -473,7 +479,7 @@ def loss_scaling(
     accumulation_steps: int = 1,
     check_scaling: bool = True,
     max_consecutive_skips: int | None = _DEFAULT_MAX_SKIPS,
-    on_max_skips: str = "raise",
+    on_max_skips: str = "apply",
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer with loss scaling and non-finite step skipping.
 
@@ -503,9 +509,12 @@ def loss_scaling(
     max_consecutive_skips: the limit on optimizer steps (windows) skipped in a
       row (default 100: a run that skips 100 steps in a row is not training); reaching it sets
       ``state.gave_up`` and acts as ``on_max_skips`` says. ``None``: no limit.
-    on_max_skips: ``"raise"`` (default: a ``FloatingPointError`` from the step
-      that reaches the limit, from a host callback behind a ``lax.cond`` that
-      runs on that step only) or ``"flag"`` (``state.gave_up`` only).
+    on_max_skips: from the ``max_consecutive_skips``-th non-finite step in a
+      row on: ``"apply"`` (default: the step is applied like a finite one, as
+      ``optax.apply_if_finite`` does, so a stalled run shows NaN instead of
+      skipping silently forever), ``"raise"`` (a ``FloatingPointError`` from
+      that step: a host callback behind a ``lax.cond``, which ``jax.export``
+      cannot serialize) or ``"flag"`` (``state.gave_up`` only).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -552,6 +561,7 @@ def loss_scaling(
       inner=inner, loss_scale=loss_scale, axis_name=axis_name, k=k,
       check_scaling=bool(check_scaling), max_skips=max_skips,
       raise_on_max_skips=on_max_skips == "raise" and max_skips is not None,
+      apply_on_max_skips=on_max_skips == "apply" and max_skips is not None,
   )
   return optax.GradientTransformationExtraArgs(wrapper.init, wrapper.update)
 
@@ -595,6 +605,7 @@ class _LossScaling:
   check_scaling: bool
   max_skips: int | None
   raise_on_max_skips: bool
+  apply_on_max_skips: bool
 
   def init(self, params: Any) -> LossScaleState:
     checks.no_fp8_state(params, "jmp_lite.loss_scaling")
@@ -643,13 +654,19 @@ class _LossScaling:
       checks.bound_axis(self.axis_name, "loss_scaling")
       largest = lax.pmax(largest, self.axis_name)  # Replicas agree.
     window = self._window(grads, jnp.isfinite(largest), state)
-    out_updates, out_inner = self._inner_step(
-        window.grads, window.step_ends & window.finite, state, params,
-        extra_args)
-    skipped = window.step_ends & ~window.finite
+    non_finite = window.step_ends & ~window.finite
+    # Non-finite optimizer steps in a row (applied ones included).
     consecutive = jnp.where(
-        skipped, optax.safe_increment(state.consecutive_skips),
+        non_finite, optax.safe_increment(state.consecutive_skips),
         jnp.where(window.step_ends, 0, state.consecutive_skips))
+    applied_anyway = jnp.zeros([], bool)
+    if self.apply_on_max_skips and state.max_consecutive_skips is not None:
+      applied_anyway = non_finite & (consecutive
+                                     >= state.max_consecutive_skips)
+    out_updates, out_inner = self._inner_step(
+        window.grads, window.step_ends & (window.finite | applied_anyway),
+        state, params, extra_args)
+    skipped = non_finite & ~applied_anyway
     new_scale = state.loss_scale
     if new_scale is not None:  # Shared scales are adjusted by their owner.
       new_scale = tree_lib.select_tree(
