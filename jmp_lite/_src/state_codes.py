@@ -42,9 +42,14 @@ the 4 bytes of each of the column maxes ``c * i ... c * (i + 1) - 1`` (the
 column maxes, zero-padded to ``c * rows``, spread over the rows). Sharding
 the rows keeps each row's bytes together; encoding takes a max over the rows
 (an all-reduce of ``n`` floats under FSDP) and decoding gathers the ``n``
-column maxes, both exact, so results still do not depend on the number of
-devices. A NaN or inf makes its row's and its column's maxes NaN, and
-every element of that row and column decodes to NaN.
+column maxes, both exact, so the stored bytes and the decoded moments do
+not depend on the number of devices. (What the inner optimizer computes
+from them is XLA's: under FSDP the column maxes reach a device through a
+collective, so its fused update loop differs from one device's, and XLA:CPU
+at backend optimization level 0 may contract a multiply-add into an FMA in
+one of the programs only; see docs/precision.md.) A NaN or inf makes its
+row's and its column's maxes NaN, and every element of that row and column
+decodes to NaN.
 
 Rules every block format follows (rank-1 leaves too, with each element's
 scale) (the spec :mod:`tests.state_codes_reference`
