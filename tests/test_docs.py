@@ -192,6 +192,17 @@ def test_autocast_guide_quotes_the_committed_compile_time_run():
     assert f"{rows[route, layers, scan]['ratios_fp8'][key]:.2f}x" in guide, (route, key)
   assert all(rows["with_policy_fp8", layers, scan]["ratios_fp8"]["hlo_instructions"] == 1.0
              for layers, scan in ((12, False), (24, False), (48, False), (48, True)))
+  # Against the plain float8 step (issue 36): the program at every depth, the
+  # totals at 12, 24 and 48 blocks, within the 1.3x target.
+  assert f"{rows['hand_fp8', 48, False]['ratios']['hlo_instructions']:.2f}x" in guide
+  for route in ("hand_fp8", "plain_fp8"):
+    assert f"{rows[route, 48, False]['optimized_hlo']['instructions']:,}" in guide
+  for route in ("hand_fp8", "with_policy_fp8"):
+    plain = [rows[route, layers, False]["ratios_plain"] for layers in (12, 24, 48)]
+    assert all(f"{p['hlo_instructions']:.2f}x" == "1.10x" for p in plain)
+    totals = [f"{p['total']:.2f}x" for p in plain]
+    assert f"{totals[0]}, {totals[1]} and {totals[2]}" in guide, (route, totals)
+    assert all(p["total"] <= 1.3 for p in plain)
 
 
 def test_precision_guide_quotes_the_committed_update_rounding_run():
