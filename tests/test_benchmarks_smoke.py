@@ -25,8 +25,8 @@ from helpers import ROOT
 #: end-to-end benchmark runs: the slow stage (pytest -m slow).
 pytestmark = pytest.mark.slow
 
-VARIANTS = ("jmp_lite", "hand", "raise", "unchecked")
-WRAPPER_RATIOS = ("ratio_a_over_b", "raise_over_a", "a_over_unchecked")
+VARIANTS = ("jmp_lite", "hand", "unguarded", "unchecked")
+WRAPPER_RATIOS = ("ratio_a_over_b", "a_over_unguarded", "a_over_unchecked")
 
 
 def _positive_finite(x):
@@ -96,7 +96,7 @@ def test_markdown_names_the_command_and_every_workload(quick_run):
   _, out = quick_run
   text = (out / "wrapper_overhead.md").read_text()
   assert "python -m benchmarks.wrapper_overhead --quick" in text
-  assert "| (c) on_max_skips='raise' / (a) | (a) / (d) check_scaling=False |" in text
+  assert "| (a) / (c) max_consecutive_skips=None | (a) / (d) check_scaling=False |" in text
   for name in ("mlp-f16", "mlp-bf16", "conv-f16", "conv-bf16"):
     assert f"| {name}:" in text
 
