@@ -77,7 +77,7 @@ def test_every_workload_has_positive_finite_figures(quick_run):
         assert len(stats["values"]) == repeats
         assert all(_positive_finite(v) for v in stats["values"]), stats
         assert stats["q25"] <= stats["median"] <= stats["q75"]
-    assert result["check"]["raise_same"] is True
+    assert result["check"]["unguarded_same"] is True
     assert result["check"]["unchecked_same"] is True
     for name in WRAPPER_RATIOS:
       for ratio in (name, "cpu_" + name):
