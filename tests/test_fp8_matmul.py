@@ -10,6 +10,7 @@ import pytest
 from jmp_lite import fp4
 from jmp_lite._src import fp8
 
+from helpers import all_eqns
 from helpers import lowered_functions
 
 from test_fp8_reference import codes_to_float
@@ -427,7 +428,7 @@ def test_repeated_matmuls_trace_forward_and_backward_once(monkeypatch):
     calls.clear()
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(
         jnp.ones((48, 48)), jnp.ones((rows, 48)))
-    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 3 * n  # each matmul keeps its own three products
     return len(calls)
 
@@ -459,10 +460,11 @@ def test_per_tensor_dense_matmul_transposes_nothing():
   def loss(x, w):
     return fp8.fp8_dot_general(x, w, DENSE).sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(X, W)
-  transposes = [e for e in jaxpr.eqns if e.primitive.name == "transpose"]
+  eqns = list(all_eqns(jaxpr))  # jax 0.12 keeps the jitted kernels as calls
+  transposes = [e for e in eqns if e.primitive.name == "transpose"]
   assert [e.invars[0].aval.dtype for e in transposes] == [jnp.float32]
   dots = [tuple(str(v.aval.dtype) for v in e.invars)
-          for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+          for e in eqns if e.primitive.name == "dot_general"]
   assert dots == [("float8_e4m3fn",) * 2,
                   ("float8_e5m2", "float8_e4m3fn"),
                   ("float8_e5m2", "float8_e4m3fn")]
@@ -700,11 +702,19 @@ def test_axis_name_makes_current_scaling_global(kind):
   glob = jax.jit(lambda x, w: fp8.fp8_dot_general(x, w, DENSE))(
       _XB.reshape(-1, 32), _WB).reshape(_N_DEV, 4, 16)
   y, dx, dw = run(fp8.Fp8Config(axis_name="data"))
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(glob))
-  # Without it, each replica scales its own shard (documented).
+  # The same quantized operands and scales; the float32 sums of a (4, 32)
+  # shard and of the whole (32, 32) batch may round differently (XLA:CPU's
+  # dot tiling depends on the shape: jax 0.12.1 gives 1 ulp somewhere).
+  np.testing.assert_allclose(np.asarray(y), np.asarray(glob), rtol=2e-7,
+                             atol=0)
+  # Without it, each replica scales its own shard (documented): other
+  # quantized values, far more than rounding apart.
   local, _, _ = run(fp8.Fp8Config())
-  assert not np.array_equal(np.asarray(local), np.asarray(glob))
-  np.testing.assert_array_equal(np.asarray(local[3]), np.asarray(glob[3]))
+  assert np.max(np.abs(np.asarray(local) - np.asarray(glob))
+                / np.maximum(np.abs(np.asarray(glob)), 1e-3)) > 1e-3
+  # The replica with the outlier has the global amax anyway.
+  np.testing.assert_allclose(np.asarray(local[3]), np.asarray(glob[3]),
+                             rtol=2e-7, atol=0)
   if kind == "shard_map":
     # The replicated weight's gradient is the sum over shards, as without
     # float8 (each replica's own gradient under pmap).

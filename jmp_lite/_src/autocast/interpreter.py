@@ -629,6 +629,7 @@ def _custom_vjp3(interp, ctx, args, params):
   out_dtypes = _float_dtypes(body.out_avals)
   n_out = len(out_dtypes)
   res_tree: list[Any] = []
+  out_tree: list[Any] = []
 
   def primal(*xs):
     return tuple(cast_all(interp.eval_closed(body, xs), out_dtypes))
@@ -642,6 +643,9 @@ def _custom_vjp3(interp, ctx, args, params):
     out, res = fwd_rule(nonzeros, *structured)
     res_leaves, tree = jax.tree.flatten(res)
     res_tree[:] = [tree]
+    # The rules' own output structure (jax 0.12.0: the bare output; 0.12.1:
+    # a list), which bwd_rule takes its cotangents in.
+    out_tree[:] = [jax.tree.structure(out)]
     return [*jax.tree.leaves(out), *res_leaves]
 
   def fwd(*xs):
@@ -652,7 +656,7 @@ def _custom_vjp3(interp, ctx, args, params):
 
   def bwd(res_leaves, cts):
     res = jax.tree.unflatten(res_tree[0], res_leaves)
-    in_cts, _ = bwd_rule(res, list(cts) if n_out != 1 else cts[0])
+    in_cts, _ = bwd_rule(res, jax.tree.unflatten(out_tree[0], list(cts)))
     flat_cts = jax.tree.leaves(in_cts)
     out = []
     for i, (x, aval) in enumerate(zip(args, ctx.in_avals)):
