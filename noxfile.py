@@ -2,22 +2,23 @@
 
 Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv):
 
-* ``newest-3.12``: the newest jax, jaxlib, flax and optax the pins in
-  ``pyproject.toml`` allow (jax >= 0.11 needs Python >= 3.12), in one venv:
-  the README's selection (every test but the runs of whole programs), the
-  slow stage (the runs of whole programs: examples, benchmarks, the docs'
-  code blocks, docstring examples, multi-process jobs), then the README's
-  selection again with JAX's upgrade flags on, through the environment
-  variables jax reads for them: ``JAX_REMAT3=1 JAX_CUSTOM_VJP3=1
-  JAX_CUSTOM_JVP3=1`` (about to become jax's defaults; ``jax_scan3`` stays
-  off until JAX differentiates it, and autocast refuses its ``Scan3`` with an
-  error naming it). The three runs share one install of the same releases.
-* ``newest-3.13``: the README's selection on the newest releases, Python 3.13.
+* ``newest-3.12`` and ``newest-3.13``: the newest jax, jaxlib, flax and
+  optax the pins in ``pyproject.toml`` allow (jax >= 0.11 needs Python >=
+  3.12), sharing the work: 3.13 runs the README's selection (every test but
+  the runs of whole programs); 3.12 runs the slow stage (the runs of whole
+  programs: examples, benchmarks, the docs' code blocks, docstring examples,
+  multi-process jobs), then the README's selection with JAX's upgrade flags
+  on, through the environment variables jax reads for them:
+  ``JAX_REMAT3=1 JAX_CUSTOM_VJP3=1 JAX_CUSTOM_JVP3=1`` (about to become jax's
+  defaults; ``jax_scan3`` stays off until JAX differentiates it, and
+  autocast refuses its ``Scan3`` with an error naming it).
 * ``floor``: the README's selection on Python 3.11 with every pinned package
   at the lower bound of its pin, read from ``pyproject.toml``: the oldest
   versions we claim to support.
 * ``upgrade-flags``: the upgrade-flag run of ``newest-3.12`` alone (not in
-  the default list: ``newest-3.12`` runs it).
+  the default list: ``newest-3.12`` runs it); ``plain-3.12``: the README's
+  selection on Python 3.12 without the flags (not in the default list:
+  ``newest-3.13`` runs that selection on the same releases).
 * ``bench``: the GPU suite's tests (``tests/test_gpu_suite.py``) with the
   ``bench`` extra, PyTorch, installed, so that the torch.amp side-by-side runs
   end to end at tiny sizes on the CPU (its tests carry the marker ``torch``,
@@ -32,9 +33,9 @@ Sessions (each installs jmp_lite with its ``test`` extra in a fresh venv):
   index), then ``.[test,bench]``, which that torch satisfies. E.g.
   ``BENCH_TORCH='torch>=2.4' nox -s bench`` tests the newest torch.
 
-The slow stage runs twice in CI: in the default environment (``.ci/run``:
-this machine's Python 3.11 with the newest jax it has, the 0.10 line) and in
-``newest-3.12`` (jax 0.12); the floor and Python 3.13 run the README's
+The slow stage runs once in CI, in ``newest-3.12``, on the newest jax; the
+default environment (``.ci/run``: this machine's Python 3.11 with the newest
+jax it has, the 0.10 line), the floor and Python 3.13 run the README's
 selection. ``nox -s newest-3.13 -- -m "slow and not torch"`` runs the slow
 stage there by hand (arguments after ``--`` are added to every pytest run of
 a session; a later ``-m`` replaces the session's own).
@@ -118,14 +119,15 @@ def _versions(session: nox.Session) -> None:
 
 @nox.session(python=["3.12", "3.13"])
 def newest(session: nox.Session) -> None:
-  """The newest releases the pins allow: the README's selection; on 3.12 also
-  the slow stage and the upgrade flags, in the same venv."""
+  """The newest releases the pins allow: on 3.13 the README's selection; on
+  3.12 the slow stage and the README's selection under the upgrade flags."""
   session.install("--upgrade", "-e", ".[test]")
   _versions(session)
-  session.run(*PYTEST, *session.posargs)
   if session.python == "3.12":
     session.run(*PYTEST, *SLOW, *session.posargs)
     _upgrade_flags_run(session)
+  else:
+    session.run(*PYTEST, *session.posargs)
 
 
 def _upgrade_flags_run(session: nox.Session) -> None:
@@ -142,6 +144,14 @@ def upgrade_flags(session: nox.Session) -> None:
   session.install("--upgrade", "-e", ".[test]")
   _versions(session)
   _upgrade_flags_run(session)
+
+
+@nox.session(python="3.12", name="plain-3.12")
+def plain_312(session: nox.Session) -> None:
+  """The README's selection on the newest releases, Python 3.12."""
+  session.install("--upgrade", "-e", ".[test]")
+  _versions(session)
+  session.run(*PYTEST, *session.posargs)
 
 
 @nox.session(python="3.11")
