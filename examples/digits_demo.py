@@ -285,6 +285,9 @@ def train(spec: RunSpec, data, init_params, args) -> dict:
       final_train_loss=float(train_ce),
       median_step_ms=log.median_step_ms(WARMUP_STEPS),
       skipped_steps=int(opt_state.skipped_steps),
+      # loss_scaling's stall guard (max_consecutive_skips=100,
+      # on_max_skips="apply") applied a non-finite step: params not finite.
+      guard_applied=not bool(jmp_lite.all_finite(params)),
       final_loss_scale=float(jmp_lite.get_loss_scale(opt_state).loss_scale),
       zero_grad_fraction=first_zeros["all"],
       zero_grad_fraction_per_layer=first_zeros,
@@ -370,6 +373,15 @@ def describe_non_finite(results: dict[str, dict]) -> list[str]:
       where = (", ".join(f"{name} {100 * share:.1f}%"
                          for name, share in over.items())
                or "no layer output in float32")
+      if r.get("guard_applied"):
+        notes.append(
+            f"{r['label']}: final train loss {r['final_train_loss']} (the "
+            f"{dtype} forward pass overflowed): the optimizer skipped "
+            f"{r['skipped_steps']} non-finite steps, until 100 in a row, "
+            "when loss_scaling's stall guard (max_consecutive_skips=100, "
+            "on_max_skips='apply') applied the next one: the params are NaN "
+            "from there on.")
+        continue
       notes.append(
           f"{r['label']}: final train loss {r['final_train_loss']} (the "
           f"{dtype} forward pass overflowed; with the final params, outputs "
