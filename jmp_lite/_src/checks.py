@@ -387,8 +387,9 @@ DIMENSION_NUMBERS = (
 )
 
 
-def _axes(value: Any) -> tuple[int, ...] | None:
-  """A group of axes as a tuple of ints (a bare int is one axis), or None."""
+def integer_axes(value: Any) -> tuple[int, ...] | None:
+  """A group of axes as a tuple of ints (a bare int is one axis; a tuple or
+  list of them), or None if an item is not an integer (bools are not)."""
   items = value if isinstance(value, (tuple, list)) else (value,)
   out = []
   for a in items:
@@ -421,7 +422,7 @@ def dimension_numbers(dn: Any, lhs_shape: Sequence[int],
     lc = None
   if lc is None:
     refuse("not a pair of (lhs, rhs) pairs")
-  groups = [_axes(g) for g in (lc, rc, lb, rb)]
+  groups = [integer_axes(g) for g in (lc, rc, lb, rb)]
   if any(g is None for g in groups):
     refuse("an axis is not an integer")
   lc, rc, lb, rb = groups

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any, Sequence
 
 import jax
@@ -415,14 +414,10 @@ def _leaf_axes(axis, role, shape) -> tuple[int, ...]:
 def _check_axis(axis: Any) -> Any:
   """``axis`` if it is None, an int or a tuple or list of ints (a teaching
   TypeError otherwise: NumPy's names neither the argument nor the value)."""
-  if axis is None:
-    return None
-  items = axis if isinstance(axis, (tuple, list)) else (axis,)
-  for a in items:
-    if isinstance(a, (bool, np.bool_)) or not isinstance(a, numbers.Integral):
-      raise TypeError(
-          f"fp8_stats: axis must be an int, a tuple of ints or None, got "
-          f"{type(axis).__name__}: {axis!r}. {AXIS_HELP}")
+  if axis is not None and checks.integer_axes(axis) is None:
+    raise TypeError(
+        f"fp8_stats: axis must be an int, a tuple of ints or None, got "
+        f"{type(axis).__name__}: {axis!r}. {AXIS_HELP}")
   return axis
 
 
