@@ -198,16 +198,13 @@ def _emulated(a_values, a_scales, b_values, b_scales):
   :func:`~jmp_lite._src.fp8.fp4.mul_pow2`: a block with scale ``2**-127`` or
   ``2**-126`` dequantizes to float32 subnormals that XLA:CPU flushes to
   zero, where the GPU's block-scaled product keeps them."""
-  shift = 0
-  if np.dtype(a_scales.dtype) == np.dtype(np.uint8):
-    shift = _mx_lift(a_scales, b_scales, a_values.shape[-1])
+  mx = np.dtype(a_scales.dtype) == np.dtype(np.uint8)  # E8M0 codes
+  shift = _mx_lift(a_scales, b_scales, a_values.shape[-1]) if mx else 0
   acc = jax.lax.dot_general(
       _dequantized_blocks(a_values, a_scales, shift),
       _dequantized_blocks(b_values, b_scales, shift), _DN,
       precision=jax.lax.Precision.HIGHEST, preferred_element_type=_F32)
-  if np.dtype(a_scales.dtype) == np.dtype(np.uint8):
-    acc = fp4_lib.mul_pow2(acc, -2 * shift)
-  return acc
+  return fp4_lib.mul_pow2(acc, -2 * shift) if mx else acc
 
 
 def _encoded_scales(scales: jax.Array) -> jax.Array:

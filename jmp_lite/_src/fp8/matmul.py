@@ -310,6 +310,12 @@ _DN_WGRAD = (((1,), (1,)), ((0,), (0,)))    # (B, M, N) x (B, M, K) -> (B, N, K)
 # (dgrad: (B, M, N) x (B, K, N) -> (B, M, K) is _DN.)
 
 
+def _forward_dn(config: Fp8Config) -> Any:
+  """The forward product's dimension numbers: per tensor the rhs is
+  canonical as ``(B, K, N)`` (``_DN_FORWARD``), else ``(B, N, K)``."""
+  return _DN_FORWARD if config.granularity == "tensor" else _DN
+
+
 def _product(a: _Operand, b: _Operand, native_mx: bool,
              dn: Any = _DN) -> jax.Array:
   """float32 ``(B, P, Q)``: the scaled product of two float8 operands,
@@ -486,8 +492,8 @@ def _forward(a, b, scales, config):
                                  None if scales is None else scales.lhs)
   qb, amax_b = _quantize_operand(b, fmt, rhs_kind, config,
                                  None if scales is None else scales.rhs)
-  dn = _DN_FORWARD if config.granularity == "tensor" else _DN
-  return _product(qa, qb, config.native_mx, dn), qa, qb, amax_a, amax_b
+  return (_product(qa, qb, config.native_mx, _forward_dn(config)), qa, qb,
+          amax_a, amax_b)
 
 
 class _Static(NamedTuple):
@@ -510,9 +516,9 @@ def _fp8_matmul_fwd(a, b, scales, static):
   config = static.config
   out, qa, qb, amax_a, amax_b = _forward(a, b, scales, config)
   lhs_kind, rhs_kind = _FORWARD_KINDS[config.granularity]
-  dn = _DN_FORWARD if config.granularity == "tensor" else _DN
   out = _straight_through(
-      (config, (config.forward, lhs_kind), (config.forward, rhs_kind), dn),
+      (config, (config.forward, lhs_kind), (config.forward, rhs_kind),
+       _forward_dn(config)),
       out, a, b, _part(scales, "lhs"), _part(scales, "rhs"))
   # Per-tensor scales fit any contraction: the backward matmuls reuse the
   # float8 operands. The high-precision operands are residuals too, but only
@@ -690,7 +696,7 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return as_dot_general(_fp8_matmul, static, lhs, rhs, dimension_numbers,
                         out_dtype, out_sharding, "fp8_dot_general", scales,
-                        rhs_contract_first=config.granularity == "tensor")
+                        rhs_contract_first=_forward_dn(config) == _DN_FORWARD)
 
 
 def as_dot_general(matmul: Any, static: Any, lhs: jax.Array, rhs: jax.Array,
