@@ -560,8 +560,7 @@ def loss_scaling(
   wrapper = _LossScaling(
       inner=inner, loss_scale=loss_scale, axis_name=axis_name, k=k,
       check_scaling=bool(check_scaling), max_skips=max_skips,
-      raise_on_max_skips=on_max_skips == "raise" and max_skips is not None,
-      apply_on_max_skips=on_max_skips == "apply" and max_skips is not None,
+      on_max_skips=None if max_skips is None else on_max_skips,
   )
   return optax.GradientTransformationExtraArgs(wrapper.init, wrapper.update)
 
@@ -604,8 +603,7 @@ class _LossScaling:
   k: int
   check_scaling: bool
   max_skips: int | None
-  raise_on_max_skips: bool
-  apply_on_max_skips: bool
+  on_max_skips: str | None  # ON_MAX_SKIPS' choice; None without a limit
 
   def init(self, params: Any) -> LossScaleState:
     checks.no_fp8_state(params, "jmp_lite.loss_scaling")
@@ -660,7 +658,7 @@ class _LossScaling:
         non_finite, optax.safe_increment(state.consecutive_skips),
         jnp.where(window.step_ends, 0, state.consecutive_skips))
     applied_anyway = jnp.zeros([], bool)
-    if self.apply_on_max_skips and state.max_consecutive_skips is not None:
+    if self.on_max_skips == "apply" and state.max_consecutive_skips is not None:
       applied_anyway = non_finite & (consecutive
                                      >= state.max_consecutive_skips)
     out_updates, out_inner = self._inner_step(
@@ -671,7 +669,7 @@ class _LossScaling:
     if new_scale is not None:  # Shared scales are adjusted by their owner.
       new_scale = tree_lib.select_tree(
           jnp.asarray(window.step_ends), current.adjust(window.finite), current)
-    if self.raise_on_max_skips and state.max_consecutive_skips is not None:
+    if self.on_max_skips == "raise" and state.max_consecutive_skips is not None:
       scale_now = current if new_scale is None else new_scale
       _raise_if_gave_up(consecutive, state.max_consecutive_skips,
                         scale_now.loss_scale)
