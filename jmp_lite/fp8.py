@@ -5,7 +5,8 @@ Most users never import this module: a policy names a float8 recipe
 ``autocast``, ``with_policy`` and the Flax policies run its matmuls in float8
 (e4m3 operands, float32 accumulation, e5m2 or e4m3 gradients). Import it to
 change a recipe's fields (:class:`Fp8Config`) or to call the float8 matmul
-yourself (:func:`fp8_dot_general`, e.g. as a Flax layer's ``dot_general``).
+yourself (:func:`fp8_dot_general`, e.g. as a Flax layer's ``dot_general``;
+:func:`fp8_ragged_dot`, a Mixture-of-Experts layer's ``jax.lax.ragged_dot``).
 Guide: ``docs/fp8.md``.
 
 Example:
@@ -20,7 +21,8 @@ Example:
 """
 
 from jmp_lite._src.fp8.config import Fp8Config
+from jmp_lite._src.fp8.grouped import fp8_ragged_dot
 from jmp_lite._src.fp8.matmul import DelayedScales
 from jmp_lite._src.fp8.matmul import fp8_dot_general
 
-__all__ = ("DelayedScales", "Fp8Config", "fp8_dot_general")
+__all__ = ("DelayedScales", "Fp8Config", "fp8_dot_general", "fp8_ragged_dot")
