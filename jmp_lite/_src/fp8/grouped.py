@@ -185,23 +185,24 @@ def to_padded(x: jax.Array, padded: Padded) -> jax.Array:
 # ---------------------------------------------------------------------------
 
 
-def _ragged_rows(lhs, rhs, sizes, rhs_contract):
+def _ragged_rows(lhs, rhs, sizes, rhs_contract, precision=None):
   """``[M, C] x [G, *, *] -> [M, Q]``: each row times its group's matrix,
-  contracting ``rhs_contract`` (1 or 2) of the rhs; float32 accumulation."""
+  contracting ``rhs_contract`` (1 or 2) of the rhs; float32 accumulation
+  (``precision``: as ``jax.lax.ragged_dot_general``'s)."""
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((1,), (rhs_contract,)), ((), ())),
       lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-  return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims,
+  return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims, precision=precision,
                                     preferred_element_type=_F32)
 
 
-def _ragged_tokens(lhs, rhs, sizes):
+def _ragged_tokens(lhs, rhs, sizes, precision=None):
   """``[M, P] x [M, Q] -> [G, P, Q]``: per group, the product contracting
   the group's rows; float32 accumulation, zeros for an empty group."""
   dims = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())),
       lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims,
+  return jax.lax.ragged_dot_general(lhs, rhs, sizes, dims, precision=precision,
                                     preferred_element_type=_F32)
 
 
@@ -632,7 +633,9 @@ def _grouped_product(lhs, rhs, sizes, scales, *, static):
   m, n = lhs.shape[0], rhs.shape[2]
   if 0 in lhs.shape or 0 in rhs.shape:
     return jnp.zeros((m, n), static.out_dtype)
-  lhs, rhs = _same_varying_axes(lhs, rhs)
+  # Under shard_map every operand varies over the axes any one varies over
+  # (the transpose of the marking sums a replicated weight's gradient).
+  lhs, rhs, sizes = _same_varying_axes(lhs, rhs, sizes)
   return _grouped_matmul(lhs, rhs, sizes, scales, static)
 
 
