@@ -97,6 +97,11 @@ _INTERNAL_PRIMITIVES = {
     # jax_remat3, jax_custom_jvp3, jax_custom_vjp3 and jax_scan3 trace
     # checkpoint, custom_jvp, custom_vjp and scan to it.
     "call_hi_primitive_p": ("jax._src.hijax",),
+    # ``jax.lax.ragged_dot``/``ragged_dot_general`` (grouped matmuls of
+    # Mixture-of-Experts layers) bind it; jax 0.10 to 0.12 export only the
+    # functions. Missing, autocast leaves grouped matmuls as traced (the
+    # compatibility report lists it).
+    "ragged_dot_general_p": ("jax._src.lax.lax",),
 }
 
 _looked_up: dict[str, Any] = {}

@@ -180,8 +180,8 @@ class OpDtypes(tuple):
   """One entry of :func:`op_dtypes`: ``(primitive name, input dtypes)``.
 
   A plain 2-tuple (it unpacks and compares as one) with an attribute
-  ``note``: for a ``dot_general`` a float8 or FP4 recipe left out of its
-  format, why
+  ``note``: for a ``dot_general`` (or a grouped ``ragged_dot_general``) a
+  float8 or FP4 recipe left out of its format, why
   (``"output head (include_output_head=False)"``, ``"batched matmul
   (include_batched=False)"``, ``"dims not multiple of 16: K=24"``...), else
   None. The note shows in the repr.
@@ -220,7 +220,8 @@ def op_dtypes(
 
   Returns:
     A list of ``(primitive name, (dtype name, ...))`` pairs, one per equation,
-    listing the dtypes of its floating inputs only. A ``dot_general`` that a
+    listing the dtypes of its floating inputs only. A ``dot_general`` or
+    ``ragged_dot_general`` that a
     float8 or FP4 recipe left out of its format carries the reason in the
     pair's ``note`` attribute (shown in its repr; ``docs/fp8.md``, what stays
     out of float8); a debug record of the logger ``"jmp_lite"`` says the
@@ -247,7 +248,8 @@ def op_dtypes(
       lambda x: _is_dynamic(x) or isinstance(x, jax.ShapeDtypeStruct),
   )
   closed = jax.make_jaxpr(flat_fn)(*dynamic)
-  dot = compat.primitive("dot_general_p")
+  matmuls = {compat.primitive("dot_general_p"),
+             compat.primitive("ragged_dot_general_p")} - {None}
   return [
       OpDtypes(
           eqn.primitive.name,
@@ -256,7 +258,8 @@ def op_dtypes(
               for v in eqn.invars
               if tree_lib.is_float(v.aval)
           ),
-          markers.fallback_reason(stack) if eqn.primitive is dot else None,
+          markers.fallback_reason(stack) if eqn.primitive in matmuls
+          else None,
       )
       for eqn, stack in compat.walk_eqns_in_scopes(closed, live_only=True)
   ]

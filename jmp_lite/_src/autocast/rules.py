@@ -6,8 +6,9 @@ primitive is bound. Rules are keyed by primitive objects (``jax.lax.exp_p``,
 
 * ``"lower"``: floating inputs run in the compute dtype (float16/bfloat16).
   Primitives with a ``preferred_element_type`` parameter (``dot_general``,
-  ``conv_general_dilated``) accumulate in float32 and the result is cast to the
-  compute dtype. Float64 operations are not eligible (as in ``torch.autocast``)
+  ``conv_general_dilated``, ``ragged_dot_general``: ``jax.lax.ragged_dot``,
+  the grouped matmul of Mixture-of-Experts layers) accumulate in float32 and
+  the result is cast to the compute dtype. Float64 operations are not eligible (as in ``torch.autocast``)
   and run as ``"promote"``.
 * ``"f32"``: numerically sensitive operations: floating inputs narrower than
   float32 are widened to float32 (float64 stays float64).
@@ -54,7 +55,8 @@ OP_RULE_NAMES: tuple[str, ...] = ("lower", "f32", "promote", "passthrough", "rec
 # jax.extend.core.primitives / jax.lax. A name the installed jax lacks is left
 # out (compat.primitives); the test suite lists which.
 
-LOWER_NAMES = ("dot_general_p", "conv_general_dilated_p")
+LOWER_NAMES = ("dot_general_p", "conv_general_dilated_p",
+               "ragged_dot_general_p")
 
 F32_NAMES = (
     # exp/log family: overflow or lose all precision in half.
@@ -110,7 +112,8 @@ FIRST_ORDER_WITH_JAXPRS_NAMES = (
     "scatter_sub_p",
 )
 
-#: Matmuls and convolutions: run in the compute dtype, accumulate in float32.
+#: Matmuls (dense and grouped) and convolutions: run in the compute dtype,
+#: accumulate in float32.
 LOWER_PRIMITIVES = compat.primitives(*LOWER_NAMES)
 #: Numerically sensitive primitives that run in float32.
 F32_PRIMITIVES = compat.primitives(*F32_NAMES)
@@ -122,9 +125,11 @@ PASSTHROUGH_PRIMITIVES = compat.primitives(*PASSTHROUGH_NAMES)
 FIRST_ORDER_WITH_JAXPRS = frozenset(
     compat.primitives(*FIRST_ORDER_WITH_JAXPRS_NAMES))
 
-# Primitives bilinear in their two operands (used by the float32-accumulating
-# matmul rule, whose tangent is built from the two partial products).
-_BILINEAR = frozenset(LOWER_PRIMITIVES)
+# Primitives linear in each floating operand, their other operands (the
+# integer group sizes of ragged_dot_general) being constants: the
+# float32-accumulating matmul rule builds their tangent from the partial
+# products, one per floating operand.
+_MULTILINEAR = frozenset(LOWER_PRIMITIVES)
 
 
 def _is_float_dtype(dtype: Any) -> bool:
@@ -242,9 +247,9 @@ def f32_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
 
 
 def _accumulate_in_f32(
-    ctx: OpRuleContext, lhs: Any, rhs: Any, params: dict[str, Any], target: np.dtype
-) -> Any:
-  """A bilinear op (matmul/conv) on ``target`` inputs, accumulated in float32.
+    ctx: OpRuleContext, args: Sequence[Any], params: dict[str, Any],
+    target: np.dtype) -> Any:
+  """A matmul/conv on ``target`` inputs, accumulated in float32.
 
   The forward pass binds the primitive with ``preferred_element_type=f32``
   and casts the result to ``target``. Differentiating that directly would
@@ -253,10 +258,15 @@ def _accumulate_in_f32(
   tangent its own matmuls with ``target`` inputs and outputs: the backward
   pass then runs in half precision as in ``torch.autocast`` (accumulating in
   float32 wherever the backend does so for half matmuls: GPU, TPU).
+
+  The primitive must be linear in each floating operand (``dot_general``,
+  ``conv_general_dilated``, ``ragged_dot_general``); its other operands
+  (``ragged_dot_general``'s integer group sizes) are constants of the
+  product and have no tangent.
   """
-  # dot_general's and conv_general_dilated's parameters are hashable.
+  # Equation parameters are hashable (jax requires it since 0.7).
   static = tuple(sorted(params.items()))
-  return _f32_accumulated(ctx.primitive, static, np.dtype(target), lhs, rhs)
+  return _f32_accumulated(ctx.primitive, static, np.dtype(target), *args)
 
 
 # Jitted with inline=True (docs/design.md): the operations are inlined into
@@ -265,34 +275,34 @@ def _accumulate_in_f32(
 # matmul (a deep model's blocks repeat the same few matmuls).
 @functools.partial(jax.jit, inline=True, static_argnums=(0, 1, 2))
 def _f32_accumulated(primitive: Any, static: tuple[tuple[str, Any], ...],
-                     target: np.dtype, lhs: Any, rhs: Any) -> Any:
+                     target: np.dtype, *operands: Any) -> Any:
   """:func:`_accumulate_in_f32`'s custom-derivative product."""
   params = dict(static)
   accumulate = dict(params, preferred_element_type=FLOAT32)
   low = dict(params, preferred_element_type=target)
+  linear = tuple(i for i, x in enumerate(operands) if tree_lib.is_float(x))
 
-  def primal(x, y):
-    return tree_lib.cast(compat.bind(primitive, (x, y), accumulate), target)
+  def primal(*xs):
+    return tree_lib.cast(compat.bind(primitive, xs, accumulate), target)
 
   primal.__name__ = primal.__qualname__ = f"{primitive.name}_f32_accumulate"
 
   lowered = jax.custom_jvp(primal)
 
   def jvp(primals, tangents):
-    x, y = primals
-    tx, ty = tangents
-    out = lowered(x, y)  # Not primal(): higher orders then use this rule too.
+    out = lowered(*primals)  # Not primal(): higher orders then use this rule too.
     terms = []
-    if not isinstance(tx, SymbolicZero):
-      terms.append(compat.bind(primitive, (tx, y), low))
-    if not isinstance(ty, SymbolicZero):
-      terms.append(compat.bind(primitive, (x, ty), low))
+    for i in linear:  # integer operands: constants, no tangent
+      if not isinstance(tangents[i], SymbolicZero):
+        xs = list(primals)
+        xs[i] = tangents[i]
+        terms.append(compat.bind(primitive, xs, low))
     if not terms:
       return out, jnp.zeros_like(out)
-    return out, terms[0] if len(terms) == 1 else lax.add(*terms)
+    return out, functools.reduce(lax.add, terms)
 
   lowered.defjvp(jvp, symbolic_zeros=True)
-  return lowered(lhs, rhs)
+  return lowered(*operands)
 
 
 def lower_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
@@ -316,8 +326,8 @@ def lower_rule(ctx: OpRuleContext, *args: Any, **params: Any) -> Any:
     return ctx.bind(*new_args, **params)
   if target.itemsize >= 4 or not ctx.accumulate_f32:
     return ctx.bind(*new_args, **dict(params, preferred_element_type=target))
-  if ctx.primitive in _BILINEAR and len(new_args) == 2 and len(floats) == 2:
-    return _accumulate_in_f32(ctx, *new_args, params, target)
+  if ctx.primitive in _MULTILINEAR and len(floats) == 2:
+    return _accumulate_in_f32(ctx, new_args, params, target)
   out = ctx.bind(*new_args, **dict(params, preferred_element_type=FLOAT32))
   return ctx.cast_outputs(out, target)
 
