@@ -133,10 +133,12 @@ def per_row(per_group: jax.Array, groups: Groups, fill: Any) -> jax.Array:
 
 def segment_amax(x: jax.Array, groups: Groups) -> jax.Array:
   """float32 ``[G, ...]``: the maximum of ``|x|`` (``[M, ...]``) over each
-  group's rows; 0 for an empty group. One read of ``x``."""
-  amax = jax.ops.segment_max(jnp.abs(x.astype(_F32)), groups.ids,
-                             num_segments=groups.count + 1)
-  return jnp.maximum(amax[:groups.count], 0.0)
+  group's rows; 0 for an empty group. One read of ``x``. (A maximum from 0,
+  not ``segment_max``'s -inf: no intermediate inf, as under
+  ``jax_debug_infs``.)"""
+  amax = jnp.zeros((groups.count + 1,) + x.shape[1:], _F32)
+  amax = amax.at[groups.ids].max(jnp.abs(x.astype(_F32)))
+  return amax[:groups.count]
 
 
 class Padded(NamedTuple):
