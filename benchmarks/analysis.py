@@ -4,8 +4,8 @@ Neither runs the model: both trace it.
 
 * :func:`residual_bytes` is the memory the backward pass keeps alive: the
   arrays ``jax.vjp`` saves in its closure, less the function's own inputs.
-* :func:`matmul_flops` counts the FLOPs of every ``dot_general`` and
-  ``conv_general_dilated`` in a jaxpr (sub-jaxprs included, scan bodies
+* :func:`matmul_flops` counts the FLOPs of every ``dot_general``,
+  ``ragged_dot_general`` (grouped matmuls) and ``conv_general_dilated`` in a jaxpr (sub-jaxprs included, scan bodies
   multiplied by their length), grouped by the dtype of the operands.
 """
 
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 HALF_DTYPES = ("float16", "bfloat16")
-MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+MATMUL_PRIMITIVES = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 
 
 # --- residuals --------------------------------------------------------------------
@@ -84,6 +84,20 @@ def _dot_flops(eqn) -> int:
   return 2 * out * contract
 
 
+def _ragged_dot_flops(eqn) -> int:
+  """``2 x lhs size x the right operand's free size``: every left element meets
+  each free column of its group's right operand once. Right for the three
+  ragged modes: non-contracting ``[m, k] x [g, k, n]`` (``2mkn``, the group
+  dimension is not free), contracting (the weight gradient ``[k, m] x [m, n]
+  -> [g, k, n]``: ``2kmn``, each token in one group) and batch."""
+  lhs, rhs = (v.aval for v in eqn.invars[:2])
+  dn = eqn.params["ragged_dot_dimension_numbers"]
+  (_, rhs_contract), (_, rhs_batch) = dn.dot_dimension_numbers
+  shared = set(rhs_contract) | set(rhs_batch) | set(dn.rhs_group_dimensions)
+  free = int(np.prod([d for i, d in enumerate(rhs.shape) if i not in shared], dtype=np.int64))
+  return 2 * int(np.prod(lhs.shape, dtype=np.int64)) * free
+
+
 def _conv_flops(eqn) -> int:
   rhs = eqn.invars[1].aval
   dn = eqn.params["dimension_numbers"]
@@ -98,8 +112,10 @@ def _walk(jaxpr, multiplier: int, totals: dict[str, int]) -> None:
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in MATMUL_PRIMITIVES:
-      flops = _dot_flops(eqn) if name == "dot_general" else _conv_flops(eqn)
-      dtypes = sorted({str(v.aval.dtype) for v in eqn.invars})
+      flops = {"dot_general": _dot_flops, "ragged_dot_general": _ragged_dot_flops,
+               "conv_general_dilated": _conv_flops}[name](eqn)
+      # The operands (not ragged_dot_general's integer group sizes).
+      dtypes = sorted({str(v.aval.dtype) for v in eqn.invars[:2]})
       key = dtypes[0] if len(dtypes) == 1 else "+".join(dtypes)
       totals[key] = totals.get(key, 0) + multiplier * flops
       continue
@@ -129,7 +145,8 @@ def matmul_flops(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
   and ``scan`` (times its length); of a ``cond`` the costliest branch. A
   ``dot_general`` on an ``(m, k) x (k, n)`` pair is ``2mkn`` FLOPs; a
   convolution ``2 x output elements x kernel window x input features``
-  (per feature group). An operation counts as half precision when all its
+  (per feature group); a ``ragged_dot_general`` (``jax.lax.ragged_dot``:
+  ``[m, k] x [g, k, n]``) ``2mkn``, as the per-group loop of dense matmuls. An operation counts as half precision when all its
   operands are float16 or bfloat16.
 
   Returns:

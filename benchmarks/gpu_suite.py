@@ -4,8 +4,9 @@ Run as ``python -m benchmarks run --suite gpu`` on a machine with a CUDA GPU
 (``benchmarks/README.md`` has the commands that write
 ``benchmarks/results/gpu.{json,md}``). It measures the CPU suite's workloads
 and steps (``workloads.py``, ``common.make_variant``) at the GPU size
-(``workloads.SIZES["gpu"]``: an MLP, ResNet-50, GPT-2 small), each under seven
-modes: ``f32`` (float32 matmuls, TF32 off), ``tf32``, ``bf16`` (the policy
+(``workloads.SIZES["gpu"]``: an MLP, ResNet-50, GPT-2 small, and a
+Mixture-of-Experts LM whose experts are ``jax.lax.ragged_dot`` grouped matmuls,
+``workloads.GPU_NAMES``), each under these modes: ``f32`` (float32 matmuls, TF32 off), ``tf32``, ``bf16`` (the policy
 ``p=f32,c=bf16,o=f32``, ``loss_scaling(adam, NoOpLossScale())``) and ``f16``
 (``p=f32,c=f16,o=f32``, ``DynamicLossScale(2**15)``), and three float8 modes
 on top of bf16 (``fp8``: per-tensor current scaling, ``fp8_rowwise``,
@@ -15,7 +16,11 @@ on top of bf16 (``fp8``: per-tensor current scaling, ``fp8_rowwise``,
 ``fp8``/``fp8_rowwise`` (``torch_side.py``). A case that cannot measure its
 mode is skipped with its reason: ResNet-50's float8 modes (its convolutions
 stay in bf16 and its head is kept out of float8: no matmul would run in
-float8), PyTorch's ``mxfp8``, and PyTorch's float8 modes without torchao.
+float8), PyTorch's ``mxfp8``, PyTorch's float8 modes without torchao, every
+PyTorch case of the MoE (no PyTorch twin), and the MoE's float8/FP4 modes
+when this jmp_lite's ``with_policy`` leaves its grouped matmuls in bf16
+(:func:`grouped_problem`: checked on the step's jaxpr, so that no float8
+figure is reported for a bf16 program).
 MXFP8 has tensor cores on Blackwell only: elsewhere XLA runs its fallback
 (both operands dequantized, one dot), and the case records which path the
 compiled program took. The FP4 modes ``nvfp4`` and ``mxfp4`` (the policy
@@ -140,7 +145,7 @@ _USER_PREALLOCATE = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")
 def add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--gpu-steps", type=int, default=20,
                       help="GPU suite: timed steps per case (default 20)")
-  for name, choices in (("workloads", wl.NAMES), ("libraries", LIBRARIES), ("modes", MODES)):
+  for name, choices in (("workloads", wl.GPU_NAMES), ("libraries", LIBRARIES), ("modes", MODES)):
     parser.add_argument(f"--gpu-{name}", default=",".join(choices),
                         help=f"GPU suite: comma-separated subset of {','.join(choices)}")
   parser.add_argument("--no-torch", action="store_true",
@@ -159,7 +164,7 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def finish_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-  for name, choices in (("workloads", wl.NAMES), ("libraries", LIBRARIES), ("modes", MODES)):
+  for name, choices in (("workloads", wl.GPU_NAMES), ("libraries", LIBRARIES), ("modes", MODES)):
     setattr(args, f"gpu_{name}", runner.split_choices(
         parser, f"--gpu-{name}", getattr(args, f"gpu_{name}"), choices))
   if args.no_torch:
@@ -324,9 +329,13 @@ def run_jax_case(workload: wl.Workload, mode: str, steps: int, seed: int) -> dic
     # dimensions, and the first layer's input gradient, which a custom_vjp
     # computes and XLA then removes (kept in result["fp8"] / result["fp4"]).
     result[key]["step_jaxpr_flops"] = result["flops_per_step"]
+    shapes = jax.eval_shape(lambda: wl.setup(workload, seed))
     result["flops_per_step"] = analysis.matmul_flops(
-        jax.value_and_grad(wl.loss_fn(workload, "f32")),
-        *jax.eval_shape(lambda: wl.setup(workload, seed)))["total"]
+        jax.value_and_grad(wl.loss_fn(workload, "f32")), *shapes)["total"]
+    if workload.name == "moe":
+      # The grouped matmuls' operand dtypes in the step (float8, or the
+      # MX/FP4 emulation's float32): what grouped_problem checked.
+      result[key]["grouped_dtypes"] = grouped_dtypes(step, *jax.eval_shape(setup))
   # The comparisons come after the peak memory is read: they hold a second state.
   if mode in ("bf16", "f16"):
     state, result["comparison"] = _compare(workload, mode, compiled, state, batch, steps)
@@ -401,6 +410,11 @@ def skip_reason(workload: str, library: str, mode: str, torchao: str | None,
   ``torchao``: why torchao cannot run (``None`` when it can); ``fp4``: why the
   FP4 modes cannot run (:func:`fp4_problem`).
   """
+  if library == "torch" and workload == "moe":
+    return ("no PyTorch twin: the MoE (router, top-2, tokens sorted by expert, "
+            "jax.lax.ragged_dot experts) has no layer-for-layer PyTorch model in "
+            "torch_side.py (PyTorch has no ragged_dot; its MoEs loop over experts "
+            "or call a grouped GEMM kernel outside torch.amp)")
   if mode in FP4_MODES:
     if library == "torch":
       return MODE_DESCRIPTIONS["torch"][mode]
@@ -420,6 +434,56 @@ def skip_reason(workload: str, library: str, mode: str, torchao: str | None,
   if library == "torch" and torchao:
     return torchao
   return None
+
+
+def grouped_dtypes(fn, *args) -> dict[str, int]:
+  """How many ``ragged_dot_general`` (grouped matmuls) ``fn(*args)`` runs, by
+  operand dtypes (``jmp_lite.op_dtypes``: traced, nothing runs; ``args`` may
+  be shapes)."""
+  return _count_grouped(_grouped_ops(fn, *args))
+
+
+def _grouped_ops(fn, *args) -> list[Any]:
+  return [op for op in jmp_lite.op_dtypes(fn, *args) if op[0] == "ragged_dot_general"]
+
+
+def _count_grouped(ops: list[Any]) -> dict[str, int]:
+  counts: dict[str, int] = {}
+  for op in ops:
+    key = "+".join(sorted(set(op[1])))
+    counts[key] = counts.get(key, 0) + 1
+  return dict(sorted(counts.items()))
+
+
+def grouped_problem(workload: wl.Workload, mode: str) -> str | None:
+  """Why the float8/FP4 ``mode`` of a workload with grouped matmuls (the MoE)
+  would time a bf16 program, or ``None``.
+
+  The case's loss (``with_policy``, ``m=<recipe>``) is traced with its
+  gradient: if a ``ragged_dot_general`` of the forward or backward pass still
+  has bfloat16 operands, the recipe did not reach the grouped matmuls (the
+  quantized ones run on float8 operands, or on the MX/FP4 emulation's
+  dequantized float32 ones), and the MoE's dense matmuls are its router
+  (N = 8 experts) and its output head, which stay out of float8 anyway: the
+  case is skipped with this reason rather than reported as a float8 figure.
+  """
+  if mode not in FP8_MODES and mode not in FP4_MODES:
+    return None
+  recipe = FP8_MODES.get(mode, mode)
+  loss = wl.loss_fn(workload, "with_policy", wl.policy("bf16", recipe))
+  shapes = jax.eval_shape(lambda: wl.setup(workload, 0))
+  ops = _grouped_ops(jax.value_and_grad(loss), *shapes)
+  counts = _count_grouped(ops)
+  half = counts.get("bfloat16", 0)
+  if not half:
+    return None
+  notes = sorted({op.note for op in ops if getattr(op, "note", None)})
+  return (f"the grouped matmuls stay in bf16: {half} of the step's "
+          f"{sum(counts.values())} ragged_dot_general have bfloat16 operands under "
+          f"m={recipe} through with_policy"
+          + (f" ({'; '.join(notes)})" if notes else
+             " (this jmp_lite has no float8/FP4 rule for ragged_dot_general)")
+          + f"; a {mode} figure would time the bf16 program: not run")
 
 
 def torchao_problem() -> str | None:
@@ -516,7 +580,7 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
   if fp4:
     print(f"[gpu] FP4 modes skipped: {fp4}", flush=True)
   results = []
-  for workload in wl.make_workloads(size, [n for n in wl.NAMES if n in args.gpu_workloads]):
+  for workload in wl.make_workloads(size, [n for n in wl.GPU_NAMES if n in args.gpu_workloads]):
     print(f"[gpu] {workload.name}: {workload.description}", flush=True)
     shapes = jax.eval_shape(lambda w=workload: wl.setup(w, 0))
     flops = analysis.matmul_flops(jax.value_and_grad(wl.loss_fn(workload, "f32")), *shapes)
@@ -528,6 +592,8 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
       for mode in args.gpu_modes:
         left = deadline - time.perf_counter()
         reason = skip_reason(workload.name, library, mode, torchao, fp4)
+        if not reason and library == "jax" and workload.name == "moe":
+          reason = grouped_problem(workload, mode)
         if reason:
           case = {"status": SKIPPED, "reason": reason}
         elif left <= 0 or (left < MIN_CASE_S and not in_process):
@@ -621,7 +687,7 @@ def merge_previous(report: dict[str, Any], out: pathlib.Path) -> dict[str, Any]:
       if cases:
         merged[library] = {m: cases[m] for m in MODES if m in cases}
     by_name[entry["workload"]] = merged
-  results = [by_name[name] for name in wl.NAMES if name in by_name]
+  results = [by_name[name] for name in wl.GPU_NAMES if name in by_name]
   # Keep only the runs some case still comes from, renumbered.
   cases = [c for e in results for lib in LIBRARIES for c in e.get(lib, {}).values()]
   used = sorted({c["run"] for c in cases})

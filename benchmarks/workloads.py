@@ -18,7 +18,8 @@ seconds per workload on two cores), ``"quick"`` (smoke tests), ``"gpu"``
 (ResNet-50 and GPT-2 small: the GPU suite) and ``"tiny"`` (the GPU suite's
 code paths at the smallest size, its dry run on a CPU). The suites measure
 ``mlp``, ``resnet`` and ``transformer`` (:data:`NAMES`); the wrapper-overhead
-study adds the small ``conv`` net.
+study adds the small ``conv`` net, the GPU suite the Mixture-of-Experts LM
+``moe`` (:data:`GPU_NAMES`; sizes ``quick``, ``tiny`` and ``gpu`` only).
 """
 
 from __future__ import annotations
@@ -35,8 +36,12 @@ import jmp_lite
 from benchmarks.common import Batch
 from benchmarks.common import Params
 from models import jax_models as models
+from models import moe as moe_models
 
 NAMES = ("mlp", "resnet", "transformer")
+#: The GPU suite's workloads: :data:`NAMES` and the Mixture-of-Experts LM
+#: (``moe``, GPU suite only: the CPU suite and the studies keep :data:`NAMES`).
+GPU_NAMES = NAMES + ("moe",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +49,7 @@ class Workload:
   """A model, its batch and its loss.
 
   Attributes:
-    name: ``"mlp"``, ``"conv"``, ``"resnet"`` or ``"transformer"``.
+    name: ``"mlp"``, ``"conv"``, ``"resnet"``, ``"transformer"`` or ``"moe"``.
     description: model shape and batch, for the tables.
     init: ``key -> float32 params``.
     apply: ``(params, x) -> logits``.
@@ -71,7 +76,7 @@ def _classifier_batch(key: jax.Array, shape: tuple[int, ...], classes: int) -> B
           "y": jax.random.randint(ky, shape[:1], 0, classes, jnp.int32)}
 
 
-def _lm_batch(key: jax.Array, batch: int, cfg: models.LMConfig) -> Batch:
+def _lm_batch(key: jax.Array, batch: int, cfg: models.LMConfig | moe_models.MoEConfig) -> Batch:
   tokens = jax.random.randint(key, (batch, cfg.seq_len + 1), 0, cfg.vocab, jnp.int32)
   return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
@@ -131,9 +136,30 @@ def transformer(batch: int, cfg: models.LMConfig) -> Workload:
   )
 
 
+def moe(batch: int, cfg: moe_models.MoEConfig) -> Workload:
+  """The Mixture-of-Experts LM of :mod:`models.moe` (router, top-k, tokens
+  sorted by expert, ``jax.lax.ragged_dot`` experts); GPU suite only."""
+  return Workload(
+      name="moe",
+      description=f"{cfg.describe()}, batch {batch}",
+      init=functools.partial(moe_models.init_moe, cfg=cfg),
+      apply=functools.partial(moe_models.apply_moe, cfg=cfg),
+      make_batch=functools.partial(_lm_batch, batch=batch, cfg=cfg),
+      examples=batch,
+      tokens=batch * cfg.seq_len,
+      spec={"config": dataclasses.asdict(cfg), "batch": batch},
+  )
+
+
 _MLP = (784, 1024, 1024, 10)
 _MLP_QUICK = (16, 32, 32, 10)
 _LM_TINY = models.LMConfig(vocab=32, layers=1, width=16, heads=2, seq_len=8)
+# 8 experts, top-2, the experts' dimensions multiples of 32 (every recipe
+# applies to the grouped matmuls, MX's and FP4's 32-wide blocks included; the
+# router's N = 8 experts keeps it out, as at the GPU size); 2 x 8 = 16 tokens,
+# 32 token copies.
+_MOE_TINY = moe_models.MoEConfig(vocab=32, layers=1, width=32, hidden=64, experts=8,
+                                 seq_len=8)
 
 #: The size table: every workload at every size, built on demand.
 SIZES: dict[str, dict[str, Callable[[], Workload]]] = {
@@ -155,6 +181,7 @@ SIZES: dict[str, dict[str, Callable[[], Workload]]] = {
             blocks=(1, 1), widths=(4, 8), bottleneck=False, imagenet_stem=False,
             stem_width=4, classes=10)),
         "transformer": lambda: transformer(2, _LM_TINY),
+        "moe": lambda: moe(2, _MOE_TINY),
     },
     "gpu": {
         "mlp": lambda: mlp(4096, (784, 4096, 4096, 4096, 10)),
@@ -164,6 +191,11 @@ SIZES: dict[str, dict[str, Callable[[], Workload]]] = {
             imagenet_stem=True, stem_width=64, classes=1000)),
         "transformer": lambda: transformer(8, models.LMConfig(
             vocab=50257, layers=12, width=768, heads=12, seq_len=1024)),
+        # Mixtral-like MoE feed-forward at a single GPU's size: 4 layers of 8
+        # experts (1024 -> 4096 -> 1024, GELU), top-2, 8 x 1024 = 8192
+        # tokens per batch (16384 token copies through the experts).
+        "moe": lambda: moe(8, moe_models.MoEConfig(
+            vocab=32768, layers=4, width=1024, hidden=4096, experts=8, seq_len=1024)),
     },
     "tiny": {
         # The GPU shapes' code paths (bottleneck blocks, ImageNet stem, tied
@@ -176,6 +208,7 @@ SIZES: dict[str, dict[str, Callable[[], Workload]]] = {
             blocks=(1,), widths=(4,), bottleneck=True, imagenet_stem=True,
             stem_width=4, classes=10)),
         "transformer": lambda: transformer(2, _LM_TINY),
+        "moe": lambda: moe(2, _MOE_TINY),
     },
 }
 

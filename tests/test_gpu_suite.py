@@ -33,12 +33,12 @@ pytestmark = pytest.mark.slow
 MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4")
 FP8_MODES = ("fp8", "fp8_rowwise", "mxfp8")
 FP4_MODES = ("nvfp4", "mxfp4")
-WORKLOADS = ("mlp", "resnet", "transformer")
+WORKLOADS = ("mlp", "resnet", "transformer", "moe")
 # The figures computed from the measured ones when a report is written.
 DERIVED = {"examples_per_s", "tokens_per_s", "tflops", "peak_tflops", "mfu",
            "speedup_vs_f32", "speedup_vs_tf32", "speedup_vs_bf16"}
 # The two runs of the split fixture, and the workloads each covers.
-SPLIT = (("mlp,resnet", ("mlp", "resnet")), ("transformer", ("transformer",)))
+SPLIT = (("mlp,resnet", ("mlp", "resnet")), ("transformer,moe", ("transformer", "moe")))
 
 
 def _env():
@@ -79,8 +79,31 @@ def split(tmp_path_factory):
   return procs, out, json.loads((out / "gpu.json").read_text())
 
 
+def _moe_grouped_in_bf16(mode):
+  """Whether this jmp_lite's with_policy leaves the tiny MoE's grouped matmuls
+  (ragged_dot_general, forward and backward) on bfloat16 operands under the
+  float8/FP4 ``mode``: checked here with jmp_lite.op_dtypes, independently
+  of the suite."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jmp_lite  # pylint: disable=import-outside-toplevel
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  (moe,) = workloads.make_workloads("tiny", ["moe"])
+  loss = workloads.loss_fn(moe, "with_policy", workloads.policy("bf16", mode))
+  shapes = jax.eval_shape(lambda: workloads.setup(moe, 0))
+  ops = [dtypes for name, dtypes in jmp_lite.op_dtypes(jax.value_and_grad(loss), *shapes)
+         if name == "ragged_dot_general"]
+  assert len(ops) == 6  # two grouped matmuls, each with its dx and dw
+  return any(set(dtypes) == {"bfloat16"} for dtypes in ops)
+
+
 def _skipped(entry, library, mode, report):
   """Why the case must be skipped (a phrase of its reason), or None."""
+  if entry["workload"] == "moe":
+    if library == "torch":
+      return "no PyTorch twin"
+    if mode in FP8_MODES + FP4_MODES and _moe_grouped_in_bf16(mode):
+      return "the grouped matmuls stay in bf16"
+    return None
   if mode in FP4_MODES:   # the dry run runs FP4 through the policy routes
     if library == "torch":
       return "prototype"
@@ -154,19 +177,28 @@ def test_every_jax_case_ran_with_consistent_figures(split):
       assert not set(FP8_MODES) & set(cases)  # skipped: no float8 matmul
       assert not set(FP4_MODES) & set(cases)  # nor FP4
       continue
-    for mode in FP8_MODES:
+    # The MoE's float8/FP4 cases run where with_policy quantizes its grouped
+    # matmuls (else they are skipped: checked by _check_library_cases).
+    for mode in set(FP8_MODES) & set(cases):
       info = cases[mode]["fp8"]
       assert info["recipe"] == mode and cases[mode]["loss_scale"] == 1.0
       assert "speedup_vs_bf16" in cases[mode]
-    # Every matmul but the head (and the attention's batched ones) in float8.
-    for mode in ("fp8", "fp8_rowwise"):
+    # Every matmul but the head (and the attention's batched ones, the MoE's
+    # router) in float8.
+    for mode in {"fp8", "fp8_rowwise"} & set(cases):
       assert 0.5 < cases[mode]["fp8"]["fp8_flop_share"] < 1.0, (entry["workload"], mode)
       assert cases[mode]["half_flop_share"] < 0.5
-    mx = cases["mxfp8"]["fp8"]
-    assert mx["fp8_flop_share"] is None and mx["native_gemm"] is False
-    assert mx["mx_path"].startswith("emulation (cpu"), mx
+    if "mxfp8" in cases:
+      mx = cases["mxfp8"]["fp8"]
+      assert mx["fp8_flop_share"] is None and mx["native_gemm"] is False
+      assert mx["mx_path"].startswith("emulation (cpu"), mx
+    if entry["workload"] == "moe":
+      # No grouped matmul of a float8/FP4 case that ran is on bf16 operands.
+      for mode in (set(FP8_MODES) | set(FP4_MODES)) & set(cases):
+        grouped = cases[mode]["fp8" if mode in FP8_MODES else "fp4"]["grouped_dtypes"]
+        assert sum(grouped.values()) == 6 and "bfloat16" not in grouped, (mode, grouped)
     # The FP4 rows ran through with_policy, emulated on the CPU.
-    for mode in FP4_MODES:
+    for mode in set(FP4_MODES) & set(cases):
       info = cases[mode]["fp4"]
       assert info["recipe"] == mode and info["native_gemm"] is False, info
       assert info["fp4_path"].startswith("emulation (cpu"), info
@@ -199,6 +231,44 @@ def test_fp4_modes_skip_off_blackwell_and_say_why(monkeypatch):
   assert gpu_suite.skip_reason("mlp", "jax", "bf16", None, reason) is None
 
 
+def test_moe_row_compares_bf16_with_every_recipe_or_says_why_not():
+  """The MoE (ragged_dot experts): its FLOPs count the grouped matmuls; its
+  bf16 row runs them in bf16; a float8/FP4 mode runs only where with_policy
+  takes the grouped matmuls out of bf16, else it is skipped with the reason;
+  PyTorch has no twin of it. No dry run: traced only."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from benchmarks import analysis  # pylint: disable=import-outside-toplevel
+  from benchmarks import gpu_suite  # pylint: disable=import-outside-toplevel
+  from benchmarks import workloads  # pylint: disable=import-outside-toplevel
+  assert workloads.GPU_NAMES == workloads.NAMES + ("moe",)
+  assert "moe" not in workloads.SIZES["cpu"]  # the committed CPU suite is unchanged
+  (moe,) = workloads.make_workloads("tiny", ["moe"])
+  cfg = moe.spec["config"]
+  assert cfg["experts"] == 8 and cfg["top_k"] == 2
+  assert all(cfg[k] % 32 == 0 for k in ("width", "hidden"))
+  shapes = jax.eval_shape(lambda: workloads.setup(moe, 0))
+  # Static FLOPs: forward and both gradients of each grouped matmul (2mkn
+  # per product, m = token copies), the router's and the tied head's.
+  tokens = moe.tokens
+  copies, d, f, e, v = tokens * cfg["top_k"], cfg["width"], cfg["hidden"], 8, cfg["vocab"]
+  flops = analysis.matmul_flops(jax.value_and_grad(workloads.loss_fn(moe, "f32")), *shapes)
+  grouped = 3 * 2 * (2 * copies * d * f) * cfg["layers"]
+  dense = 3 * 2 * tokens * d * (e * cfg["layers"] + v)
+  assert flops["total"] == grouped + dense, flops
+  # The bf16 row: plain ragged_dot in bf16 (the hand-cast policy).
+  bf16 = workloads.loss_fn(moe, "policy", workloads.policy("bf16"))
+  assert gpu_suite.grouped_dtypes(jax.value_and_grad(bf16), *shapes) == {"bfloat16": 6}
+  assert gpu_suite.grouped_problem(moe, "bf16") is None
+  for mode in FP8_MODES + FP4_MODES:
+    reason = gpu_suite.grouped_problem(moe, mode)
+    assert (reason is not None) == _moe_grouped_in_bf16(mode), (mode, reason)
+    if reason:
+      assert reason.startswith("the grouped matmuls stay in bf16") and f"m={mode}" in reason
+  for mode in MODES:
+    assert "no PyTorch twin" in gpu_suite.skip_reason("moe", "torch", mode, None)
+    assert gpu_suite.skip_reason("moe", "jax", mode, None) is None
+
+
 def test_markdown_lists_the_float8_cases(split):
   _, out, report = split
   text = (out / "gpu.md").read_text()
@@ -207,7 +277,9 @@ def test_markdown_lists_the_float8_cases(split):
     for mode in FP8_MODES:
       case = entry["jax"][mode]
       if case["status"] == "skipped":
-        assert f"| jmp_lite (JAX) | {mode} | skipped: no float8 matmul" in text
+        why = ("the grouped matmuls stay in bf16" if entry["workload"] == "moe"
+               else "no float8 matmul")
+        assert f"| jmp_lite (JAX) | {mode} | skipped: {why}" in text
       else:
         assert f"| {entry['workload']} | {mode} | " in text
   assert "| mlp | mxfp8 | – | " in text and "emulation (cpu" in text
