@@ -160,7 +160,7 @@ BLOCK_SIZE_ONLY = (
 _OWNER = "Fp8Config"
 #: The boolean fields of :class:`Fp8Config`.
 _FLAGS = ("power_of_two_scales", "include_output_head", "include_batched",
-          "native_mx")
+          "native_mx", "include_moe_gating")
 #: Fields that only some granularities or scaling modes take: (the fields a
 #: refusal shows, whether the given fields conflict, why and how to fix it).
 _CONFLICTS = (
@@ -242,6 +242,12 @@ class Fp8Config:
       scaling scales each replica from its own shard. Not needed under
       ``jax.jit`` with sharded arrays, where amaxes are global already
       (``docs/fp8.md``).
+    include_moe_gating: under ``autocast``/``with_policy``, also run a
+      Mixture-of-Experts layer's gating matmuls in float8: the router (a
+      matmul whose scores pick the experts, through ``top_k``/``argmax``/
+      ``sort``) and the combine (a matmul with the gate weights). Default
+      False: they stay in the compute dtype, as DeepSeek-V3 keeps them
+      (``docs/fp8.md``).
 
   Raises:
     TypeError, ValueError: for a field of the wrong type or value.
@@ -273,6 +279,7 @@ class Fp8Config:
   compute_dtype: Any = None
   native_mx: bool = True
   axis_name: Any = None
+  include_moe_gating: bool = False
 
   def __post_init__(self):
     fields = dict(
@@ -429,7 +436,7 @@ SCALE_RULE_HELP = (
 )
 _FP4_OWNER = "Fp4Config"
 _FP4_FLAGS = ("rht", "stochastic_rounding", "native", "quantize_forward",
-              "include_output_head", "include_batched")
+              "include_output_head", "include_batched", "include_moe_gating")
 
 
 def check_scale_rule(rule: Any) -> str:
@@ -500,6 +507,9 @@ class Fp4Config:
       all of MXFP4's) are local by construction. None (default): each
       replica scales from its own shard. Not needed under ``jax.jit`` with
       sharded arrays, where amaxes are global already.
+    include_moe_gating: under ``autocast``/``with_policy``, also run a
+      Mixture-of-Experts layer's router and combine matmuls in FP4 (default
+      False: the compute dtype, as for float8).
 
   Raises:
     TypeError: for a non-string recipe or rule, or a non-bool switch.
@@ -531,6 +541,7 @@ class Fp4Config:
   include_batched: bool = False
   dim_multiple: int | None = None
   axis_name: Any = None
+  include_moe_gating: bool = False
 
   def __post_init__(self):
     if not isinstance(self.recipe, str):
