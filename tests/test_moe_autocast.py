@@ -72,7 +72,7 @@ COTANGENT = jax.random.normal(jax.random.key(8), (T, 16))
 
 
 def loss(params, x):
-  return jnp.sum(model(params, x) * COTANGENT)
+  return jnp.sum(model(params, x).astype(F32) * COTANGENT)
 
 
 def ragged_eqns(fn, *args):
@@ -248,3 +248,232 @@ def test_an_nnx_module_calling_ragged_dot_under_a_bf16_policy():
   assert [op for op in ops if op[0] == "ragged_dot_general"] == [
       ("ragged_dot_general", ("bfloat16", "bfloat16"))]
   assert module.w[...].dtype == F32
+
+
+# ---------------------------------------------------------------------------
+# Float8 and FP4 recipes: the grouped matmul of the recipe, visible fallbacks.
+# ---------------------------------------------------------------------------
+
+E4, BF = ("float8_e4m3fn",) * 2, ("bfloat16",) * 2
+ROUTES = pytest.mark.parametrize(
+    "route", [jmp_lite.autocast, jmp_lite.with_policy],
+    ids=["autocast", "with_policy"])
+GX = jnp.linspace(-2.0, 2.0, 24 * 32).reshape(24, 32)
+GW = jnp.cos(jnp.arange(3 * 32 * 32, dtype=jnp.float32)).reshape(3, 32, 32)
+GSIZES = jnp.array([8, 0, 16], jnp.int32)
+
+
+def grouped(x, w, sizes):
+  return jax.lax.ragged_dot(x, w, sizes)
+
+
+def policy(recipe):
+  return f"p=f32,c=bf16,o=f32,m={recipe}"
+
+
+def matmul_ops(fn, *args):
+  return [op for op in jmp_lite.op_dtypes(fn, *args)
+          if op[0] in ("dot_general", "ragged_dot_general")]
+
+
+def _has_fp4_grouped():
+  try:
+    from jmp_lite._src.fp8 import fp4_grouped  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    return False
+  return True
+
+
+RECIPES = ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"] + (
+    ["nvfp4", "mxfp4"] if _has_fp4_grouped() else [])
+
+
+@ROUTES
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_rule_runs_the_recipes_grouped_matmul(route, recipe):
+  from jmp_lite._src.fp8 import grouped as grouped_lib  # pylint: disable=g-import-not-at-top
+  config = jmp_lite.get_policy(policy(recipe)).fp8_recipe
+  found = route(grouped, policy(recipe))(GX, GW, GSIZES)
+  expected = grouped_lib.recipe_ragged_dot(
+      GX.astype(BF16), GW.astype(BF16), GSIZES, config=config,
+      preferred_element_type=BF16).astype(F32)
+  assert found.dtype == F32
+  np.testing.assert_array_equal(np.asarray(found), np.asarray(expected))
+  assert all(op.note is None for op in matmul_ops(
+      route(grouped, policy(recipe)), GX, GW, GSIZES))
+
+
+@JIT
+@ROUTES
+def test_expert_matmuls_run_in_float8_forward_and_backward(route, jit):
+  f = route(model, "mixed_fp8")
+  ops = matmul_ops(f, PARAMS, X)
+  assert [(op[0], op[1]) for op in ops if op[0] == "ragged_dot_general"] == [
+      ("ragged_dot_general", E4)] * 2
+  grads = [op for op in matmul_ops(jax.grad(route(loss, "mixed_fp8")),
+                                   PARAMS, X) if op[0] == "ragged_dot_general"]
+  # e4m3 forward, an e5m2 gradient in the backward products (fp8's hybrid).
+  assert {op[1] for op in grads} >= {E4, ("float8_e5m2", "float8_e4m3fn")}
+  out = maybe_jit(f, jit)(PARAMS, X)
+  assert out.dtype == F32 and bool(jnp.all(jnp.isfinite(out)))
+  g = maybe_jit(jax.grad(route(loss, "mixed_fp8")), jit)(PARAMS, X)
+  assert all(bool(jnp.all(jnp.isfinite(v))) for v in g.values())
+
+
+def test_a_transposed_weight_layout_gives_the_same_product():
+  # rhs [G, N, K]: contracting dimension 2; the rule hands the recipe
+  # [G, K, N].
+  def transposed(x, w_t, sizes):
+    dnums = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])),
+        lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return jax.lax.ragged_dot_general(x, w_t, sizes, dnums)
+
+  w_t = jnp.swapaxes(GW, 1, 2)
+  for recipe in ("fp8", "fp8_rowwise"):
+    a = jmp_lite.autocast(transposed, policy(recipe))(GX, w_t, GSIZES)
+    b = jmp_lite.autocast(grouped, policy(recipe))(GX, GW, GSIZES)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert [op[1] for op in matmul_ops(jmp_lite.autocast(
+        transposed, policy(recipe)), GX, w_t, GSIZES)] == [E4]
+
+
+def _ragged_contracting(x, dy, sizes):
+  # The weight gradient's form: lhs and rhs ragged along the contracting
+  # (token) axis, a [G, K, N] result.
+  dnums = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([0], [0]), ([], [])),
+      lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(x, dy, sizes, dnums)
+
+
+@ROUTES
+def test_every_other_form_stays_in_the_compute_dtype_visibly(route, caplog):
+  cases = [
+      ("batched grouped matmul",
+       jax.vmap(grouped),
+       (jnp.stack([GX, -GX]), jnp.stack([GW, GW]), jnp.stack([GSIZES] * 2))),
+      ("grouped matmul ragged along its contracting dimension",
+       _ragged_contracting, (GX, jnp.ones((24, 16)), GSIZES)),
+      ("dims not multiple of 16: K=24",
+       grouped, (GX[:, :24], GW[:, :24], GSIZES)),
+      ("dims not multiple of 16: N=8", grouped, (GX, GW[..., :8], GSIZES)),
+      ("empty matmul", grouped, (GX[:0], GW, jnp.zeros(3, jnp.int32))),
+  ]
+  for reason, fn, args in cases:
+    f = route(fn, "mixed_fp8")
+    ops = matmul_ops(f, *args)
+    assert len(ops) == 1 and ops[0].note.startswith(reason), (reason, ops)
+    assert ops[0][1] == BF, ops
+    # As the 16-bit route computes it (float32 accumulation, compute dtype).
+    plain = route(fn, "mixed_bfloat16")(*args)
+    np.testing.assert_array_equal(np.asarray(f(*args)), np.asarray(plain))
+  with caplog.at_level("DEBUG", logger="jmp_lite"):
+    route(grouped, "mixed_fp8")(GX[:, :24], GW[:, :24], GSIZES)
+  assert any("ragged_dot_general" in r.getMessage()
+             and "stays out of float8: dims not multiple of 16: K=24"
+             in r.getMessage() for r in caplog.records)
+
+
+def test_the_fallback_keeps_float32_accumulation_and_a_low_backward():
+  f = jmp_lite.autocast(jax.vmap(grouped), "mixed_fp8")
+  sizes = jnp.stack([GSIZES] * 2)
+  args = (jnp.stack([GX, -GX]), jnp.stack([GW, GW]), sizes)
+  found = ragged_eqns(f, *args)
+  assert [np.dtype(e.params["preferred_element_type"]) for e in found] == [F32]
+  back = ragged_eqns(jax.grad(lambda x, w: f(x, w, sizes).sum(), (0, 1)),
+                     *args[:2])
+  assert back and all(operand_dtypes(e) == (BF16, BF16) for e in back)
+
+
+def test_a_delayed_recipe_named_by_a_marker_is_scaled_currently():
+  from jmp_lite._src import markers  # pylint: disable=g-import-not-at-top
+  from jmp_lite.fp8 import Fp8Config  # pylint: disable=g-import-not-at-top
+
+  def marked(x, w, sizes):
+    with jax.named_scope(markers.fp8_marker(Fp8Config(scaling="delayed"))):
+      return grouped(x, w, sizes)
+
+  a = jmp_lite.autocast(marked, "mixed_fp8")(GX, GW, GSIZES)
+  b = jmp_lite.autocast(grouped, "mixed_fp8")(GX, GW, GSIZES)
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ---------------------------------------------------------------------------
+# Item 8: the router and the combine stay in high precision by default.
+# ---------------------------------------------------------------------------
+
+ROUTER = "MoE router (include_moe_gating=False)"
+COMBINE = "MoE combine (include_moe_gating=False)"
+HEAD = "output head (include_output_head=False)"
+
+
+@JIT
+@ROUTES
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"] + (
+    ["nvfp4"] if _has_fp4_grouped() else []))
+def test_router_and_combine_stay_in_the_compute_dtype(route, recipe, jit):
+  f = route(model, policy(recipe))
+  ops = matmul_ops(f, PARAMS, X)
+  assert [op[0] for op in ops] == [
+      "dot_general", "ragged_dot_general", "ragged_dot_general",
+      "dot_general", "dot_general"]
+  assert [op.note for op in ops] == [ROUTER, None, None, COMBINE, HEAD]
+  for op in (ops[0], ops[3], ops[4]):
+    assert op[1] == BF
+  out = maybe_jit(f, jit)(PARAMS, X)
+  assert bool(jnp.all(jnp.isfinite(out)))
+
+
+@ROUTES
+def test_include_moe_gating_puts_them_in_float8(route):
+  spec = policy("fp8(include_moe_gating=true;dim_multiple=1)")
+  assert jmp_lite.get_policy(spec).fp8_recipe.include_moe_gating
+  ops = matmul_ops(route(model, spec), PARAMS, X)
+  assert [op.note for op in ops] == [None] * 4 + [HEAD]
+  assert [op[1] for op in ops[:4]] == [E4] * 4
+
+
+def test_the_gating_matmuls_are_found_inside_jit_and_scan():
+  layer = jax.jit(moe_layer)
+
+  def stacked(params, x):
+    def block(h, _):
+      return h + layer(params, h), None
+    h, _ = jax.lax.scan(block, x, None, length=2)
+    return h @ params["head"]
+
+  ops = matmul_ops(jmp_lite.autocast(stacked, "mixed_fp8"), PARAMS, X)
+  assert [op.note for op in ops] == [ROUTER, None, None, COMBINE, HEAD]
+
+
+def test_an_argmax_of_the_head_makes_no_router():
+  # The head's argmax (an accuracy) picks nothing that reaches a matmul.
+  def dense(params, x):
+    logits = jax.nn.relu(x @ params["w1"]) @ params["w2"]
+    return logits, jnp.argmax(logits, -1)
+
+  params = {"w1": jnp.full((32, 64), 0.05), "w2": jnp.full((64, 16), 0.05)}
+  spec = policy("fp8(include_output_head=true)")
+  ops = matmul_ops(jmp_lite.autocast(dense, spec), params, X)
+  assert [(op[1], op.note) for op in ops] == [(E4, None)] * 2
+
+
+def test_a_one_hot_of_the_expert_indices_is_no_combine():
+  # Top-1 routing by argmax; a matmul with the one-hot of the indices (an
+  # integer path) is no combine; the router is found by the matmul it picks.
+  def top1(params, x):
+    idx = jnp.argmax(jax.nn.softmax(x @ params["router"]), -1)
+    onehot = jax.nn.one_hot(idx, 16, dtype=x.dtype)
+    return (x + onehot @ params["bias"]) @ params["head"]
+
+  params = {"router": jnp.sin(jnp.arange(32 * 16.0)).reshape(32, 16),
+            "bias": jnp.ones((16, 32)), "head": jnp.ones((32, 16))}
+  ops = matmul_ops(jmp_lite.autocast(top1, "mixed_fp8"), params, X)
+  assert [op.note for op in ops] == [ROUTER, None, HEAD]
+  assert ops[1][1] == E4
+
+
+def test_no_gating_search_without_a_float8_recipe():
+  ops = matmul_ops(jmp_lite.autocast(model, "mixed_bfloat16"), PARAMS, X)
+  assert all(op.note is None for op in ops)

@@ -136,11 +136,11 @@ def autocast(
   if compat.available():
     op_rules = dict(op_rules or {})  # a mapping, or (primitive, rule) pairs
     table = table_lib.resolve_rules(op_rules)
-    dot = compat.primitive("dot_general_p")
-    if fp8 and dot not in (op_rules or {}):
-      # Float8 matmuls where the recipe is in force; a user's own
-      # dot_general rule wins over the recipe.
-      table[dot] = float8_lib.fp8_dot_lower
+    if fp8:
+      # Float8 matmuls (dense and grouped) where the recipe is in force; a
+      # user's own rule for one of them wins over the recipe.
+      table.update({prim: rule for prim, rule in float8_lib.fp8_rules().items()
+                    if prim not in op_rules})
 
   if not enabled:
 

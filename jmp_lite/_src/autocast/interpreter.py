@@ -43,7 +43,11 @@ region the interpreter carries (the policy's recipe object, handed over by
 ``autocast``/``with_policy``; a higher-order equation hands the recipe in
 force at it down to its bodies). The output head -- a ``dot_general`` from
 which no other one is reachable, at the top level of the traced program or in
-a non-loop body of it -- runs with no recipe. The interpreter keeps no
+a non-loop body of it -- runs with no recipe. A Mixture-of-Experts layer's
+gating matmuls run with no recipe either, unless it says
+``include_moe_gating`` (:class:`_GatingFlow`): the router, a ``dot_general``
+whose scores pick experts, and the combine, a ``dot_general`` with the gate
+weights. The interpreter keeps no
 state: a delayed recipe (which ``autocast`` and ``with_policy`` refuse, and a
 marker may still name) is scaled currently.
 """
@@ -63,6 +67,14 @@ from jmp_lite._src import compat
 from jmp_lite._src.autocast import rules as rules_lib
 
 _DOT = compat.primitive("dot_general_p")
+_RAGGED = compat.primitive("ragged_dot_general_p")
+_MATMULS = frozenset(p for p in (_DOT, _RAGGED) if p is not None)
+#: The operations by which a router's scores pick experts.
+_SELECTIONS = frozenset(compat.primitives(
+    "top_k_p", "approx_top_k_p", "argmax_p", "sort_p"))
+#: The fallback notes of a Mixture-of-Experts layer's gating matmuls.
+MOE_ROUTER = "MoE router (include_moe_gating=False)"
+MOE_COMBINE = "MoE combine (include_moe_gating=False)"
 
 def _is_disabled(eqn: Any) -> bool:
   """Traced inside a float32 island (``in_float32``): left as traced."""
@@ -73,16 +85,22 @@ def _is_quantized_dot(eqn: Any, region: Any) -> bool:
   """A ``dot_general`` float8 would quantize under the recipe in force there
   (whatever its shapes), or one in float8 already (a nested float8 route):
   batched matmuls float8 leaves alone (attention, a cross-entropy written as
-  an einsum) and integer/float64 operands do not count."""
-  if eqn.primitive is not _DOT:
+  an einsum) and integer/float64 operands do not count. A grouped matmul
+  (``ragged_dot_general``) in the form float8 quantizes counts too (no dense
+  matmul before it is the output head)."""
+  if eqn.primitive not in _MATMULS:
     return False
-  avals = [v.aval for v in eqn.invars]
+  avals = [v.aval for v in eqn.invars[:2]]
   if len(avals) != 2 or not all(
       tree_lib.is_float(a) and 1 <= np.dtype(a.dtype).itemsize <= 4
       for a in avals):
     return False
   if any(np.dtype(a.dtype).itemsize == 1 for a in avals):
     return True  # quantized already (its batch dimension is its own)
+  if eqn.primitive is _RAGGED:
+    dnums = eqn.params["ragged_dot_dimension_numbers"]
+    (contracting, _), (batch, _) = dnums.dot_dimension_numbers
+    return not batch and not set(dnums.lhs_ragged_dimensions) & set(contracting)
   if not eqn.params["dimension_numbers"][1][0]:
     return True
   recipe = markers.marked_recipe(compat.name_stack(eqn), region)
@@ -111,6 +129,104 @@ def _dot_sinks(jaxpr: Any, region: Any = None) -> set[int]:
     if has_dot or feeds:
       feeds_dot.update(v for v in eqn.invars if not compat.is_literal(v))
   return sinks
+
+
+_NONE: frozenset = frozenset()
+
+
+class _GatingFlow:
+  """Finds the gating matmuls of Mixture-of-Experts layers, by dataflow.
+
+  One forward pass over a jaxpr and every body in it (a body's inputs are
+  its equation's where they correspond one to one: ``jit``, ``remat``,
+  ``custom_jvp``/``custom_vjp``, ``scan``, ``shard_map``, ``cond``'s
+  branches; elsewhere a body is searched on its own). Each floating value
+  carries the matmuls (``dot_general``, ``ragged_dot_general``) it derives
+  from through floating non-matmul operations (elementwise ops, softmax,
+  reshapes, gathers...: a matmul's result starts afresh), and each value,
+  integer or not, the routers whose choice it derives from. Then:
+
+  * the **router** is a ``dot_general`` whose scores reach a selection
+    (``top_k``, ``approx_top_k``, ``argmax``, ``sort``) whose result (expert
+    indices, gate values) then reaches a matmul -- so an ``argmax`` of the
+    output head's logits (an accuracy metric) makes no router;
+  * the **combine** is a ``dot_general`` with an operand computed from the
+    routers' scores alone (the gate weights, e.g. ``top_k``'s values or a
+    gather of the probabilities, scattered into a combine matrix). A dispatch
+    matmul whose one-hot operand comes from the expert indices alone
+    (integers) is no combine; one whose mask is cast from the gate weights
+    counts as one.
+  """
+
+  def __init__(self):
+    self.seen: dict[int, Any] = {}        # id(jaxpr) -> jaxpr searched
+    self._dots: dict[int, Any] = {}       # id(eqn) -> dot_general eqn
+    self._operands: dict[int, list[frozenset]] = {}
+    self._reach: set[int] = set()          # dots whose scores reach a selection
+    self._routing: set[int] = set()        # dots whose choice reaches a matmul
+
+  def roles(self) -> dict[int, tuple[Any, str]]:
+    """``{id(eqn): (eqn, MOE_ROUTER or MOE_COMBINE)}``."""
+    routers = {d for d in self._reach & self._routing if d in self._dots}
+    out = {d: (self._dots[d], MOE_ROUTER) for d in routers}
+    for d, operands in self._operands.items():
+      if d not in routers and routers and any(
+          src and src <= routers for src in operands):
+        out[d] = (self._dots[d], MOE_COMBINE)
+    return out
+
+  def run(self, jaxpr: Any, inputs: Sequence[Any] | None = None) -> list[Any]:
+    """The ``(matmuls, routers)`` of each output of ``jaxpr`` given those of
+    its inputs (none: nothing)."""
+    jaxpr = compat.open_jaxpr(jaxpr)
+    self.seen[id(jaxpr)] = jaxpr
+    empty = (_NONE, _NONE)
+    env: dict[Any, Any] = {}
+    if inputs is not None:
+      env.update(zip(jaxpr.invars, inputs))
+    read = lambda v: empty if compat.is_literal(v) else env.get(v, empty)
+    for eqn in jaxpr.eqns:
+      ins = [read(v) for v in eqn.invars]
+      floats = [src for (src, _), v in zip(ins, eqn.invars)
+                if tree_lib.is_float(v.aval)]
+      src = frozenset().union(*floats)
+      chosen = frozenset().union(*(sel for _, sel in ins))
+      if eqn.primitive in _MATMULS:
+        self._routing.update(chosen)
+        if eqn.primitive is _DOT:
+          self._dots[id(eqn)] = eqn
+          self._operands[id(eqn)] = floats
+        outs = [(frozenset({id(eqn)}), _NONE)] * len(eqn.outvars)
+      elif eqn.primitive in _SELECTIONS:
+        self._reach.update(src)
+        outs = [(src if tree_lib.is_float(v.aval) else _NONE, chosen | src)
+                for v in eqn.outvars]
+      else:
+        outs = self._through_bodies(eqn, ins)
+        if outs is None:
+          outs = [(src if tree_lib.is_float(v.aval) else _NONE, chosen)
+                  for v in eqn.outvars]
+      for var, out in zip(eqn.outvars, outs):
+        env[var] = out
+    return [read(v) for v in jaxpr.outvars]
+
+  def _through_bodies(self, eqn: Any, ins: list[Any]) -> list[Any] | None:
+    """The outputs of a higher-order equation through its bodies, or None
+    where no body corresponds to it one to one (searched on their own)."""
+    mapped = []
+    for body in compat.sub_jaxprs(eqn.params):
+      body = compat.open_jaxpr(body)
+      n_in, n_out = len(body.invars), len(body.outvars)
+      if n_out == len(eqn.outvars) and n_in in (len(ins), len(ins) - 1):
+        # cond's branches take its operands after the branch index.
+        mapped.append(self.run(body, ins[len(ins) - n_in:]))
+      else:
+        self.run(body)
+    if not mapped:
+      return None
+    return [(frozenset().union(*(m[i][0] for m in mapped)),
+             frozenset().union(*(m[i][1] for m in mapped)))
+            for i in range(len(eqn.outvars))]
 
 
 def _read(env: dict[Any, Any], atom: Any) -> Any:
@@ -171,6 +287,9 @@ class Interpreter:
     # one returns, so it never outlives a trace).
     self._memo: dict[Any, tuple[Any, Any]] = {}
     self._depth = [0]
+    # Also shared, and dropped with the memo: the jaxprs searched for MoE
+    # gating matmuls and their roles (see `_gating_roles`).
+    self._gating: list[Any] = [{}, {}]
 
   def child(self, **changes: Any) -> "Interpreter":
     """A copy with some attributes changed (for a body, a JVP rule...)."""
@@ -179,7 +298,7 @@ class Interpreter:
                  region=self.region, tail=self.tail)
     attrs.update(changes)
     new = Interpreter(**attrs)
-    new._memo, new._depth = self._memo, self._depth
+    new._memo, new._depth, new._gating = self._memo, self._depth, self._gating
     return new
 
   def memo_key(self, closed: Any, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -221,6 +340,8 @@ class Interpreter:
       self._depth[0] -= 1
       if not self._depth[0]:
         self._memo.clear()
+        for table in self._gating:
+          table.clear()
 
   def _eval_jaxpr(
       self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]
@@ -233,6 +354,8 @@ class Interpreter:
         weak.add(var)
     sinks = (_dot_sinks(jaxpr, self.region) if self.fp8 and self.tail
              else set())
+    if self.fp8:
+      self._gating_roles(jaxpr)
     for index, eqn in enumerate(jaxpr.eqns):
       invals = [_read(env, v) for v in eqn.invars]
       in_weak = tuple(compat.is_literal(v) or v in weak for v in eqn.invars)
@@ -271,6 +394,24 @@ class Interpreter:
 
     return jax.make_jaxpr(body)(*args)
 
+  def _gating_roles(self, jaxpr: Any) -> None:
+    """Searches ``jaxpr`` (and its bodies) for MoE gating matmuls, unless a
+    search from an enclosing jaxpr covered it already (which also saw where
+    its inputs come from)."""
+    seen, roles = self._gating
+    if seen.get(id(jaxpr)) is jaxpr:
+      return
+    flow = _GatingFlow()
+    flow.run(jaxpr)
+    seen.update(flow.seen)
+    roles.update(flow.roles())
+
+  def _gating_role(self, eqn: Any) -> str | None:
+    """:data:`MOE_ROUTER`, :data:`MOE_COMBINE` or None for an equation."""
+    eqn_and_role = self._gating[1].get(id(eqn))
+    return None if eqn_and_role is None or eqn_and_role[0] is not eqn else (
+        eqn_and_role[1])
+
   def _rule_for(self, eqn: Any) -> Any:
     if _is_disabled(eqn):
       return "passthrough"
@@ -287,11 +428,14 @@ class Interpreter:
     recipe, recurse, excluded = None, None, None
     if self.fp8:
       recipe = markers.marked_recipe(compat.name_stack(eqn), self.region)
-      if eqn.primitive is _DOT:
-        if is_sink and recipe is not None and not recipe.include_output_head:
+      if eqn.primitive is _DOT and recipe is not None:
+        if is_sink and not recipe.include_output_head:
           # The output head stays in the compute dtype (the rule names the
           # recipe's format in its fallback record).
           excluded = "output head (include_output_head=False)"
+        elif not recipe.include_moe_gating:
+          # A MoE layer's router and combine, as DeepSeek-V3 keeps them.
+          excluded = self._gating_role(eqn)
     if eqn.primitive in HIGHER_ORDER:
       recurse = self._child_for(eqn, recipe, is_sink)._recurse
     elif eqn.primitive not in self.rules and not _is_disabled(eqn):
