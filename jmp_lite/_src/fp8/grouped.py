@@ -48,14 +48,17 @@ ways).
 
 **Delayed scaling** (per tensor): ``scales=DelayedScales(lhs, rhs, grad)``
 with one float32 scale per group (shape ``[G]``), whose cotangent holds the
-per-group amaxes this call observed (maximum over ``config.axis_name`` and
-every bound mapped axis, as the dense recipe's).
+per-group amaxes this call observed (maximum over ``config.axis_name``, or
+without one over every bound mapped axis, as the dense recipe's, except the
+``shard_map`` axes the scales vary over: sharded with their experts, each
+shard's scales are other experts').
 
 Second derivatives are refused with a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -545,6 +548,25 @@ def _check_scales(scales, config, g):
   return DelayedScales(*out)
 
 
+def _bound_axes(config, scales):
+  """``scaling_lib.with_bound_axes`` less the ``shard_map`` axes the given
+  per-group scales vary over: under expert parallelism each shard holds its
+  own experts' scales, and their amaxes are not those of another shard's
+  experts (nor, typed as invariant, a cotangent of the sharded scales)."""
+  bound = scaling_lib.with_bound_axes(config)
+  if bound is config or scales is None:
+    return bound
+  varying = frozenset().union(
+      *(compat.varying_axes(s) for s in scales if s is not None))
+  names = (bound.axis_name if isinstance(bound.axis_name, tuple)
+           else (bound.axis_name,))
+  kept = tuple(n for n in names if n not in varying)
+  if kept == names:
+    return bound
+  return dataclasses.replace(
+      config, axis_name=(kept[0] if len(kept) == 1 else kept) or None)
+
+
 def _same_varying_axes(*xs):
   axes = frozenset().union(*(compat.varying_axes(x) for x in xs))
   return [compat.vary_over(x, axes) for x in xs]
@@ -621,7 +643,7 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
   per_group = checks.flag(per_group_scales, "per_group_scales",
                           "fp8_ragged_dot")
   scales = _check_scales(scales, config, rhs.shape[0])
-  config = scaling_lib.with_bound_axes(config)
+  config = _bound_axes(config, scales)
   matmul_lib.check_axis_bound(config)
   out_dtype = result_dtype(lhs, rhs, preferred_element_type,
                            config.compute_dtype)
