@@ -202,7 +202,8 @@ class _GatingFlow:
         outs = [(src if tree_lib.is_float(v.aval) else _NONE, chosen | src)
                 for v in eqn.outvars]
       else:
-        outs = self._through_bodies(eqn, ins)
+        outs = (self._through_bodies(eqn, ins) if eqn.primitive in HIGHER_ORDER
+                else None)
         if outs is None:
           outs = [(src if tree_lib.is_float(v.aval) else _NONE, chosen)
                   for v in eqn.outvars]
