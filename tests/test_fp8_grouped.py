@@ -595,6 +595,47 @@ def test_expert_sharded_weights_under_jit_equal_the_unsharded_call(name):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@needs_devices
+def test_delayed_amaxes_with_data_and_expert_axes():
+  """A (2, 2) mesh: tokens over both axes, experts (weights and scales) over
+  'e'. Each expert's observed amax is the maximum over the data axis of its
+  tokens' (a delayed recipe binds 'd' and not 'e', which its scales vary
+  over): the global per-expert amax, not another expert's."""
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("d", "e"))
+  sizes = np.array([[10, 20, 0, 34, 64, 0, 0, 0],
+                    [0, 0, 60, 4, 1, 2, 3, 58]], np.int32)
+  x, w, dy = _operands("normal", EP_SIZES, m=256, k=32, n=32, seed=5)
+  x[70] *= 100.0    # device (d=0, e=1): expert 4
+  dy[200] *= 50.0   # device (d=1, e=1): expert 7
+  config = fp8.Fp8Config(scaling="delayed")
+
+  def body(x, w, dy, sizes, scales):
+    f = lambda x, w, s: fp8.fp8_ragged_dot(x, w, sizes[0], config=config,
+                                           scales=s)
+    _, vjp = jax.vjp(f, x, w, scales)
+    return vjp(dy)[2]
+
+  ones = jnp.ones(8, jnp.float32)
+  rows = P(("d", "e"))
+  ds = jax.jit(_shard_map(
+      body, mesh=mesh, in_specs=(rows, P("e"), rows, P("d", "e"), P("e")),
+      out_specs=P("e")))(x, w, dy, sizes, fp8.DelayedScales(ones, ones, ones))
+
+  def expert_amax(v):
+    out = np.zeros(8, np.float32)
+    for d in range(2):
+      for e in range(2):
+        block = v[(2 * d + e) * 64:(2 * d + e + 1) * 64]
+        local = _group_amax(block, sizes[d, 4 * e:4 * e + 4])
+        out[4 * e:4 * e + 4] = np.maximum(out[4 * e:4 * e + 4], local)
+    return out
+
+  np.testing.assert_array_equal(np.asarray(ds.lhs), expert_amax(x))
+  np.testing.assert_array_equal(np.asarray(ds.grad), expert_amax(dy))
+  np.testing.assert_array_equal(np.asarray(ds.rhs),
+                                np.abs(w).max(axis=(1, 2)))
+
+
 # ---------------------------------------------------------------------------
 # 8. Bad input.
 # ---------------------------------------------------------------------------
