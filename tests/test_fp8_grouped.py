@@ -882,3 +882,14 @@ def test_compiled_cpu_program_has_no_more_group_by_token_buffers():
     assert sum(got.values()) <= sum(base.values()), (name, got, base)
     if name in ("fp8", "fp8_rowwise"):
       assert got == base, (name, got, base)
+
+
+def test_docs_table_is_the_code_s_scaling_table():
+  """docs/fp8.md's table of what each recipe scales in each product of the
+  grouped matmul is the table the code quantizes by (grouped.PASSES, and
+  each recipe's formats): what each kind means is checked against the dense
+  recipe by the per-group loop tests above."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  guide = (pathlib.Path(__file__).parent.parent / "docs" / "fp8.md").read_text()
+  for line in grouped.scaling_table():
+    assert line in guide, line

@@ -333,9 +333,8 @@ def _token_products(g, x, groups, config, quantized=None):
     xv, xs = column_quantize(x, fwd_fmt)
     acc = _ragged_tokens(gv, xv, groups.sizes)
     return matmul_lib._scaled(acc, gs[:, :, None], xs[:, None, :])  # pylint: disable=protected-access
-  block = (scaling_lib.MX_BLOCK_SIZE if granularity == "mxfp8"
-           else config.block_size)
-  kind = "mx" if granularity == "mxfp8" else "tile"
+  kind = PASSES[granularity]["wgrad"][0]    # "tile" or "mx", both operands
+  block = (scaling_lib.MX_BLOCK_SIZE if kind == "mx" else config.block_size)
   padded = padded_layout(groups, block)
   # [1, C, rows]: each column along the padded tokens, blocks group-aligned.
   gt = jnp.swapaxes(to_padded(g, padded), 0, 1)[None]
@@ -363,13 +362,59 @@ def _token_products(g, x, groups, config, quantized=None):
 # The custom gradient.
 # ---------------------------------------------------------------------------
 
-# (activation kind, weight kind) of the forward product and of the input
-# gradient's (gradient kind, weight kind), per granularity (the dense
-# recipe's): per tensor both are per group / per expert.
-_FORWARD_KINDS = {"row": ("row", "row"), "blockwise": ("tile", "block"),
-                  "mxfp8": ("mx", "mx")}
-_DGRAD_KINDS = {"row": ("row", "row"), "blockwise": ("tile", "block"),
-                "mxfp8": ("mx", "mx")}
+# How each operand of each product is scaled, per granularity: the kinds the
+# code below quantizes with ("group": one scale per group / expert; "row": one
+# per row along the contracting axis; "tile": 1 x block_size tiles along it;
+# "block": block_size x block_size blocks; "mx": 1x32 E8M0 blocks). Along the
+# tokens (the weight gradient) rows, tiles and blocks are each group's own.
+# docs/fp8.md's table is scaling_table(), checked by a test.
+PASSES: dict[str, dict[str, tuple[str, str]]] = {
+    "tensor": {"forward": ("group", "group"), "dgrad": ("group", "group"),
+               "wgrad": ("group", "group")},
+    "row": {"forward": ("row", "row"), "dgrad": ("row", "row"),
+            "wgrad": ("row", "row")},
+    "blockwise": {"forward": ("tile", "block"), "dgrad": ("tile", "block"),
+                  "wgrad": ("tile", "tile")},
+    "mxfp8": {"forward": ("mx", "mx"), "dgrad": ("mx", "mx"),
+              "wgrad": ("mx", "mx")},
+}
+# The operands of each product, and the axis it contracts.
+_OPERANDS = {"forward": (("x", "w"), "K"), "dgrad": (("dy", "w"), "N"),
+             "wgrad": (("dy", "x"), "the group's tokens")}
+
+
+def _describe(kind: str, operand: str, axis: str, block: int) -> str:
+  if kind == "group":
+    return ("one scale per expert" if operand == "w"
+            else "one scale per group")
+  if kind == "row" and axis == _OPERANDS["wgrad"][1]:
+    return f"one scale per column and group, along {axis}"
+  what = {"row": ("one scale per row" if operand != "w"
+                  else "one scale per expert and row"),
+          "tile": f"1x{block} tiles", "block": f"{block}x{block} blocks",
+          "mx": "1x32 E8M0 blocks"}[kind]
+  return f"{what} along {axis}"
+
+
+def scaling_table() -> list[str]:
+  """The markdown table of what each float8 recipe scales in each product
+  of the grouped matmul (``docs/fp8.md`` shows it; a test checks it)."""
+  lines = ["| recipe | forward `y = x w[g]` | input gradient `dx = dy w[g]^T` "
+           "| weight gradient `dw[g] = x_g^T dy_g` |", "|---|---|---|---|"]
+  for name in config_lib.FP8_RECIPES:
+    config = config_lib.recipe_config(name)
+    cells = []
+    for product, kinds in PASSES[config.granularity].items():
+      operands, axis = _OPERANDS[product]
+      parts = []
+      for operand, kind in zip(operands, kinds):
+        fmt = config.gradient_format if operand == "dy" else config.forward_format
+        parts.append(f"`{operand}`: {_describe(kind, operand, axis, config.block_size)}, {fmt}")
+      if config.scaling == "delayed" and product == "forward":
+        parts.append("delayed (given scales, one per group)")
+      cells.append("; ".join(parts))
+    lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+  return lines
 
 
 class _Static(NamedTuple):
@@ -396,7 +441,7 @@ def _forward(x, w, group_sizes, scales, static):
         w, fmt, config, _part(scales, "rhs"), static.per_group)
     out = _rows_product(qx, qw, groups, 1)                  # w as [G, K, N]
     return out, (qx, sx, qw, amax_x, amax_w)
-  x_kind, w_kind = _FORWARD_KINDS[config.granularity]
+  x_kind, w_kind = PASSES[config.granularity]["forward"]
   qx = _quantize(x[None], fmt, x_kind, config)
   qw = _quantize(jnp.swapaxes(w, 1, 2), fmt, w_kind, config)  # [G, N, K]
   return _rows_product(qx, qw, groups, 2), None
@@ -440,7 +485,7 @@ def _backward(x, w, group_sizes, scales, quantized, dy, *, static):
     dx = _rows_product(g_op, qw, groups, 2)                 # over N of [G, K, N]
     dw = _token_products(dy, x, groups, config, ((g_op, sg), (qx, sx)))
   else:
-    g_kind, w_kind = _DGRAD_KINDS[config.granularity]
+    g_kind, w_kind = PASSES[config.granularity]["dgrad"]
     g_op = _quantize(dy[None], grad_fmt, g_kind, config)
     w_op = _quantize(w, fwd_fmt, w_kind, config)            # [G, K, N] along N
     dx = _rows_product(g_op, w_op, groups, 2)
