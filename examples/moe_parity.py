@@ -275,16 +275,28 @@ def _is_low_bit(dtype: str) -> bool:
   return dtype.startswith(LOW_BIT)
 
 
-def matmul_evidence(fn, *args) -> dict[str, Any]:
+def matmul_evidence(fn, *args, compute_dtype: str = "float32"
+                    ) -> dict[str, Any]:
   """What the matmuls of ``fn(*args)`` saw, from ``jmp_lite.op_dtypes``.
 
   Each ``ragged_dot_general`` (an expert matmul) is classified from its
-  operand dtypes and the operations listed since the previous matmul:
-  ``low_bit`` when its operands are float8/FP4 (rowwise float8 on any
-  backend); ``emulated`` when they are float32 values dequantized from
-  float8/FP4 just before (the exact CPU emulation of MXFP8/NVFP4, whose block
-  scales XLA:CPU cannot apply: an operation with a float8/FP4 input since the
-  previous matmul); ``plain`` otherwise (float32 or bfloat16, no quantization).
+  operand dtypes, its fallback ``note`` and the operations listed since the
+  previous matmul:
+
+  * ``low_bit``: float8/FP4 operands (per-tensor and rowwise float8);
+  * ``emulated``: float32 operands that are the recipe's exact emulation, as
+    on CPU for MXFP8 (E8M0 block scales) and NVFP4/MXFP4 (JAX has no
+    block-scaled grouped GEMM): no fallback note and either an operation
+    with a float8/FP4 input since the previous matmul (MXFP8 dequantizes
+    float8 values) or a ``compute_dtype`` narrower than float32 (autocast
+    gives a grouped matmul it leaves out of the recipe compute-dtype
+    operands and a note; only the recipe's emulation hands it float32);
+  * ``plain``: anything else (float32 as written, bfloat16, a fallback).
+
+  Args:
+    fn: the function to trace (the run's loss, or its gradient).
+    *args: its arguments.
+    compute_dtype: the run's compute dtype (``"float32"`` as written).
 
   Returns:
     ``ragged_dot``: ``{"lhs, rhs": count}`` of the ``ragged_dot_general``
@@ -294,23 +306,26 @@ def matmul_evidence(fn, *args) -> dict[str, Any]:
     left out (their ``note``); ``scaled_products``: how many block-scaled
     products (``scaled_matmul_wrapper``) take float8/FP4 operands.
   """
+  narrow = np.dtype(compute_dtype).itemsize < 4
   ragged, experts, dots, fallbacks = (collections.Counter() for _ in range(4))
   scaled, quantized_since = 0, False
   for op in jmp_lite.op_dtypes(fn, *args):
     name, dtypes = op
+    note = getattr(op, "note", None)
     low_bit = any(map(_is_low_bit, dtypes))
     if name in MATMULS:
       if name == "ragged_dot_general":
         ragged[", ".join(dtypes)] += 1
-        experts["low_bit" if low_bit else
-                "emulated" if quantized_since and set(dtypes) == {"float32"}
+        f32 = set(dtypes) == {"float32"}
+        experts["low_bit" if low_bit and not note else
+                "emulated" if f32 and not note and (quantized_since or narrow)
                 else "plain"] += 1
       elif name == "dot_general":
         dots[", ".join(dtypes)] += 1
       elif low_bit:
         scaled += 1
-      if getattr(op, "note", None):
-        fallbacks[f"{name}: {op.note}"] += 1
+      if note:
+        fallbacks[f"{name}: {note}"] += 1
       quantized_since = False
     elif low_bit:
       quantized_since = True
@@ -391,8 +406,12 @@ def train(name: str, s: dict, data, seed: int, lr: float) -> dict:
                           size=s["batch"]) for _ in range(s["steps"])]
   x0, y0 = fp4_parity.lm_windows(train_tokens, batches[0], s["seq_len"])
   grad_fn = jax.grad(lambda p, x, y: run_loss(p, x, y)[0])
-  evidence = dict(forward=matmul_evidence(run_loss, params, x0, y0),
-                  gradient=matmul_evidence(grad_fn, params, x0, y0))
+  policy = policy_of(name)
+  compute = ("float32" if policy is None else
+             np.dtype(jmp_lite.get_policy(policy).compute_dtype).name)
+  evidence = dict(
+      forward=matmul_evidence(run_loss, params, x0, y0, compute_dtype=compute),
+      gradient=matmul_evidence(grad_fn, params, x0, y0, compute_dtype=compute))
   in_recipe = all(experts_in_recipe(name, e) for e in evidence.values())
 
   losses, step_ms = [], []
@@ -483,9 +502,10 @@ def format_report(s: dict, results: dict, rows: list[dict], wall_s: float,
           "| largest expert share (%) | median step (ms, CPU) |",
           "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
   evidence = ["| run | expert ragged_dots, forward (lhs x rhs) "
-              "| expert ragged_dots, gradient | block-scaled products "
-              "(forward / gradient) | fallbacks (gradient) "
-              "| experts in recipe |", "|---|---|---|--:|---|:-:|"]
+              "| expert ragged_dots, gradient | of which low-bit / emulated "
+              "/ plain | dense block-scaled products (forward / gradient) "
+              "| fallbacks (gradient) | experts in recipe |",
+              "|---|---|---|--:|--:|---|:-:|"]
   for name, *_ in RUNS:
     for seed, r in results.items():
       if name not in r:
@@ -507,6 +527,7 @@ def format_report(s: dict, results: dict, rows: list[dict], wall_s: float,
       evidence.append(
           f"| {labels[name]} | {format_counts(ev['forward']['ragged_dot'])} "
           f"| {format_counts(ev['gradient']['ragged_dot'])} "
+          f"| {' / '.join(str(ev['gradient']['experts'].get(k, 0)) for k in ('low_bit', 'emulated', 'plain'))} "
           f"| {ev['forward']['scaled_products']} / "
           f"{ev['gradient']['scaled_products']} | {fallbacks} "
           f"| {'yes' if first['experts_in_recipe'] else '**no**'} |")
@@ -556,10 +577,15 @@ def format_report(s: dict, results: dict, rows: list[dict], wall_s: float,
       "`jax.grad` (forward and backward), seed "
       f"{seeds[0]}: the operand dtypes of each `ragged_dot_general` (the "
       "expert matmuls: 3 per block forward, 3 more per block for the "
-      "gradients with respect to the inputs and 3 for the expert weights), "
-      "the block-scaled products with float8/FP4 operands (MXFP8 and NVFP4 "
-      "run as an exact float32 emulation on CPU), and the fallback reason of "
-      "every matmul a recipe left out (`note`). The dense matmuls: "
+      "gradients with respect to the inputs and 3 for the expert weights) "
+      "and whether it ran on float8/FP4 operands (low-bit), on the float32 "
+      "values of the recipe's exact emulation (emulated: MXFP8 dequantizes "
+      "float8 blocks, NVFP4 computes its E2M1 values in float32; JAX has no "
+      "block-scaled grouped GEMM, so this holds on GPUs too; autocast gives a "
+      "grouped matmul it leaves out of a recipe compute-dtype operands and a "
+      "note) or neither (plain); the dense block-scaled products with "
+      "float8/FP4 operands (`scaled_matmul_wrapper`); and the fallback reason "
+      "of every matmul a recipe left out (`note`). The dense matmuls: "
       + "; ".join(
           f"{labels[n]}: {format_counts(results[seeds[0]][n]['evidence']['gradient']['dot'])}"
           for n, *_ in RUNS if n in results[seeds[0]]) + ".",
