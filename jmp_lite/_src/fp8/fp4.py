@@ -371,6 +371,21 @@ def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
   magnitude = jnp.abs(xf)
   amax = jnp.max(magnitude) if x.size else jnp.zeros((), _F32)
   amax, poison = global_tensor_stats(amax, nonfinite_poison(x), axis_name)
+  return nvfp4_quantize_given(xf, magnitude, amax, poison, two_d=two_d,
+                              key=key)
+
+
+def nvfp4_quantize_given(xf: jax.Array, magnitude: jax.Array,
+                         amax: jax.Array, poison: jax.Array, *,
+                         two_d: bool = False,
+                         key: Any = None) -> tuple[jax.Array, jax.Array,
+                                                   jax.Array]:
+  """:func:`nvfp4_quantize_f32` of the finite float32 ``xf`` (NaN and inf
+  replaced by 0) and its ``magnitude`` under given tensor statistics: the
+  amax and the NaN flag (:func:`nonfinite_poison`) broadcast against the
+  block scales ``(..., P, C // 16)``: scalars for one tensor scale, or, for
+  a grouped matmul's per-group tensor scales, one per row, per matrix of a
+  batch or per block column. The tensor scale has their shape."""
   encode, decode = nvfp4_tensor_scales(amax)
   # The NaN flag replaces the scale (an addition would flush a subnormal).
   tensor_scale = jnp.where(jnp.isnan(poison), poison, decode)
@@ -383,7 +398,7 @@ def nvfp4_quantize_f32(x: jax.Array, *, two_d: bool = False,
                                         jnp.asarray(E4M3_MAX, _F32)))
   block_encode = _block_encode(block_scales, decode)
   scaled = (_blocks(xf, NVFP4_BLOCK_SIZE) * block_encode[..., None]).reshape(
-      x.shape)
+      xf.shape)
   return _quantize_elements(scaled, key), block_scales, tensor_scale
 
 

@@ -172,22 +172,32 @@ def _dequantized_blocks(values: jax.Array, scales: jax.Array,
 _MX_LIFT = 2
 
 
-def _mx_lift(a_scales: jax.Array, b_scales: jax.Array, c: int) -> jax.Array:
-  """int32 ``_MX_LIFT`` where lifting both MXFP4 operands by it can
-  overflow no element and no partial sum of the dot over ``c``, else 0."""
-  def top(codes):   # the largest finite block exponent k
-    k = jnp.where(codes == 255, jnp.zeros((), jnp.int32),
-                  codes.astype(jnp.int32) - 127)
-    return jnp.max(k, initial=-127)
-  ka, kb = top(a_scales), top(b_scales)
+def mx_top_exponent(codes: jax.Array, axis: Any = None) -> jax.Array:
+  """int32: the largest finite block exponent ``k`` of E8M0 ``codes`` (over
+  ``axis``; all of them for None), at least -127 (NaN codes count as 0)."""
+  k = jnp.where(codes == 255, jnp.zeros((), jnp.int32),
+                codes.astype(jnp.int32) - 127)
+  return jnp.max(k, axis=axis, initial=-127)
+
+
+def mx_lift(ka: jax.Array, kb: jax.Array, log_c: Any) -> jax.Array:
+  """int32 ``_MX_LIFT`` where lifting both MXFP4 operands, of top block
+  exponents ``ka`` and ``kb``, by it can overflow no element and no partial
+  sum of a dot over ``c <= 2**log_c`` elements, else 0 (elementwise)."""
   # |element| <= 6 * 2**k < 2**(k + 3); a sum of c products < 2**(ka + kb +
   # 6 + log2(c)).
   bound = 3 + _MX_LIFT
-  log_c = int(np.ceil(np.log2(max(c, 1))))
   safe = ((ka + bound <= 127) & (kb + bound <= 127) &
           (ka + kb + 2 * bound + log_c <= 127))
   return jnp.where(safe, jnp.asarray(_MX_LIFT, jnp.int32),
                    jnp.zeros((), jnp.int32))
+
+
+def _mx_lift(a_scales: jax.Array, b_scales: jax.Array, c: int) -> jax.Array:
+  """int32 ``_MX_LIFT`` where lifting both MXFP4 operands by it can
+  overflow no element and no partial sum of the dot over ``c``, else 0."""
+  log_c = int(np.ceil(np.log2(max(c, 1))))
+  return mx_lift(mx_top_exponent(a_scales), mx_top_exponent(b_scales), log_c)
 
 
 def _emulated(a_values, a_scales, b_values, b_scales):
