@@ -10,7 +10,9 @@ Exact on every platform; on CUDA the block-scaled product is
 ``m=mxfp4`` (fields in parentheses: ``m=nvfp4(rht=false)``; the preset
 ``mixed_nvfp4``), and every route (``with_policy``, ``autocast``, linen,
 NNX) then runs the policy's matmuls through :func:`fp4_dot_general`, with
-float8's exclusions; or call it yourself (e.g. with a PRNG key per layer).
+float8's exclusions; or call it yourself (e.g. with a PRNG key per layer),
+and :func:`fp4_ragged_dot` for a Mixture-of-Experts layer's
+``jax.lax.ragged_dot``.
 Guide: ``docs/fp4.md``.
 
 Example:
@@ -25,10 +27,12 @@ Example:
   True
 """
 
+from jmp_lite._src.fp8.fp4_grouped import fp4_ragged_dot
 from jmp_lite._src.fp8.fp4_matmul import Fp4Config
 from jmp_lite._src.fp8.fp4_matmul import fp4_dot_general
 
 __all__ = (
     "Fp4Config",
     "fp4_dot_general",
+    "fp4_ragged_dot",
 )

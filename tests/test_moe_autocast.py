@@ -291,10 +291,10 @@ RECIPES = ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"] + (
 @ROUTES
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_rule_runs_the_recipes_grouped_matmul(route, recipe):
-  from jmp_lite._src.fp8 import grouped as grouped_lib  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.fp8 import fp4_grouped  # pylint: disable=g-import-not-at-top
   config = jmp_lite.get_policy(policy(recipe)).fp8_recipe
   found = route(grouped, policy(recipe))(GX, GW, GSIZES)
-  expected = grouped_lib.recipe_ragged_dot(
+  expected = fp4_grouped.recipe_ragged_dot(
       GX.astype(BF16), GW.astype(BF16), GSIZES, config=config,
       preferred_element_type=BF16).astype(F32)
   assert found.dtype == F32

@@ -12,7 +12,7 @@ operands, float32 accumulation, result in the compute dtype or, under
 out of float8 and why: ``docs/fp8.md``. A grouped matmul
 (``jax.lax.ragged_dot``, a Mixture-of-Experts layer's experts) goes the same
 way through :data:`fp8_ragged_lower` (:data:`fp8_ragged_passthrough`) to
-:func:`jmp_lite._src.fp8.grouped.recipe_ragged_dot`, in its basic form only
+:func:`jmp_lite._src.fp8.fp4_grouped.recipe_ragged_dot`, in its basic form only
 (:func:`ragged_exclusion`).
 """
 
@@ -33,8 +33,8 @@ from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.fp8 import config as config_lib
+from jmp_lite._src.fp8 import fp4_grouped as fp4_grouped_lib
 from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
-from jmp_lite._src.fp8 import grouped as grouped_lib
 
 _F32 = np.dtype(np.float32)
 
@@ -260,7 +260,7 @@ def _ragged_rule(fallback: str) -> Callable[..., Any]:
       y = jax.lax.transpose(y, rhs_perm)
     if config.scaling == "delayed":  # no state here: scaled currently
       config = _current(config)
-    return grouped_lib.recipe_ragged_dot(
+    return fp4_grouped_lib.recipe_ragged_dot(
         x, y, group_sizes, config=config, preferred_element_type=out_dtype)
 
   fp8_ragged_rule.__qualname__ = fp8_ragged_rule.__name__ = (

@@ -706,21 +706,3 @@ def _grouped_product(lhs, rhs, sizes, scales, *, static):
   # (the transpose of the marking sums a replicated weight's gradient).
   lhs, rhs, sizes = _same_varying_axes(lhs, rhs, sizes)
   return _grouped_matmul(lhs, rhs, sizes, scales, static)
-
-
-def recipe_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, config: Any,
-                      preferred_element_type: Any = None,
-                      scales: Any = None) -> jax.Array:
-  """The quantized grouped matmul of a policy's recipe object (what every
-  route calls): an ``Fp4Config`` runs ``fp4_ragged_dot``, an
-  :class:`Fp8Config` :func:`fp8_ragged_dot`. Operands as
-  ``jax.lax.ragged_dot``'s."""
-  from jmp_lite._src.fp8 import fp4_grouped  # pylint: disable=g-import-not-at-top
-  if isinstance(config, config_lib.Fp4Config):
-    del scales
-    return fp4_grouped.fp4_ragged_dot(
-        lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
-        config=config)
-  return fp8_ragged_dot(lhs, rhs, group_sizes,
-                        preferred_element_type=preferred_element_type,
-                        config=config, scales=scales)
