@@ -550,6 +550,8 @@ def format_report(s: dict, results: dict, rows: list[dict], wall_s: float,
   if len(seeds) > 1:
     values = [results[sd]["bf16"]["validation_loss"] for sd in seeds]
     spread = 100.0 * (max(values) - min(values)) / min(values)
+  bf16_vs_f32 = ", ".join(f"{r['error']:+.3f}%" for r in rows
+                          if r["run"] == "bf16")
   bars = "; ".join(f"{labels[n]}: {src}" for n, (_, _, src) in BARS.items())
   return [
       f"`python -m examples.{NAME}{' --quick' if quick else ''}`: seeds "
@@ -568,8 +570,11 @@ def format_report(s: dict, results: dict, rows: list[dict], wall_s: float,
       + (f"; {len(rows) - len(measured)} rows not measured (the run's expert "
          "matmuls did not run in its recipe)" if len(measured) < len(rows)
          else "") + ".**"
-      + (f" For scale, bf16 itself moves by {spread:.3f}% from one seed to "
-         "the other." if spread is not None else ""),
+      + (f" For scale, bf16 itself lands {bf16_vs_f32} from f32 (seed by "
+         "seed)" if bf16_vs_f32 else "")
+      + (f" and moves by {spread:.3f}% from one seed to the other"
+         if spread is not None and bf16_vs_f32 else "")
+      + ("." if bf16_vs_f32 else ""),
       "## Parity", "\n".join(verdict),
       "## Every run", "\n".join(runs),
       "## Evidence: what the expert matmuls ran in",
