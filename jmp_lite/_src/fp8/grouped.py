@@ -211,6 +211,29 @@ def _ragged_tokens(lhs, rhs, sizes, precision=None):
                                     preferred_element_type=_F32)
 
 
+def _isolated(values, contract):
+  """``values`` (a per-group operand ``[G, *, *]``) with its non-finite
+  elements zeroed, and, per group and output column (``[G, Q]``), the sum
+  of those along the contraction ``contract`` (0 where there is none).
+  XLA's expansion of ``ragged_dot`` (CPU) multiplies every row by every
+  group's matrix, masking the rows, not the matrices: a NaN in one expert's
+  weight would reach every group's rows (0 * NaN). Zeroed, it reaches none;
+  the sum puts it back where the per-group loop has it (no NaN or inf is
+  made where there was none: ``jax_debug_nans``)."""
+  bad = ~jnp.isfinite(values)
+  zero = jnp.zeros((), values.dtype)
+  sums = jnp.sum(jnp.where(bad, values, zero).astype(_F32), axis=contract)
+  return jnp.where(bad, zero, values), sums
+
+
+def _poisoned(out, sums, groups):
+  """``out`` ``[M, Q]`` NaN where a row's group has a non-finite element in
+  that output column's contraction (``sums`` ``[G, Q]`` from
+  :func:`_isolated`)."""
+  rows = per_row(sums, groups, 0.0)                          # [M, Q]
+  return jnp.where(jnp.isfinite(rows), out, out + rows * 0.0)
+
+
 def _rows_product(a, b, groups, rhs_contract):
   """float32 ``[M, Q]``: the grouped product of the row-grouped operand ``a``
   (an ``_Operand`` ``[1, M, C]`` whose row scales are ``[1, M, 1]``, kinds
@@ -218,17 +241,20 @@ def _rows_product(a, b, groups, rhs_contract):
   per tensor ``[G, C, Q]`` with ``rhs_contract=1``)."""
   av = a.values[0]
   if a.kind == "row":
-    acc = _ragged_rows(av, b.values, groups.sizes, rhs_contract)
+    values, flags = _isolated(b.values, rhs_contract)
+    acc = _ragged_rows(av, values, groups.sizes, rhs_contract)
     # b's scales: per tensor [G, 1, 1], per row [G, Q, 1]: one row per group.
     b_scale = per_row(b.scale.reshape(b.scale.shape[0], -1), groups, 1.0)
-    return matmul_lib._scaled(acc, a.scale[0], b_scale)  # pylint: disable=protected-access
+    out = matmul_lib._scaled(acc, a.scale[0], b_scale)  # pylint: disable=protected-access
+    return _poisoned(out, flags, groups)
   if a.kind == "kblock":
     m, c = av.shape
     nk = a.scale.shape[-1]
     t = c // nk
     g, q = b.values.shape[:2]
+    values, flags = _isolated(b.values, 2)
     lhs = jnp.swapaxes(av.reshape(m, nk, t), 0, 1)             # [nk, M, t]
-    rhs = jnp.swapaxes(b.values.reshape(g, q, nk, t), 1, 2)    # [G, nk, Q, t]
+    rhs = jnp.swapaxes(values.reshape(g, q, nk, t), 1, 2)      # [G, nk, Q, t]
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((2,), (3,)), ((0,), (1,))),
         lhs_ragged_dimensions=[1], rhs_group_dimensions=[0])
@@ -237,12 +263,13 @@ def _rows_product(a, b, groups, rhs_contract):
     a_scale = jnp.swapaxes(a.scale[0], 0, 1)[:, :, None]       # [nk, M, 1]
     b_scale = jnp.transpose(per_row(jnp.swapaxes(b.scale, 1, 2), groups, 1.0),
                             (1, 0, 2))                         # [nk, M, Q]
-    return jnp.sum(matmul_lib._scaled(acc, a_scale, b_scale), axis=0)  # pylint: disable=protected-access
+    out = jnp.sum(matmul_lib._scaled(acc, a_scale, b_scale), axis=0)  # pylint: disable=protected-access
+    return _poisoned(out, flags, groups)
   assert a.kind == b.kind == "mx", (a.kind, b.kind)
   c = av.shape[-1]
   lhs = matmul_lib._dequantized(a, c)[0]  # pylint: disable=protected-access
-  rhs = matmul_lib._dequantized(b, c)     # pylint: disable=protected-access
-  return _ragged_rows(lhs, rhs, groups.sizes, 2)
+  rhs, flags = _isolated(matmul_lib._dequantized(b, c), 2)  # pylint: disable=protected-access
+  return _poisoned(_ragged_rows(lhs, rhs, groups.sizes, 2), flags, groups)
 
 
 # ---------------------------------------------------------------------------
