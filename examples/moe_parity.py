@@ -106,9 +106,9 @@ BARS = {
 }
 #: Switch Transformer's load-balancing loss weight (alpha = 1e-2).
 AUX_WEIGHT = 0.01
-#: Peak learning rate. At fp4_parity's 3e-3 this MoE's trajectories part
-#: (bf16 ends 1.6-2.0% from f32): routing turns rounding noise into other
-#: expert choices. At 1e-3 bf16 tracks f32 (within 0.3%) and learns faster.
+#: Peak learning rate. At fp4_parity's 3e-3 this MoE's runs part ways (bf16
+#: ended 1.6% and 2.0% from f32 on two seeds); at 1e-3 bf16 tracks f32
+#: (within 0.3%) and reaches a lower loss in the same 300 steps.
 LR = 1e-3
 TAIL = 50  # Final train loss: the mean of the last TAIL steps.
 WARMUP_STEPS = 5  # Left out of the median step time (compilation).
@@ -558,7 +558,8 @@ def format_report(s: dict, results: dict, rows: list[dict], wall_s: float,
       f"{seeds}; {s['steps']} Adam steps (peak lr {lr:g}, warm-up + cosine "
       f"decay) of {s['batch']} windows of {s['seq_len']} bytes of the Python "
       f"standard library's source; d_model {s['d_model']}, {s['blocks']} "
-      f"blocks of {s['heads']}-head causal attention and an MoE MLP of "
+      f"block{'s' if s['blocks'] > 1 else ''} of {s['heads']}-head causal "
+      "attention and an MoE MLP of "
       f"{s['experts']} SwiGLU experts (d_ff {s['d_ff']}), top-{s['top_k']} "
       "routing, float32 router, load-balancing loss weight "
       f"{AUX_WEIGHT:g}; validation over {s['val_windows']} windows (the "
