@@ -385,3 +385,26 @@ def test_compile_time_study_refuses_bad_flags(capsys):
   with pytest.raises(SystemExit):
     compile_time.parse(["--depths", "0"])
   assert "--depths" in capsys.readouterr().err
+
+
+def test_grouped_matmul_study_runs_and_reports(tmp_path):
+  """``benchmarks.grouped_matmul`` at tiny sizes, two recipes: it runs, each
+  recipe has its loop baseline and grouped row with ratios, and the XLA:CPU
+  row-order figure is there (no figure is checked)."""
+  proc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.grouped_matmul", "--quick",
+       "--recipes", "fp8_rowwise,nvfp4", "--out", str(tmp_path)],
+      cwd=ROOT, env=example_env(), capture_output=True, text=True, timeout=600,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  report = json.loads((tmp_path / "grouped_matmul.json").read_text())
+  seen = [(r["route"], r["recipe"]) for r in report["results"]]
+  assert seen == [("bf16", None), ("loop", "fp8_rowwise"),
+                  ("grouped", "fp8_rowwise"), ("loop", "nvfp4"),
+                  ("grouped", "nvfp4")]
+  for r in report["results"]:
+    assert _positive_finite(r["trace_lower_s"]) and _positive_finite(r["compile_s"])
+    if r["route"] == "grouped":
+      assert _positive_finite(r["compile_s_ratio"])
+  assert set(report["dot_row_order"]["rows_differing"]) == {"1", "3", "7", "44", "150"}
+  assert "| recipe | route |" in (tmp_path / "grouped_matmul.md").read_text()
