@@ -284,12 +284,12 @@ def _check_shape(scale, g, what):
         f"({g},) (or a scalar), got shape {scale.shape}.")
 
 
-def _group_tensor_quantize(x, fmt, groups, config, scale, per_group):
-  """Per-group tensor scales of a row-grouped ``[M, C]`` operand: the
-  ``_Operand`` ``[1, M, C]`` (row kind, per-row scales) and the amaxes
-  ``[G]``."""
-  x32 = x.astype(_F32)
-  amax = segment_amax(jnp.max(jnp.abs(x32), axis=1, initial=0.0), groups)
+def _tensor_scaled(x32, amax, fmt, config, scale, per_group, expand):
+  """Quantizes ``x32`` with one tensor scale per group (``amax`` ``[G]``;
+  all alike unless ``per_group``), from the amaxes or the given ``scale``
+  as the dense recipe's per-tensor quantizer does; ``expand`` broadcasts
+  ``[G]`` scales against ``x32``. Returns the values, the expanded scales,
+  the amaxes and the ``[G]`` scales."""
   if not per_group:
     amax = jnp.broadcast_to(jnp.max(amax, initial=0.0), amax.shape)
   amax = scaling_lib.global_amax(amax, config.axis_name)
@@ -298,28 +298,31 @@ def _group_tensor_quantize(x, fmt, groups, config, scale, per_group):
   given = scale is not None
   scale = (scaling_lib.usable_scale(jnp.broadcast_to(scale, amax.shape),
                                     current) if given else current)
-  rows = per_row(scale, groups, 1.0)[:, None]
-  values = scaling_lib._cast_scaled(x32, rows, fmt, given)  # pylint: disable=protected-access
+  full = expand(scale)
+  values = scaling_lib._cast_scaled(x32, full, fmt, given)  # pylint: disable=protected-access
+  return values, full, amax, scale
+
+
+def _group_tensor_quantize(x, fmt, groups, config, scale, per_group):
+  """Per-group tensor scales of a row-grouped ``[M, C]`` operand: the
+  ``_Operand`` ``[1, M, C]`` (row kind, per-row scales), the amaxes and the
+  scales ``[G]``."""
+  x32 = x.astype(_F32)
+  amax = segment_amax(jnp.max(jnp.abs(x32), axis=1, initial=0.0), groups)
+  values, rows, amax, scale = _tensor_scaled(
+      x32, amax, fmt, config, scale, per_group,
+      lambda s: per_row(s, groups, 1.0)[:, None])
   op = matmul_lib._Operand(values[None], rows[None], "row")  # pylint: disable=protected-access
   return jax.lax.stop_gradient(op), amax, scale
 
 
 def _expert_tensor_quantize(w, fmt, config, scale, per_group):
   """Per-expert tensor scales of ``[G, P, C]``: the ``_Operand`` (scales
-  ``[G, 1, 1]``) and the amaxes ``[G]``."""
-  g = w.shape[0]
+  ``[G, 1, 1]``), the amaxes and the scales ``[G]``."""
   w32 = w.astype(_F32)
   amax = jnp.max(jnp.abs(w32), axis=(1, 2), initial=0.0)
-  if not per_group:
-    amax = jnp.broadcast_to(jnp.max(amax, initial=0.0), amax.shape)
-  amax = scaling_lib.global_amax(amax, config.axis_name)
-  current = scaling_lib._scale_from_amax(  # pylint: disable=protected-access
-      amax, fmt, 0, config.power_of_two_scales)
-  given = scale is not None
-  scale = (scaling_lib.usable_scale(jnp.broadcast_to(scale, amax.shape),
-                                    current) if given else current)
-  full = scale.reshape(g, 1, 1)
-  values = scaling_lib._cast_scaled(w32, full, fmt, given)  # pylint: disable=protected-access
+  values, full, amax, scale = _tensor_scaled(
+      w32, amax, fmt, config, scale, per_group, lambda s: s.reshape(-1, 1, 1))
   op = matmul_lib._Operand(values, full, "row")  # pylint: disable=protected-access
   return jax.lax.stop_gradient(op), amax, scale
 
@@ -600,24 +603,12 @@ def result_dtype(lhs, rhs, preferred_element_type, compute_dtype=None):
 def _check_scales(scales, config, g):
   """Delayed scaling's per-group scales, float32 ``[G]`` (a scalar is
   broadcast), checked as the dense recipe's."""
-  if config.scaling == "current":
-    if scales is not None:
-      raise ValueError(matmul_lib.SCALES_WITH_CURRENT)
-    return None
-  if not isinstance(scales, DelayedScales):
-    raise TypeError(
-        f"Missing or malformed scales: got {type(scales).__name__}. "
-        f"{matmul_lib.DELAYED_SCALES_HELP} The grouped matmul takes one "
-        f"scale per group: shape ({g},).")
-  out = []
-  for name, value in zip(DelayedScales._fields, scales):
-    if name == "grad" and value is None:
-      out.append(None)
-      continue
-    value = scaling_lib.check_given_scale(value, f"scales.{name}")
+  def per_group(value, name):
     _check_shape(value, g, name)
-    out.append(jnp.broadcast_to(value.astype(_F32), (g,)))
-  return DelayedScales(*out)
+    return jnp.broadcast_to(value.astype(_F32), (g,))
+  return matmul_lib.check_scales(
+      scales, config, per_group,
+      f" The grouped matmul takes one scale per group: shape ({g},).")
 
 
 def _bound_axes(config, scales):

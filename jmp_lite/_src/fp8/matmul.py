@@ -179,7 +179,18 @@ class DelayedScales(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
+def _scalar_scale(value: jax.Array, name: str) -> jax.Array:
+  checks.real_scalar(value, f"scales.{name}", "fp8_dot_general")
+  return value.astype(_F32)
+
+
+def check_scales(scales: Any, config: Fp8Config, each: Any = _scalar_scale,
+                 help_text: str = "") -> DelayedScales | None:
+  """``scales`` checked against ``config``: None for current scaling, else
+  a :class:`DelayedScales` of usable float32 scales, each checked by
+  ``check_given_scale`` and then ``each(value, name)`` (the dense matmul's:
+  a scalar; the grouped one's: one per group); ``help_text`` ends the
+  malformed-scales message."""
   if config.scaling == "current":
     if scales is not None:
       raise ValueError(SCALES_WITH_CURRENT)
@@ -187,15 +198,14 @@ def _check_scales(scales: Any, config: Fp8Config) -> DelayedScales | None:
   if not isinstance(scales, DelayedScales):
     raise TypeError(
         f"Missing or malformed scales: got {type(scales).__name__}. "
-        f"{DELAYED_SCALES_HELP}")
+        f"{DELAYED_SCALES_HELP}{help_text}")
   out = []
   for name, value in zip(DelayedScales._fields, scales):
     if name == "grad" and value is None:
       out.append(None)
       continue
     value = scaling_lib.check_given_scale(value, f"scales.{name}")
-    checks.real_scalar(value, f"scales.{name}", "fp8_dot_general")
-    out.append(value.astype(_F32))
+    out.append(each(value, name))
   return DelayedScales(*out)
 
 
@@ -688,7 +698,7 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   del precision
   dimension_numbers = checks.dimension_numbers(dimension_numbers, lhs.shape,
                                               rhs.shape, "fp8_dot_general")
-  scales = _check_scales(scales, config)
+  scales = check_scales(scales, config)
   # Delayed amaxes are global under pmap/shard_map by default.
   config = scaling_lib.with_bound_axes(config)
   check_axis_bound(config)
