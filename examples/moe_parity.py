@@ -46,7 +46,7 @@ every seed (``fp4_parity.py``'s ``GAP``, the NVFP4 paper's bar).
 
 Run it with::
 
-  python -m examples.moe_parity                       # a few minutes on 2 CPU cores
+  python -m examples.moe_parity                       # 2.5-4 min on 2 CPU cores
   python -m examples.moe_parity --quick --out /tmp/moe   # the smoke run (tests)
 
 It writes ``moe_parity.md`` and ``moe_parity.json`` to ``--out`` (a scratch

@@ -144,3 +144,40 @@ def test_bars_are_the_dense_examples_own(tmp_path):
 def test_quick_and_update_results_are_refused():
   proc = run_example(SCRIPT, "--quick", "--update-results")
   assert proc.returncode == 2 and "never replace" in proc.stderr
+
+
+def test_committed_results_ran_in_their_recipes_and_the_readme_quotes_them():
+  """The committed run: every run's expert matmuls ran in its recipe (no
+  result of a fallback is committed), each verdict is its bar applied to the
+  committed losses, and examples/README.md quotes each gap and verdict."""
+  result = json.loads(
+      (ROOT / "examples" / "results" / "moe_parity.json").read_text())
+  readme = (ROOT / "examples" / "README.md").read_text()
+  section = readme[readme.index("## `moe_parity.py`"):]
+  assert result["config"]["quick"] is False
+  assert result["config"]["seeds"] == [0, 1]
+  for seed, runs in result["runs"].items():
+    assert tuple(runs) == RUNS, seed
+    for name, run in runs.items():
+      assert run["experts_in_recipe"] is True, (seed, name)
+      if name not in ("f32", "bf16"):  # every expert matmul quantized
+        assert "plain" not in run["evidence"]["gradient"]["experts"], name
+  rows = result["verdicts"]
+  assert len(rows) == 8
+  for row in rows:
+    runs = result["runs"][str(row["seed"])]
+    value = runs[row["run"]]["validation_loss"]
+    ref = runs[row["reference"]]["validation_loss"]
+    error = 100 * (value - ref) / ref
+    assert row["error"] == pytest.approx(error, abs=2e-3)
+    within = (error <= row["tolerance"] if row["one_sided"]
+              else abs(error) <= row["tolerance"])
+    assert row["passed"] is within
+    assert f"{row['error']:+.3f}%" in section, row
+  for name, label in (("bf16", "bf16 (vs f32)"),
+                      ("fp8_rowwise", "float8 rowwise"), ("mxfp8", "MXFP8"),
+                      ("nvfp4", "NVFP4")):
+    met = all(r["passed"] for r in rows if r["run"] == name)
+    line = next(l for l in section.splitlines()
+                if l.startswith(f"| {label} |"))
+    assert line.endswith("| meets |" if met else "| MISSES |"), line
