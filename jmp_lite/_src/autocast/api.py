@@ -86,7 +86,9 @@ def autocast(
   the matmul precision; with a float8 recipe (``"mixed_fp8"``,
   ``"c=bf16,m=fp8_rowwise"``) the matmuls run in float8, but for the
   defaults' exclusions (the output head, batched matmuls such as attention
-  scores, shapes that are not multiples of 16: ``docs/fp8.md``). Array leaves of the arguments are traced, every other
+  scores, a Mixture-of-Experts layer's router and combine, shapes that are
+  not multiples of 16: ``docs/fp8.md``); grouped matmuls
+  (``jax.lax.ragged_dot``) are matmuls too. Array leaves of the arguments are traced, every other
   leaf is static; wrap the train step in ``jax.jit`` so the trace happens once.
   Guide, op lists next to torch's, limitations: ``docs/autocast.md``.
 
