@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+import warnings
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.fp8 import config as config_lib
 from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
@@ -315,3 +317,36 @@ def head_site(closed_jaxpr: Any, candidates: dict[int, Any]) -> int | None:
     if is_head_candidate(*avals, eqn.params["dimension_numbers"], config):
       last = index
   return last
+
+
+#: What the Flax policies say of a model's own grouped matmuls under a recipe.
+GROUPED_NOT_HOOKED = (
+    "jmp_lite.{owner}: the model calls jax.lax.ragged_dot ({count} grouped "
+    "matmul(s): a Mixture-of-Experts layer's experts) under a policy whose "
+    "matmuls run in {recipes}. Flax layers have no ragged_dot hook, so the "
+    "Flax policies run these in the compute dtype (float32 accumulation "
+    "where the backend does), not in the recipe. To run them in the recipe, "
+    "autocast the model's apply instead (jmp_lite.autocast(model.apply, "
+    "policy): per-expert scales, docs/fp8.md), or call "
+    "jmp_lite.fp8.fp8_ragged_dot / jmp_lite.fp4.fp4_ragged_dot in the "
+    "module. docs/flax.md, float8."
+)
+
+
+def warn_grouped_matmuls(closed_jaxpr: Any, configs: Any, owner: str) -> int:
+  """Warns (``GROUPED_NOT_HOOKED``) when a model traced under float8/FP4
+  recipes (``configs``, the recipes in force) calls ``ragged_dot`` on float
+  operands, which no Flax hook reaches; returns how many it calls."""
+  ragged = compat.primitive("ragged_dot_general_p")
+  recipes = sorted({config_lib.format_name(c) for c in configs
+                    if c is not None})
+  if ragged is None or not recipes:
+    return 0
+  count = sum(
+      1 for eqn in compat.walk_eqns(closed_jaxpr, live_only=True)
+      if eqn.primitive is ragged
+      and all(tree_lib.is_float(v.aval) for v in eqn.invars[:2]))
+  if count:
+    warnings.warn(GROUPED_NOT_HOOKED.format(
+        owner=owner, count=count, recipes=", ".join(recipes)), stacklevel=4)
+  return count

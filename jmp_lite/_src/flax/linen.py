@@ -514,6 +514,10 @@ class PolicyModel:
       jax.eval_shape(run, *values)
       return _Discovery(dict(classes), None)
     closed = jax.make_jaxpr(run)(*values)
+    float8_lib.warn_grouped_matmuls(
+        closed, [float8_lib.recipe(self.policy),
+                 *(float8_lib.recipe(o) for _, o in self.module_rules)],
+        "linen")
     index = float8_lib.head_site(closed, float8.candidates)
     head = None if index is None else float8.sites[index]
     return _Discovery(dict(classes), head)

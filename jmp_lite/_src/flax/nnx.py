@@ -552,6 +552,9 @@ def _head(module: nnx.Module, resolver: common.Resolver, method: Any,
   closed = jax.make_jaxpr(run)(
       state, [leaves[i] for i in dynamic],
       {i: s for i, (_, s) in objects.items()})
+  float8_lib.warn_grouped_matmuls(
+      closed, [float8_lib.recipe(resolver.policy),
+               *(float8_lib.recipe(o) for _, o in resolver.rules)], "nnx")
   index = float8_lib.head_site(closed, dict(enumerate(c for _, c in layers)))
   head = None if index is None else layers[index][0]
   if len(_HEADS) > 256:
