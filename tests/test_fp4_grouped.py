@@ -217,6 +217,8 @@ def test_empty_experts_are_finite_with_exactly_zero_weight_gradients(recipe):
   _same(dw, np.zeros_like(dw))
 
 
+# Op by op under the debug flags: ~25 s on 2 cores, the slow stage's.
+@pytest.mark.slow
 def test_empty_experts_create_no_nan_or_inf_anywhere():
   """Op by op under jax_debug_nans/jax_debug_infs (jax.disable_jit): empty
   groups, all-zero tokens and tiny magnitudes make no intermediate NaN or
