@@ -904,3 +904,15 @@ def test_op_dtypes_treats_non_array_arguments_as_static():
   assert "tanh" not in ops
   ops = [name for name, _ in op_dtypes(f, w, w, act="tanh")]
   assert "tanh" in ops
+
+
+def test_autocast_of_a_gradient_with_a_gather():
+  """The gradient of a gather is a scatter-add whose combiner JAX traced
+  for float32: autocast of the gradient function runs it as traced (before,
+  its operands were cast to bfloat16 against the float32 combiner, and XLA
+  refused the program)."""
+  grad = jax.grad(lambda x, w, i: (x[i] @ w).sum())
+  x, w, i = jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.array([0, 3])
+  got = jax.jit(jmp_lite.autocast(grad, "mixed_bfloat16"))(x, w, i)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, grad(x, w, i), rtol=1e-2)

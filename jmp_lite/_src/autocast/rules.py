@@ -88,8 +88,7 @@ PROMOTE_NAMES = (
     # shape, indexing and data movement.
     "reshape_p", "broadcast_in_dim_p", "transpose_p", "squeeze_p", "rev_p",
     "slice_p", "dynamic_slice_p", "dynamic_update_slice_p", "gather_p",
-    "scatter_p", "scatter_add_p", "scatter_mul_p", "scatter_min_p",
-    "scatter_max_p", "scatter_sub_p", "concatenate_p", "split_p", "tile_p",
+    "scatter_p", "concatenate_p", "split_p", "tile_p",
     "pad_p", "iota_p", "sort_p", "top_k_p", "optimization_barrier_p",
     "sharding_constraint_p", "device_put_p",
     # order statistics and pooling (exact in any dtype).
@@ -101,7 +100,13 @@ PROMOTE_NAMES = (
     "ppermute_p", "pvary_p", "psum_invariant_p", "reduce_scatter_p",
 )
 
-PASSTHROUGH_NAMES = ("bitcast_convert_type_p", "reduce_precision_p")
+PASSTHROUGH_NAMES = (
+    "bitcast_convert_type_p", "reduce_precision_p",
+    # Scatters that combine (the gradient of a gather is a scatter-add): their
+    # combiner is a jaxpr traced for the operands' dtype, so they run in it.
+    "scatter_add_p", "scatter_mul_p", "scatter_min_p", "scatter_max_p",
+    "scatter_sub_p",
+)
 
 # First-order primitives whose parameters hold a jaxpr that is a scalar
 # combiner (reduce's monoid, scatter's update), not a body to autocast: they
