@@ -102,7 +102,6 @@ _finite_part = fp4_lib._finite_part
 _ragged_rows = grouped_lib._ragged_rows
 _ragged_tokens = grouped_lib._ragged_tokens
 _first_order_only = grouped_lib._first_order_only
-_same_varying_axes = grouped_lib._same_varying_axes
 # pylint: enable=protected-access
 
 
@@ -444,18 +443,8 @@ def fp4_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
   out_dtype = grouped_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, np.dtype(out_dtype), np.dtype(lhs.dtype),
                    np.dtype(rhs.dtype))
-  return _grouped_product(lhs, rhs, sizes, key, static=static)
-
-
-@functools.partial(jax.jit, inline=True, static_argnames=("static",))
-def _grouped_product(lhs, rhs, sizes, key, *, static):
-  m, n = lhs.shape[0], rhs.shape[2]
-  if 0 in lhs.shape or 0 in rhs.shape:
-    return jnp.zeros((m, n), static.out_dtype)
-  # Under shard_map every operand varies over the axes any one varies over
-  # (as the float8 grouped matmul marks them).
-  lhs, rhs, sizes = _same_varying_axes(lhs, rhs, sizes)
-  return _grouped_fp4(lhs, rhs, sizes, key, static)
+  return grouped_lib.grouped_product(lhs, rhs, sizes, key, matmul=_grouped_fp4,
+                                     static=static)
 
 
 # ---------------------------------------------------------------------------

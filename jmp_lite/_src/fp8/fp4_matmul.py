@@ -363,14 +363,7 @@ def _fp4_matmul_bwd(static, residuals, g):
 _fp4_matmul.defvjp(_fp4_matmul_fwd, _fp4_matmul_bwd)
 
 
-@jax.custom_jvp
-def _first_order_only(x):
-  return x
-
-
-@_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-  raise ValueError(SECOND_ORDER_HELP)
+_first_order_only = fp8_matmul_lib.first_order_only(SECOND_ORDER_HELP)
 
 
 # ---------------------------------------------------------------------------

@@ -528,14 +528,7 @@ def _backward(x, w, group_sizes, scales, quantized, dy, *, static):
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-@jax.custom_jvp
-def _first_order_only(x):
-  return x
-
-
-@_first_order_only.defjvp
-def _first_order_only_jvp(primals, tangents):
-  raise ValueError(SECOND_ORDER_HELP)
+_first_order_only = matmul_lib.first_order_only(SECOND_ORDER_HELP)
 
 
 # ---------------------------------------------------------------------------
@@ -630,11 +623,6 @@ def _bound_axes(config, scales):
       config, axis_name=(kept[0] if len(kept) == 1 else kept) or None)
 
 
-def _same_varying_axes(*xs):
-  axes = frozenset().union(*(compat.varying_axes(x) for x in xs))
-  return [compat.vary_over(x, axes) for x in xs]
-
-
 # ---------------------------------------------------------------------------
 # The public function.
 # ---------------------------------------------------------------------------
@@ -712,15 +700,20 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
                            config.compute_dtype)
   static = _Static(config, per_group, np.dtype(out_dtype),
                    np.dtype(lhs.dtype), np.dtype(rhs.dtype))
-  return _grouped_product(lhs, rhs, sizes, scales, static=static)
+  return grouped_product(lhs, rhs, sizes, scales, matmul=_grouped_matmul,
+                         static=static)
 
 
-@functools.partial(jax.jit, inline=True, static_argnames=("static",))
-def _grouped_product(lhs, rhs, sizes, scales, *, static):
+@functools.partial(jax.jit, inline=True,
+                   static_argnames=("matmul", "static"))
+def grouped_product(lhs, rhs, sizes, extra, *, matmul, static):
+  """``matmul(lhs, rhs, sizes, extra, static)`` (a custom-gradient grouped
+  matmul and its hashable static arguments), one jitted function per
+  shapes: zeros for an empty operand; under ``shard_map`` every operand
+  varying over the axes any one varies over
+  (:func:`~jmp_lite._src.fp8.matmul.same_varying_axes`)."""
   m, n = lhs.shape[0], rhs.shape[2]
   if 0 in lhs.shape or 0 in rhs.shape:
     return jnp.zeros((m, n), static.out_dtype)
-  # Under shard_map every operand varies over the axes any one varies over
-  # (the transpose of the marking sums a replicated weight's gradient).
-  lhs, rhs, sizes = _same_varying_axes(lhs, rhs, sizes)
-  return _grouped_matmul(lhs, rhs, sizes, scales, static)
+  lhs, rhs, sizes = matmul_lib.same_varying_axes(lhs, rhs, sizes)
+  return matmul(lhs, rhs, sizes, extra, static)

@@ -610,15 +610,31 @@ _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 # ---------------------------------------------------------------------------
 
 
-def _same_varying_axes(a: jax.Array, b: jax.Array):
-  """Under ``shard_map``, both operands marked varying over the axes either
+def same_varying_axes(*xs: jax.Array) -> list[jax.Array]:
+  """Under ``shard_map``, every operand marked varying over the axes any one
   varies over (as ``jax.lax.dot_general`` does implicitly): a custom gradient
   must return each operand's cotangent with the operand's own type, and the
   cotangent of a replicated weight multiplied by a sharded batch varies. The
   transpose of this marking is the ``psum`` that makes the weight's gradient
   the sum over shards, as without float8."""
-  axes = compat.varying_axes(a) | compat.varying_axes(b)
-  return [compat.vary_over(x, axes) for x in (a, b)]
+  axes = frozenset().union(*(compat.varying_axes(x) for x in xs))
+  return [compat.vary_over(x, axes) for x in xs]
+
+
+def first_order_only(message: str) -> Any:
+  """The identity, whose derivative raises ``ValueError(message)``: what a
+  custom backward pass that rounds (FP4, the grouped matmuls) wraps its
+  inputs in, so that a second derivative is refused, not silently zero."""
+
+  @jax.custom_jvp
+  def identity(x):
+    return x
+
+  @identity.defjvp
+  def _refuse(primals, tangents):
+    raise ValueError(message)
+
+  return identity
 
 
 def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
@@ -770,7 +786,7 @@ def _canonical_product(lhs, rhs, extra, *, matmul, static, rhs_contract_first,
       # An empty operand: the product is all zeros (or empty), as is its
       # gradient; nothing to quantize.
       return jnp.zeros(shape, out_dtype)
-    a, b = _same_varying_axes(a, b)
+    a, b = same_varying_axes(a, b)
     return matmul(a, b, *extra, static).reshape(shape)
 
   return compat.partitioned_as_auto(product, out_spec, lhs, rhs, *extra)
