@@ -319,34 +319,73 @@ def head_site(closed_jaxpr: Any, candidates: dict[int, Any]) -> int | None:
   return last
 
 
-#: What the Flax policies say of a model's own grouped matmuls under a recipe.
+#: What the NNX policies say of a model's own grouped matmuls under a recipe.
 GROUPED_NOT_HOOKED = (
     "jmp_lite.{owner}: the model calls jax.lax.ragged_dot ({count} grouped "
     "matmul(s): a Mixture-of-Experts layer's experts) under a policy whose "
-    "matmuls run in {recipes}. Flax layers have no ragged_dot hook, so the "
-    "Flax policies run these in the compute dtype (float32 accumulation "
+    "matmuls run in {recipes}. NNX layers have no ragged_dot hook, so the "
+    "NNX policies run these in the compute dtype (float32 accumulation "
     "where the backend does), not in the recipe. To run them in the recipe, "
-    "autocast the model's apply instead (jmp_lite.autocast(model.apply, "
-    "policy): per-expert scales, docs/fp8.md), or call "
-    "jmp_lite.fp8.fp8_ragged_dot / jmp_lite.fp4.fp4_ragged_dot in the "
-    "module. docs/flax.md, float8."
+    "autocast the model's functional call instead (jmp_lite.autocast of a "
+    "function of nnx.split's state: per-expert scales, docs/fp8.md), use "
+    "jmp_lite.linen, or call jmp_lite.fp8.fp8_ragged_dot / "
+    "jmp_lite.fp4.fp4_ragged_dot in the module. docs/flax.md, float8."
 )
+
+
+def grouped_matmuls(closed_jaxpr: Any) -> int:
+  """How many ``ragged_dot``s on float operands a traced model calls."""
+  ragged = compat.primitive("ragged_dot_general_p")
+  if ragged is None:
+    return 0
+  return sum(
+      1 for eqn in compat.walk_eqns(closed_jaxpr, live_only=True)
+      if eqn.primitive is ragged
+      and all(tree_lib.is_float(v.aval) for v in eqn.invars[:2]))
 
 
 def warn_grouped_matmuls(closed_jaxpr: Any, configs: Any, owner: str) -> int:
   """Warns (``GROUPED_NOT_HOOKED``) when a model traced under float8/FP4
   recipes (``configs``, the recipes in force) calls ``ragged_dot`` on float
-  operands, which no Flax hook reaches; returns how many it calls."""
-  ragged = compat.primitive("ragged_dot_general_p")
+  operands, which no hook reaches; returns how many it calls."""
   recipes = sorted({config_lib.format_name(c) for c in configs
                     if c is not None})
-  if ragged is None or not recipes:
-    return 0
-  count = sum(
-      1 for eqn in compat.walk_eqns(closed_jaxpr, live_only=True)
-      if eqn.primitive is ragged
-      and all(tree_lib.is_float(v.aval) for v in eqn.invars[:2]))
+  count = grouped_matmuls(closed_jaxpr) if recipes else 0
   if count:
     warnings.warn(GROUPED_NOT_HOOKED.format(
         owner=owner, count=count, recipes=", ".join(recipes)), stacklevel=4)
   return count
+
+
+def region(config: Any) -> Any:
+  """The named scope marking a module's call with its recipe (or none), for
+  :func:`grouped_in_recipes`."""
+  from jmp_lite._src import markers  # pylint: disable=g-import-not-at-top
+  return jax.named_scope(markers.fp8_marker(config))
+
+
+def grouped_in_recipes(fn: Callable[..., Any], args: tuple, kwargs: dict,
+                       compute_dtype: Any) -> Any:
+  """``fn(*args, **kwargs)`` with every ``ragged_dot`` in the recipe of the
+  innermost :func:`region` around it (none outside every region), all else
+  as traced: autocast's interpreter with a table of the grouped-matmul rule
+  only (``with_policy``'s, which keeps operand and result dtypes as traced).
+  What a linen policy runs for a model whose modules call ``ragged_dot``
+  (no Flax hook reaches it); the ``dot_general``s stay the hooks'."""
+  from jmp_lite._src.autocast import float8 as autocast_float8  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.autocast import interpreter as interpreter_lib  # pylint: disable=g-import-not-at-top
+  compat.require("jmp_lite.linen (grouped matmuls under a float8/FP4 recipe)")
+  flat_fn, dynamic = interpreter_lib.split_static(fn, args, kwargs)
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+  table: dict[Any, Any] = {prim: "recurse"
+                           for prim in interpreter_lib.HIGHER_ORDER}
+  table[compat.primitive("ragged_dot_general_p")] = (
+      autocast_float8.fp8_ragged_passthrough)
+  interp = interpreter_lib.Interpreter(compute_dtype, table, fp8=True,
+                                       region=None)
+  outs = interp.eval_closed(closed, dynamic)
+  leaves, treedef = jax.tree.flatten(out_shape)
+  outs = interpreter_lib.cast_all(
+      outs, [np.dtype(v.dtype) if tree_lib.is_float(v) else None
+             for v in leaves])
+  return jax.tree.unflatten(treedef, outs)

@@ -95,13 +95,16 @@ class _Float8:
       ``"init"`` (create zero histories), ``"apply"``.
     resolver: the policies.
     head: the path of the output head (apply, init), or None.
+    regions: mark every module's call with its recipe (a model calling
+      ``ragged_dot``: :func:`float8_lib.grouped_in_recipes`).
   """
 
   def __init__(self, mode: str, resolver: common.Resolver,
-               head: common.Path | None = None):
+               head: common.Path | None = None, regions: bool = False):
     self.mode = mode
     self.resolver = resolver
     self.head = head
+    self.regions = regions
     self.candidates: dict[int, Any] = {}
     self.sites: list[common.Path] = []
 
@@ -209,6 +212,11 @@ def _boundary_interceptor(
     call = next_fun
     if float8 is not None and name == "__call__":
       call = float8.wrap(module, path, next_fun)
+    if float8 is not None and float8.regions:
+      # Grouped matmuls (no Flax hook): each module's call marked with its
+      # recipe, which the interpreter around the model reads at each one.
+      call = _in_scope(call, float8_lib.region(
+          float8_lib.recipe(float8.resolver.effective(path))))
     # A module's own methods calling each other (``__call__`` -> ``encode``)
     # stay inside it: no cast to the output dtype in the middle.
     if not cast or not common.is_policy_method(name) or path in active:
@@ -410,10 +418,21 @@ class PolicyModel:
       run_variables = _replace_collection(variables, "params", params)
     seen: set[common.Path] = set()
     float8 = (None if fp8 is None
-              else _Float8("apply", resolver, head=found.head))
+              else _Float8("apply", resolver, head=found.head,
+                           regions=found.grouped > 0))
     interceptor = _boundary_interceptor(resolver, seen, float8)
-    with nn.intercept_methods(interceptor), self.policy.matmul_context():
-      out = self.module.apply(run_variables, *args, **call_kwargs)
+
+    def run(variables, args, kwargs):
+      with nn.intercept_methods(interceptor), self.policy.matmul_context():
+        return self.module.apply(variables, *args, **kwargs)
+
+    if float8 is not None and float8.regions:
+      # The model's own ragged_dots (no Flax hook): in their module's recipe.
+      out = float8_lib.grouped_in_recipes(
+          run, (run_variables, args, call_kwargs), {},
+          self.policy.compute_dtype)
+    else:
+      out = run(run_variables, args, call_kwargs)
     known = seen | set(found.classes)
     if params is not None:
       known |= _owner_paths(params)
@@ -514,13 +533,10 @@ class PolicyModel:
       jax.eval_shape(run, *values)
       return _Discovery(dict(classes), None)
     closed = jax.make_jaxpr(run)(*values)
-    float8_lib.warn_grouped_matmuls(
-        closed, [float8_lib.recipe(self.policy),
-                 *(float8_lib.recipe(o) for _, o in self.module_rules)],
-        "linen")
     index = float8_lib.head_site(closed, float8.candidates)
     head = None if index is None else float8.sites[index]
-    return _Discovery(dict(classes), head)
+    return _Discovery(dict(classes), head,
+                      float8_lib.grouped_matmuls(closed))
 
   def _discover(self, variables: Any, args: tuple, call_kwargs: dict) -> dict[common.Path, type]:
     """Traces the model abstractly to learn the class at every module path."""
@@ -564,6 +580,7 @@ class _Discovery(NamedTuple):
 
   classes: dict  # path -> module class, for class rules
   head: common.Path | None  # the output head's path
+  grouped: int = 0  # ragged_dot calls (grouped matmuls), under a recipe
 
 
 def _signature(args: tuple, call_kwargs: dict) -> Any:
