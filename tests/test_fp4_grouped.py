@@ -142,6 +142,7 @@ def test_close_to_the_per_group_loop_on_normal_data(recipe):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
 
 
+@pytest.mark.slow  # ~8 s on 2 cores
 def test_partial_blocks_and_unaligned_dimensions():
   """K and N that are not multiples of 16 (zero-padded as the dense recipe
   pads them), groups of 1, 15, 17 and 33 rows."""
@@ -289,6 +290,7 @@ def value_derived_random_bytes(monkeypatch):
   jax.clear_caches()   # nor one traced with these
 
 
+@pytest.mark.slow  # ~9 s for both recipes
 @pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
 def test_stochastic_rounding_equals_the_loop_given_the_same_bits(
     recipe, value_derived_random_bytes):
@@ -328,6 +330,7 @@ def test_stochastic_rounding_keys():
 BIAS_SEEDS = 64
 
 
+@pytest.mark.slow  # 64 keys: ~5 s
 def test_stochastic_rounding_is_unbiased_per_group():
   """Over 64 keys, the mean grouped gradients (one draw over all groups)
   and the mean per-group-loop gradients (one draw per group) estimate the
