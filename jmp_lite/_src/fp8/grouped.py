@@ -70,7 +70,6 @@ from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
 from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import formats as formats_lib
 from jmp_lite._src.fp8 import matmul as matmul_lib
 from jmp_lite._src.fp8 import scaling as scaling_lib
 
