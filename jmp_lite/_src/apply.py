@@ -36,17 +36,9 @@ def _in_float8(fn: Callable[..., Any], args: tuple, kwargs: dict,
   floating outputs leave in the dtypes ``fn`` traced them with.
   """
   compat.require("jmp_lite.with_policy (float8 matmuls)")
-  flat_fn, dynamic = interpreter_lib.split_static(fn, args, kwargs)
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
-  interp = interpreter_lib.Interpreter(
-      policy.compute_dtype, float8_lib.passthrough_table(), fp8=True,
+  return interpreter_lib.run_as_traced(
+      fn, args, kwargs, policy.compute_dtype, float8_lib.passthrough_table(),
       region=policy.fp8_recipe)
-  outs = interp.eval_closed(closed, dynamic)
-  leaves, treedef = jax.tree.flatten(out_shape)
-  outs = interpreter_lib.cast_all(
-      outs, [np.dtype(s.dtype) if tree_lib.is_float(s) else None
-             for s in leaves])
-  return jax.tree.unflatten(treedef, outs)
 
 
 def with_policy(fn: Callable[..., Any], policy: str | Policy) -> Callable[..., Any]:

@@ -247,6 +247,24 @@ def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
   ]
 
 
+def run_as_traced(fn: Callable[..., Any], args: tuple, kwargs: dict,
+                  compute_dtype: Any, table: Any, region: Any = None) -> Any:
+  """``fn(*args, **kwargs)`` evaluated by an :class:`Interpreter` with
+  ``table`` and float8 regions (``region``: the recipe outside every
+  marker), its floating outputs cast back to the dtypes ``fn`` traced them
+  with. Array leaves of the arguments are traced, every other leaf is
+  static. What ``with_policy``'s float8 route and the linen policies'
+  grouped-matmul route run."""
+  flat_fn, dynamic = split_static(fn, args, kwargs)
+  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
+  interp = Interpreter(compute_dtype, table, fp8=True, region=region)
+  outs = interp.eval_closed(closed, dynamic)
+  leaves, treedef = jax.tree.flatten(out_shape)
+  outs = cast_all(outs, [np.dtype(v.dtype) if tree_lib.is_float(v) else None
+                         for v in leaves])
+  return jax.tree.unflatten(treedef, outs)
+
+
 def _float_dtypes(avals: Sequence[Any]) -> list[np.dtype | None]:
   """Per aval, its dtype if floating, else None (the value is left alone)."""
   out = []

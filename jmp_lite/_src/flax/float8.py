@@ -375,17 +375,8 @@ def grouped_in_recipes(fn: Callable[..., Any], args: tuple, kwargs: dict,
   from jmp_lite._src.autocast import float8 as autocast_float8  # pylint: disable=g-import-not-at-top
   from jmp_lite._src.autocast import interpreter as interpreter_lib  # pylint: disable=g-import-not-at-top
   compat.require("jmp_lite.linen (grouped matmuls under a float8/FP4 recipe)")
-  flat_fn, dynamic = interpreter_lib.split_static(fn, args, kwargs)
-  closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
   table: dict[Any, Any] = {prim: "recurse"
                            for prim in interpreter_lib.HIGHER_ORDER}
   table[compat.primitive("ragged_dot_general_p")] = (
       autocast_float8.fp8_ragged_passthrough)
-  interp = interpreter_lib.Interpreter(compute_dtype, table, fp8=True,
-                                       region=None)
-  outs = interp.eval_closed(closed, dynamic)
-  leaves, treedef = jax.tree.flatten(out_shape)
-  outs = interpreter_lib.cast_all(
-      outs, [np.dtype(v.dtype) if tree_lib.is_float(v) else None
-             for v in leaves])
-  return jax.tree.unflatten(treedef, outs)
+  return interpreter_lib.run_as_traced(fn, args, kwargs, compute_dtype, table)
