@@ -92,14 +92,30 @@ def exclusion(config: config_lib.Fp8Config, avals: tuple[Any, ...],
   not the rows (``torch._scaled_mm`` checks the same two). The output head
   is excluded by the interpreter, which sees the whole program.
   """
-  if len(avals) != 2 or not all(map(_quantizable, avals)):
-    names = ", ".join(np.dtype(a.dtype).name for a in avals
-                      if hasattr(a, "dtype"))
-    return f"operands not float32/bfloat16/float16 ({names})"
+  reason = _operands_reason(avals)
+  if reason is not None:
+    return reason
   m, n, k, batched = _dims(avals, dimension_numbers)
   if batched and not config.include_batched:
     return "batched matmul (include_batched=False)"
-  if m == 0 or n == 0 or k == 0:
+  return _shape_reason(config, m, n, k)
+
+
+def _operands_reason(operands: tuple[Any, ...]) -> str | None:
+  """Why operands are not the two a recipe quantizes (float32, bfloat16 or
+  float16), or None."""
+  if len(operands) == 2 and all(map(_quantizable, operands)):
+    return None
+  names = ", ".join(np.dtype(a.dtype).name for a in operands
+                    if hasattr(a, "dtype"))
+  return f"operands not float32/bfloat16/float16 ({names})"
+
+
+def _shape_reason(config: Any, m: int, n: int, k: int,
+                  empty: bool = False) -> str | None:
+  """Why a product of these dimensions stays out of ``config``'s format:
+  empty (or ``empty``), or K or N not a multiple of ``dim_multiple``."""
+  if empty or m == 0 or n == 0 or k == 0:
     return "empty matmul"
   odd = [f"{name}={d}" for name, d in (("K", k), ("N", n))
          if d % config.dim_multiple]
@@ -206,25 +222,17 @@ def ragged_exclusion(config: Any, avals: tuple[Any, ...],
   ragged along its contracting dimension or with batch dimensions stays in
   the compute dtype with float32 accumulation.
   """
-  operands = avals[:2]
-  if not all(map(_quantizable, operands)):
-    names = ", ".join(np.dtype(a.dtype).name for a in operands
-                      if hasattr(a, "dtype"))
-    return f"operands not float32/bfloat16/float16 ({names})"
+  reason = _operands_reason(avals[:2])
+  if reason is not None:
+    return reason
   perms, reason = _ragged_layout(avals, dnums)
   if reason is not None:
     return reason
   lhs_perm, rhs_perm = perms
   m, k = (avals[0].shape[d] for d in lhs_perm)
   n = avals[1].shape[rhs_perm[2]]
-  if m == 0 or n == 0 or k == 0 or avals[1].shape[rhs_perm[0]] == 0:
-    return "empty matmul"
-  odd = [f"{name}={d}" for name, d in (("K", k), ("N", n))
-         if d % config.dim_multiple]
-  if odd:
-    return (f"dims not multiple of {config.dim_multiple}: "
-            + ", ".join(odd))
-  return None
+  return _shape_reason(config, m, n, k,
+                       empty=avals[1].shape[rhs_perm[0]] == 0)
 
 
 def _ragged_rule(fallback: str) -> Callable[..., Any]:
