@@ -46,7 +46,7 @@ from benchmarks import common
 from benchmarks import runner
 from jmp_lite import fp4
 from jmp_lite import fp8
-from jmp_lite._src.fp8 import config as recipes
+from jmp_lite._src.low_precision import recipes as recipes
 
 NAME = "grouped_matmul"
 TITLE = ("Grouped (ragged_dot) low-precision matmuls: trace and compile time "

@@ -27,9 +27,9 @@ Example:
   True
 """
 
-from jmp_lite._src.fp8.fp4_grouped import fp4_ragged_dot
-from jmp_lite._src.fp8.fp4_matmul import Fp4Config
-from jmp_lite._src.fp8.fp4_matmul import fp4_dot_general
+from jmp_lite._src.low_precision.fp4_grouped import fp4_ragged_dot
+from jmp_lite._src.low_precision.fp4_matmul import Fp4Config
+from jmp_lite._src.low_precision.fp4_matmul import fp4_dot_general
 
 __all__ = (
     "Fp4Config",

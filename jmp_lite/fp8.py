@@ -20,9 +20,9 @@ Example:
   Array(16., dtype=float32)
 """
 
-from jmp_lite._src.fp8.config import Fp8Config
-from jmp_lite._src.fp8.grouped import fp8_ragged_dot
-from jmp_lite._src.fp8.matmul import DelayedScales
-from jmp_lite._src.fp8.matmul import fp8_dot_general
+from jmp_lite._src.low_precision.recipes import Fp8Config
+from jmp_lite._src.low_precision.fp8_grouped import fp8_ragged_dot
+from jmp_lite._src.low_precision.fp8_matmul import DelayedScales
+from jmp_lite._src.low_precision.fp8_matmul import fp8_dot_general
 
 __all__ = ("DelayedScales", "Fp8Config", "fp8_dot_general", "fp8_ragged_dot")

@@ -1209,7 +1209,7 @@ def test_the_layer_imports_trees_dtypes_checks_and_fp8_only():
   import ast  # pylint: disable=g-import-not-at-top
   allowed = {"jmp_lite._src.checks", "jmp_lite._src.tree",
              "jmp_lite._src.compat",  # foundations (explicit sharding)
-             "jmp_lite._src.dtypes", "jmp_lite._src.fp8",
+             "jmp_lite._src.dtypes", "jmp_lite._src.low_precision",
              "jmp_lite._src.diagnostics.stats",
              "jmp_lite._src.diagnostics.report",
              "jmp_lite._src.diagnostics.fp8_stats"}

@@ -72,7 +72,7 @@ def test_linen_policy_runs_a_module_s_ragged_dot_in_its_recipe(recipe, expected)
   assert out.dtype == jnp.float32
   w = variables["params"]["w"].astype(jnp.bfloat16)
   config = jmp_lite.get_policy(spec).fp8_recipe
-  from jmp_lite._src.fp8 import fp4_grouped  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.low_precision import fp4_grouped  # pylint: disable=g-import-not-at-top
   hand = fp4_grouped.recipe_ragged_dot(X.astype(jnp.bfloat16), w, SIZES,
                                        config=config,
                                        preferred_element_type=jnp.bfloat16)

@@ -13,8 +13,8 @@ import pytest
 from jmp_lite import fp4
 from jmp_lite import fp8
 from jmp_lite._src import compat
-from jmp_lite._src.fp8 import fp4 as fp4_lib
-from jmp_lite._src.fp8 import fp4_grouped
+from jmp_lite._src.low_precision import fp4 as fp4_lib
+from jmp_lite._src.low_precision import fp4_grouped
 
 MATMUL = (((1,), (0,)), ((), ()))  # x (m, K) @ w (K, N)
 F32 = np.float32

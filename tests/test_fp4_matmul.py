@@ -12,8 +12,8 @@ import pytest
 import fp4_reference as ref
 import jmp_lite
 from jmp_lite import fp4
-from jmp_lite._src.fp8 import fp4 as fp4_lib
-from jmp_lite._src.fp8 import fp4_matmul
+from jmp_lite._src.low_precision import fp4 as fp4_lib
+from jmp_lite._src.low_precision import fp4_matmul
 
 MATMUL = (((1,), (0,)), ((), ()))  # x (M, K) @ w (K, N)
 _DN = (((2,), (2,)), ((0,), (0,)))
@@ -297,7 +297,7 @@ def test_mxfp8_smallest_scales_reach_the_product():
   for a nonzero block): forward and both gradients equal the exact product
   of the quantized operands."""
   from jmp_lite import fp8  # pylint: disable=g-import-not-at-top
-  from jmp_lite._src.fp8 import scaling  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.low_precision import scaling  # pylint: disable=g-import-not-at-top
   tiny = 2.0**-126
   x = _positive((32, 64), 34, tiny, 1.2e-38)
   x[0] = tiny

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fp4_reference as ref
-from jmp_lite._src.fp8 import fp4
+from jmp_lite._src.low_precision import fp4
 
 
 def _bits(x):

@@ -20,7 +20,7 @@ import jmp_lite
 from jmp_lite import fp4
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
-from jmp_lite._src.fp8 import fp4_matmul
+from jmp_lite._src.low_precision import fp4_matmul
 
 _DN = (((1,), (0,)), ((), ()))
 _BF16 = jnp.bfloat16

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jmp_lite._src import compat
-from jmp_lite._src import fp8
-from jmp_lite._src.fp8 import formats
+from jmp_lite._src import low_precision as fp8
+from jmp_lite._src.low_precision import formats
 
 from test_fp8_reference import codes_to_float
 from test_fp8_reference import e8m0_code

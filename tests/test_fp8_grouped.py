@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from jmp_lite import fp8
-from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import formats as formats_lib
-from jmp_lite._src.fp8 import grouped
-from jmp_lite._src.fp8 import scaling as scaling_lib
+from jmp_lite._src.low_precision import recipes as config_lib
+from jmp_lite._src.low_precision import formats as formats_lib
+from jmp_lite._src.low_precision import fp8_grouped as grouped
+from jmp_lite._src.low_precision import scaling as scaling_lib
 
 DENSE = (((1,), (0,)), ((), ()))
 RECIPES = ("fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8", "fp8_delayed")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jmp_lite import fp4
-from jmp_lite._src import fp8
+from jmp_lite._src import low_precision as fp8
 
 from helpers import all_eqns
 from helpers import lowered_functions
@@ -410,7 +410,7 @@ def test_repeated_matmuls_trace_forward_and_backward_once(monkeypatch):
   trace of the quantized product and one of its backward pass (a
   custom_vjp's bwd runs per call site; it is a jitted function): four
   matmuls quantize as often while tracing as one does."""
-  from jmp_lite._src.fp8 import scaling  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.low_precision import scaling  # pylint: disable=g-import-not-at-top
   calls = []
   quantize_blocks = scaling.quantize_blocks
 
@@ -554,7 +554,7 @@ def test_scales_are_applied_so_that_a_representable_result_is_right():
   # The rule itself, where the scales' product underflows or overflows and
   # the result does not (and is exact: powers of two), and where it is a
   # normal float32 (one multiplication, as before).
-  from jmp_lite._src.fp8 import matmul as matmul_lib  # pylint: disable=import-outside-toplevel
+  from jmp_lite._src.low_precision import fp8_matmul as matmul_lib  # pylint: disable=import-outside-toplevel
   acc = jnp.array([2.0**-100, 2.0**100, 3 * 2.0**30, 0.0], jnp.float32)
   a = jnp.array([2.0**100, 2.0**-100, 2.0**-70, 2.0**126], jnp.float32)
   b = jnp.array([2.0**100, 2.0**-100, 2.0**-70, 2.0**126], jnp.float32)

@@ -18,7 +18,7 @@ import jmp_lite
 from jmp_lite import fp4
 from jmp_lite import fp8
 from jmp_lite._src import markers
-from jmp_lite._src.fp8 import config as recipes_lib
+from jmp_lite._src.low_precision import recipes as recipes_lib
 
 RECIPES = tuple(recipes_lib.FP8_RECIPES)
 CURRENT = tuple(r for r in RECIPES if r != "fp8_delayed")
@@ -317,7 +317,7 @@ def test_in_float32_refuses_fp4_recipes():
 def test_float_fields_render_exactly(value):
   """A float in a recipe is written with repr (str printed 6 digits:
   1/3 came back as 0.333333), so it reads back to the same float."""
-  config_lib = __import__("jmp_lite._src.fp8.config", fromlist=["_"])
+  config_lib = __import__("jmp_lite._src.low_precision.recipes", fromlist=["_"])
   text = config_lib._render(value)  # pylint: disable=protected-access
   assert config_lib._parse_value("margin", text) == value  # pylint: disable=protected-access
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmp_lite._src import fp8
-from jmp_lite._src.fp8 import scaling
+from jmp_lite._src import low_precision as fp8
+from jmp_lite._src.low_precision import scaling
 
 from test_fp8_reference import codes_to_float
 from test_fp8_reference import current_scale

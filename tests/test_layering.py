@@ -5,8 +5,8 @@ Every ``import``/``from ... import`` statement of every module under
 ``jmp_lite/_src`` is read from the source (those inside functions too), each
 module is placed in a layer of DESIGN.md's table, and no module may import
 one of a higher layer. DESIGN.md allows no exception, so this test lists
-none. An import names the module it loads (``from jmp_lite._src.fp8 import
-config`` loads ``fp8/config.py``; a name imported from a package's
+none. An import names the module it loads (``from jmp_lite._src.low_precision import
+recipes`` loads ``low_precision/recipes.py``; a name imported from a package's
 ``__init__`` is the package's).
 """
 
@@ -39,8 +39,8 @@ PLACES: dict[str, str] = {
     "tree": "trees",
     # The recipe objects, their names and text, and the element formats they
     # name; the markers that carry a recipe object's key in a name stack.
-    "fp8.config": "precision recipes",
-    "fp8.formats": "precision recipes",
+    "low_precision.recipes": "precision recipes",
+    "low_precision.formats": "precision recipes",
     "markers": "precision recipes",
     "policy": "policy",
     "loss_scale": "loss scale",
@@ -49,7 +49,7 @@ PLACES: dict[str, str] = {
     "parallel": "optimizer side",
     "quantized_states": "optimizer side",
     "state_codes": "optimizer side",
-    "fp8": "low-precision numerics",
+    "low_precision": "low-precision numerics",
     "autocast": "autocast",
     "apply": "functional apply",
     # A jax.checkpoint policy a user hands to the function they apply.
@@ -124,14 +124,14 @@ def test_imports_inside_functions_and_relative_ones_are_read(tmp_path):
   source = tmp_path / "probe.py"
   source.write_text(
       "from jmp_lite._src import tree as tree_lib\n"
-      "from jmp_lite._src.fp8.config import Fp8Config\n"
+      "from jmp_lite._src.low_precision.recipes import Fp8Config\n"
       "def f():\n"
       "  from jmp_lite._src.autocast import float8\n"
       "  import jmp_lite._src.flax.rules\n"
       "  from . import markers\n")
   known = set(_modules())
   assert _imports("probe", source, known) == {
-      "tree", "fp8.config", "autocast.float8", "flax.rules", "markers"}
+      "tree", "low_precision.recipes", "autocast.float8", "flax.rules", "markers"}
 
 
 def test_no_module_imports_a_higher_layer():

@@ -278,7 +278,7 @@ def matmul_ops(fn, *args):
 
 def _has_fp4_grouped():
   try:
-    from jmp_lite._src.fp8 import fp4_grouped  # pylint: disable=g-import-not-at-top,unused-import
+    from jmp_lite._src.low_precision import fp4_grouped  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     return False
   return True
@@ -291,7 +291,7 @@ RECIPES = ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"] + (
 @ROUTES
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_rule_runs_the_recipes_grouped_matmul(route, recipe):
-  from jmp_lite._src.fp8 import fp4_grouped  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.low_precision import fp4_grouped  # pylint: disable=g-import-not-at-top
   config = jmp_lite.get_policy(policy(recipe)).fp8_recipe
   found = route(grouped, policy(recipe))(GX, GW, GSIZES)
   expected = fp4_grouped.recipe_ragged_dot(

@@ -21,7 +21,7 @@ from jmp_lite._src import markers
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.autocast import float8 as float8_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
-from jmp_lite._src.fp8 import config as recipes_lib
+from jmp_lite._src.low_precision import recipes as recipes_lib
 from jmp_lite._src.policy import cast_inputs
 from jmp_lite._src.policy import cast_outputs
 from jmp_lite._src.policy import get_policy

@@ -19,7 +19,7 @@ import numpy as np
 
 from jmp_lite._src import dtypes
 from jmp_lite._src import tree as tree_lib
-from jmp_lite._src.fp8 import config as recipes_lib
+from jmp_lite._src.low_precision import recipes as recipes_lib
 
 T = TypeVar("T")
 
@@ -409,7 +409,7 @@ def _parse_pairs(spec: str, text: str) -> dict[str, tuple[str, str]]:
   which sit in parentheses, separated by ``;``:
   ``"c=bf16,m=fp8_delayed(margin=1;history_length=32)"`` (their values keep
   their case: axis names are case-sensitive); the recipe's own grammar is
-  checked where it is read (``fp8/config.py``).
+  checked where it is read (``low_precision/recipes.py``).
   """
   chosen: dict[str, tuple[str, str]] = {}
   for raw_part in _split_entries(text):

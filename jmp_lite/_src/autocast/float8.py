@@ -6,13 +6,13 @@
 program with :func:`fp8_dot_rule` for ``dot_general``: the rule reads the
 recipe object in force (``ctx.fp8_config``: the policy's, or the one a
 marker's key stands for; never recipe text), leaves the excluded matmuls to its fallback rule, and
-otherwise calls :func:`jmp_lite._src.fp8.matmul.fp8_dot_general` (float8
+otherwise calls :func:`jmp_lite._src.low_precision.fp8_matmul.fp8_dot_general` (float8
 operands, float32 accumulation, result in the compute dtype or, under
 ``with_policy``/Flax, in the dtype the program was traced with). What stays
 out of float8 and why: ``docs/fp8.md``. A grouped matmul
 (``jax.lax.ragged_dot``, a Mixture-of-Experts layer's experts) goes the same
 way through :data:`fp8_ragged_lower` (:data:`fp8_ragged_passthrough`) to
-:func:`jmp_lite._src.fp8.fp4_grouped.recipe_ragged_dot`, in its basic form only
+:func:`jmp_lite._src.low_precision.fp4_grouped.recipe_ragged_dot`, in its basic form only
 (:func:`ragged_exclusion`).
 """
 
@@ -32,9 +32,9 @@ from jmp_lite._src import markers
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
-from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import fp4_grouped as fp4_grouped_lib
-from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import recipes as config_lib
+from jmp_lite._src.low_precision import fp4_grouped as fp4_grouped_lib
+from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
 
 _F32 = np.dtype(np.float32)
 

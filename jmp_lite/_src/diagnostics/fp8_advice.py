@@ -28,9 +28,9 @@ from jmp_lite._src.diagnostics.stats import _path_name
 from jmp_lite._src.diagnostics.stats import host_stats
 from jmp_lite._src.diagnostics.stats import is_stats
 from jmp_lite._src.diagnostics.stats import TensorStats
-from jmp_lite._src.fp8 import config as fp8_config
-from jmp_lite._src.fp8 import formats as fp8_formats
-from jmp_lite._src.fp8 import scaling as fp8_scaling
+from jmp_lite._src.low_precision import recipes as fp8_config
+from jmp_lite._src.low_precision import formats as fp8_formats
+from jmp_lite._src.low_precision import scaling as fp8_scaling
 
 #: The default share of entries :func:`advise_fp8` lets a granularity flush
 #: to zero: 1%, the share of float16 underflow :func:`advise` accepts.

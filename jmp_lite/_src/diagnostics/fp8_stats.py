@@ -3,7 +3,7 @@ each FP4 recipe (NVFP4, MXFP4), would clip, flush to zero and round away,
 per leaf of any pytree.
 
 :class:`Fp8Stats` and :func:`fp8_stats`. Every recipe runs the quantizers of
-:mod:`jmp_lite._src.fp8` themselves (the ones the float8 and FP4 matmuls
+:mod:`jmp_lite._src.low_precision` themselves (the ones the float8 and FP4 matmuls
 run), so the counts are what those matmuls would do to the values. The host side (the
 advice per layer) is :mod:`jmp_lite._src.diagnostics.fp8_advice`. Guide:
 ``docs/diagnostics.md`` (Float8).
@@ -24,11 +24,11 @@ from numpy.lib.array_utils import normalize_axis_tuple
 from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
-from jmp_lite._src.fp8 import config as fp8_config
-from jmp_lite._src.fp8 import formats as fp8_formats
-from jmp_lite._src.fp8 import fp4 as fp4_lib
-from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
-from jmp_lite._src.fp8 import scaling as fp8_scaling
+from jmp_lite._src.low_precision import recipes as fp8_config
+from jmp_lite._src.low_precision import formats as fp8_formats
+from jmp_lite._src.low_precision import fp4 as fp4_lib
+from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import scaling as fp8_scaling
 
 #: The roles a tensor plays in a float8 matmul, as :func:`fp8_stats` names them.
 ROLES: tuple[str, ...] = ("activation", "weight", "gradient")
@@ -493,8 +493,8 @@ def _fp4_quantized(x: jax.Array, recipe: str, role: str,
   ``x``'s shape (``norm``: int32 ``(rows, 1)``, each row's normalising
   exponent), ``limit`` the largest magnitude each entry's block holds
   unclipped (6 times its scale). The scales multiply as the matmul applies them
-  (:func:`~jmp_lite._src.fp8.fp4.scale_e8m0_blocks`,
-  :func:`~jmp_lite._src.fp8.fp4.lift_scale`): MXFP4's ``2**-127`` and
+  (:func:`~jmp_lite._src.low_precision.fp4.scale_e8m0_blocks`,
+  :func:`~jmp_lite._src.low_precision.fp4.lift_scale`): MXFP4's ``2**-127`` and
   NVFP4's tensor scale of a tiny tensor are float32 subnormals, which
   XLA:CPU flushes to zero."""
   rows, k = x.shape

@@ -5,7 +5,7 @@ argument (``dot_general``/``dot_general_cls`` on linen ``Dense`` and
 ``DenseGeneral`` and NNX ``Linear`` and ``LinearGeneral``; ``einsum_op`` on
 NNX ``Einsum``), as Transformer Engine and Flax's own ``fp8_ops`` use it. The
 linen and NNX policies hand the layers a :class:`Matmul` for the duration of
-a call: it runs :func:`jmp_lite._src.fp8.matmul.fp8_dot_general` where the
+a call: it runs :func:`jmp_lite._src.low_precision.fp8_matmul.fp8_dot_general` where the
 recipe in force there puts the product in float8, and the product as written
 elsewhere (every fallback visible, as autocast's). No jaxpr is interpreted.
 
@@ -33,10 +33,10 @@ import numpy as np
 
 from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
-from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
-from jmp_lite._src.fp8 import matmul as matmul_lib
-from jmp_lite._src.fp8 import scaling as scaling_lib
+from jmp_lite._src.low_precision import recipes as config_lib
+from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import fp8_matmul as matmul_lib
+from jmp_lite._src.low_precision import scaling as scaling_lib
 
 _F32 = np.dtype(np.float32)
 _BITS = np.dtype(np.uint32)

@@ -55,7 +55,7 @@ class Fp8Format:
     min_subnormal: the smallest positive value (``2**-9``, ``2**-16``).
 
   Example:
-    >>> from jmp_lite._src.fp8 import formats
+    >>> from jmp_lite._src.low_precision import formats
     >>> formats.get_format("e4m3").max
     448.0
   """
@@ -116,7 +116,7 @@ def get_format(fmt: Any, what: str = "format") -> Fp8Format:
     ValueError: if it names no supported float8 format.
 
   Example:
-    >>> from jmp_lite._src.fp8 import formats
+    >>> from jmp_lite._src.low_precision import formats
     >>> formats.get_format(" E5M2 ").name
     'e5m2'
   """
@@ -152,7 +152,7 @@ def saturating_cast(x: Any, fmt: Any = "e4m3") -> jax.Array:
   stays NaN. Everything else rounds to nearest, ties to even, exactly as
   ``astype`` does.
 
-  This is a bare cast. The quantizers (:func:`~jmp_lite._src.fp8.scaling.\
+  This is a bare cast. The quantizers (:func:`~jmp_lite._src.low_precision.scaling.\
 quantize`) divide by a scale first, and map infinite inputs to NaN instead,
   so that an overflow upstream stays visible to loss scaling.
 
@@ -169,7 +169,7 @@ quantize`) divide by a scale first, and map infinite inputs to NaN instead,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src.fp8 import formats
+    >>> from jmp_lite._src.low_precision import formats
     >>> formats.saturating_cast(jnp.array([500.0, -1e30]), "e4m3")
     Array([448, -448], dtype=float8_e4m3fn)
   """
@@ -254,7 +254,7 @@ def encode_e8m0(scale: Any) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src.fp8 import formats
+    >>> from jmp_lite._src.low_precision import formats
     >>> formats.decode_e8m0(formats.encode_e8m0(jnp.array([0.3, 4.0])))
     Array([0.5, 4. ], dtype=float32)
   """
@@ -277,7 +277,7 @@ def decode_e8m0(codes: jax.Array) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src.fp8 import formats
+    >>> from jmp_lite._src.low_precision import formats
     >>> formats.decode_e8m0(jnp.array([127, 128], jnp.uint8))
     Array([1., 2.], dtype=float32)
   """

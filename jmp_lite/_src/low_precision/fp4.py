@@ -1,6 +1,6 @@
 """FP4 (E2M1) numerics: the NVFP4 and MXFP4 quantizers, the random Hadamard
 transform and stochastic rounding (the internals of
-:func:`~jmp_lite._src.fp8.fp4_matmul.fp4_dot_general`; the tests check them
+:func:`~jmp_lite._src.low_precision.fp4_matmul.fp4_dot_general`; the tests check them
 against an independent reference).
 
 The element format is E2M1 (:data:`jax.numpy.float4_e2m1fn`): 1 sign bit, 2
@@ -49,7 +49,7 @@ a float32 -> float8 cast twice.
 computation of the scales and values (so that one inf does not crush the
 tensor's other values), and flagged: an NVFP4 tensor holding any NaN or inf
 gets a NaN tensor scale, an MXFP4 block holding one gets the E8M0 NaN code
-(255). Dequantizing, or multiplying with :func:`~jmp_lite._src.fp8.\
+(255). Dequantizing, or multiplying with :func:`~jmp_lite._src.low_precision.\
 fp4_matmul.fp4_dot_general`, then gives NaN, where a plain E2M1 cast would have
 given -0 (NaN) or 6 (inf): an overflow reaches the loss-scaling check.
 
@@ -74,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmp_lite._src import dtypes
-from jmp_lite._src.fp8 import config as recipes_lib
+from jmp_lite._src.low_precision import recipes as recipes_lib
 
 _F32 = np.dtype(np.float32)
 _U32 = np.dtype(np.uint32)

@@ -6,7 +6,7 @@
 1. Each operand is brought to the canonical form ``(B, M, K)`` / ``(B, N, K)``
    (batch, free, contracting dimensions), as the float8 matmul does.
 2. Forward: both operands are quantized to FP4 with round-to-nearest-even
-   along K (:mod:`~jmp_lite._src.fp8.fp4`); the **rhs is the weight** by
+   along K (:mod:`~jmp_lite._src.low_precision.fp4`); the **rhs is the weight** by
    convention (Flax's ``Dense`` calls ``dot_general(inputs, kernel, ...)``):
    with NVFP4 and ``two_d_weights`` it is quantized in 16x16 tiles over
    ``(N, K)``, so the backward pass sees the same quantized weight. The block
@@ -76,9 +76,9 @@ import numpy as np
 from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
-from jmp_lite._src.fp8 import config as recipes_lib
-from jmp_lite._src.fp8 import fp4 as fp4_lib
-from jmp_lite._src.fp8 import matmul as fp8_matmul_lib
+from jmp_lite._src.low_precision import recipes as recipes_lib
+from jmp_lite._src.low_precision import fp4 as fp4_lib
+from jmp_lite._src.low_precision import fp8_matmul as fp8_matmul_lib
 
 _F32 = np.dtype(np.float32)
 
@@ -205,7 +205,7 @@ def _emulated(a_values, a_scales, b_values, b_scales):
 
   MXFP4's operands are dequantized lifted by ``2**2`` each (where nothing
   can overflow) and the product brought back by ``2**-4`` with
-  :func:`~jmp_lite._src.fp8.fp4.mul_pow2`: a block with scale ``2**-127`` or
+  :func:`~jmp_lite._src.low_precision.fp4.mul_pow2`: a block with scale ``2**-127`` or
   ``2**-126`` dequantizes to float32 subnormals that XLA:CPU flushes to
   zero, where the GPU's block-scaled product keeps them."""
   mx = np.dtype(a_scales.dtype) == np.dtype(np.uint8)  # E8M0 codes
@@ -265,7 +265,7 @@ def apply_tensor_scales(acc: jax.Array, a_scale: jax.Array,
   normal float32, else ``(acc * a_scale) * b_scale`` (tiny or huge amaxes);
   NaN if either scale is NaN. A tensor scale may be a float32 subnormal
   (NVFP4's ``1 / S_enc`` for an amax below 3.2e-35): each is carried lifted
-  to a normal float32 (:func:`~jmp_lite._src.fp8.fp4.lift_scale`) and the
+  to a normal float32 (:func:`~jmp_lite._src.low_precision.fp4.lift_scale`) and the
   lift taken back with exact powers of two, as the float8 matmul applies a
   scale product that is no normal float32, so that the result is right
   wherever it is a normal float32."""

@@ -5,9 +5,9 @@ A Mixture-of-Experts layer sorts its tokens by expert and multiplies them with
 ``jax.lax.ragged_dot(x[M, K], w[G, K, N], group_sizes[G])``: the rows of
 group ``g`` (``group_sizes[g]`` consecutive rows) by expert ``g``'s weight.
 :func:`fp8_ragged_dot` is that product under a float8 recipe
-(:class:`~jmp_lite._src.fp8.config.Fp8Config`), forward and backward, with
+(:class:`~jmp_lite._src.low_precision.recipes.Fp8Config`), forward and backward, with
 the numerics of the dense recipe applied to each group: the grouped result is
-the per-group loop of :func:`~jmp_lite._src.fp8.matmul.fp8_dot_general`,
+the per-group loop of :func:`~jmp_lite._src.low_precision.fp8_matmul.fp8_dot_general`,
 computed in one pass (``docs/fp8.md``, grouped matmuls).
 
 What "per group" means for each operand and product:
@@ -69,9 +69,9 @@ import numpy as np
 from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
-from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import matmul as matmul_lib
-from jmp_lite._src.fp8 import scaling as scaling_lib
+from jmp_lite._src.low_precision import recipes as config_lib
+from jmp_lite._src.low_precision import fp8_matmul as matmul_lib
+from jmp_lite._src.low_precision import scaling as scaling_lib
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)
@@ -710,7 +710,7 @@ def grouped_product(lhs, rhs, sizes, extra, *, matmul, static):
   matmul and its hashable static arguments), one jitted function per
   shapes: zeros for an empty operand; under ``shard_map`` every operand
   varying over the axes any one varies over
-  (:func:`~jmp_lite._src.fp8.matmul.same_varying_axes`)."""
+  (:func:`~jmp_lite._src.low_precision.fp8_matmul.same_varying_axes`)."""
   m, n = lhs.shape[0], rhs.shape[2]
   if 0 in lhs.shape or 0 in rhs.shape:
     return jnp.zeros((m, n), static.out_dtype)

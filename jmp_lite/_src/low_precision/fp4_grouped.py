@@ -4,13 +4,13 @@ scales, group-aligned token blocks, safe empty groups.
 :func:`fp4_ragged_dot` is ``jax.lax.ragged_dot(x[M, K], w[G, K, N],
 group_sizes[G])`` (a Mixture-of-Experts layer's product: the rows of group
 ``g`` times expert ``g``'s weight) under an FP4 recipe
-(:class:`~jmp_lite._src.fp8.config.Fp4Config`), forward and backward, with
+(:class:`~jmp_lite._src.low_precision.recipes.Fp4Config`), forward and backward, with
 the numerics of the dense recipe
-(:func:`~jmp_lite._src.fp8.fp4_matmul.fp4_dot_general`) applied to each
+(:func:`~jmp_lite._src.low_precision.fp4_matmul.fp4_dot_general`) applied to each
 group: the grouped result is the per-group loop of ``fp4_dot_general``,
 computed in one pass (``docs/fp4.md``, grouped matmuls). The layout helpers
 and the argument checks are the float8 grouped matmul's
-(:mod:`~jmp_lite._src.fp8.grouped`).
+(:mod:`~jmp_lite._src.low_precision.fp8_grouped`).
 
 Per group:
 
@@ -32,7 +32,7 @@ Per group:
 * **Weight gradient** ``dw[g] = x_g^T @ dy_g`` contracts the tokens: both
   operands are laid out with every group starting at a multiple of the
   block (16 for NVFP4, 32 for MXFP4; zero rows between groups, static
-  shapes, no host sync: :func:`~jmp_lite._src.fp8.grouped.padded_layout`),
+  shapes, no host sync: :func:`~jmp_lite._src.low_precision.fp8_grouped.padded_layout`),
   so no scale block and no 16-point Hadamard block holds two experts'
   tokens; the random Hadamard transform runs on each 16-token block of that
   layout, which is the dense recipe's transform of each group's tokens
@@ -45,7 +45,7 @@ Per group:
 operands (E2M1 values times their block scales: exact in float32) with
 float32 accumulation and ``precision=HIGHEST`` (no TF32 on a GPU), the
 per-group tensor scales applied to the float32 result as the dense recipe's
-:func:`~jmp_lite._src.fp8.fp4_matmul.apply_tensor_scales` applies them (MXFP4's
+:func:`~jmp_lite._src.low_precision.fp4_matmul.apply_tensor_scales` applies them (MXFP4's
 operands lifted by ``2**2`` per group where that cannot overflow, as the dense
 emulation lifts them). There is no native path: JAX has no block-scaled
 grouped GEMM, so on a GPU too the grouped product is this exact emulation
@@ -69,7 +69,7 @@ tensor scales are the per-group loop's bit for bit; the float32 sums are
 XLA's, which on CPU does not sum in one order for every shape, so the
 grouped result equals the loop bit for bit where the float32 sums are exact
 and to float32 rounding of the accumulation otherwise (as the float8
-grouped matmul, :mod:`~jmp_lite._src.fp8.grouped`).
+grouped matmul, :mod:`~jmp_lite._src.low_precision.fp8_grouped`).
 
 Second derivatives are refused with a ``ValueError``.
 """
@@ -83,11 +83,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jmp_lite._src.fp8 import config as recipes_lib
-from jmp_lite._src.fp8 import fp4 as fp4_lib
-from jmp_lite._src.fp8 import fp4_matmul as fp4_matmul_lib
-from jmp_lite._src.fp8 import grouped as grouped_lib
-from jmp_lite._src.fp8 import matmul as fp8_matmul_lib
+from jmp_lite._src.low_precision import recipes as recipes_lib
+from jmp_lite._src.low_precision import fp4 as fp4_lib
+from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import fp8_grouped as grouped_lib
+from jmp_lite._src.low_precision import fp8_matmul as fp8_matmul_lib
 
 _F32 = np.dtype(np.float32)
 _I32 = np.dtype(np.int32)

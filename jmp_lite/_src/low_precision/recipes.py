@@ -29,7 +29,7 @@ import numpy as np
 
 from jmp_lite._src import checks
 from jmp_lite._src import dtypes as dtypes_lib
-from jmp_lite._src.fp8 import formats as formats_lib
+from jmp_lite._src.low_precision import formats as formats_lib
 
 #: The float8 matmul recipes a policy names with ``m=`` (plain data: the
 #: fields of :class:`Fp8Config` that differ from its defaults). Why each:
@@ -329,12 +329,12 @@ class Fp8Config:
 
   @property
   def forward(self) -> formats_lib.Fp8Format:
-    """The forward operands' :class:`~jmp_lite._src.fp8.formats.Fp8Format`."""
+    """The forward operands' :class:`~jmp_lite._src.low_precision.formats.Fp8Format`."""
     return formats_lib.get_format(self.forward_format)
 
   @property
   def gradient(self) -> formats_lib.Fp8Format:
-    """The incoming gradient's :class:`~jmp_lite._src.fp8.formats.Fp8Format`."""
+    """The incoming gradient's :class:`~jmp_lite._src.low_precision.formats.Fp8Format`."""
     return formats_lib.get_format(self.gradient_format)
 
   def spec(self) -> str:

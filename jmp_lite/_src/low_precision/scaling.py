@@ -62,8 +62,8 @@ from numpy.lib.array_utils import normalize_axis_tuple
 
 from jmp_lite._src import checks
 from jmp_lite._src import compat
-from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import formats as formats_lib
+from jmp_lite._src.low_precision import recipes as config_lib
+from jmp_lite._src.low_precision import formats as formats_lib
 
 _F32 = np.dtype(np.float32)
 #: The smallest scale current scaling produces: the smallest normal float32.
@@ -79,7 +79,7 @@ GIVEN_SCALE_HELP = (
     "tensor's own amax)."
 )
 # The granularity vocabulary, block sizes and amax algorithms are the
-# recipe layer's (one set of names: jmp_lite._src.fp8.config).
+# recipe layer's (one set of names: jmp_lite._src.low_precision.recipes).
 MX_BLOCK_SIZE = config_lib.MX_BLOCK_SIZE
 DEFAULT_BLOCK_SIZE = config_lib.DEFAULT_BLOCK_SIZE
 #: The granularities :func:`quantize` knows.
@@ -113,7 +113,7 @@ class Quantized:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src import fp8
+    >>> from jmp_lite._src import low_precision as fp8
     >>> q = fp8.quantize(jnp.array([[1.0, -2.0], [3.0, 4.0]]), "e4m3", "row")
     >>> q.scale.shape, q.block_shape
     ((2, 1), (1, 2))
@@ -182,7 +182,7 @@ def scale_from_amax(amax: Any, fmt: Any = "e4m3", *, margin: float = 0,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src import fp8
+    >>> from jmp_lite._src import low_precision as fp8
     >>> fp8.scale_from_amax(jnp.array([448.0, 500.0, 0.0]))
     Array([1., 2., 1.], dtype=float32)
   """
@@ -232,7 +232,7 @@ def update_amax_history(history: Any, amax: Any) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src import fp8
+    >>> from jmp_lite._src import low_precision as fp8
     >>> fp8.update_amax_history(jnp.array([3.0, 2.0, 1.0]), jnp.float32(4.0))
     Array([4., 3., 2.], dtype=float32)
   """
@@ -269,7 +269,7 @@ def scale_from_history(history: Any, fmt: Any = "e4m3", *, margin: float = 0,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src import fp8
+    >>> from jmp_lite._src import low_precision as fp8
     >>> h = jnp.array([100.0, 800.0, 0.0])  # most recent first
     >>> fp8.scale_from_history(h)  # 800 / 448, rounded up to a power of two
     Array(2., dtype=float32)
@@ -528,7 +528,7 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
   Args:
     x: a float32, bfloat16 or float16 array.
     fmt: ``"e4m3"`` or ``"e5m2"`` (see
-      :func:`~jmp_lite._src.fp8.formats.get_format`).
+      :func:`~jmp_lite._src.low_precision.formats.get_format`).
     granularity: how elements share scales:
 
       * ``"tensor"``: one scale (``axis`` must be None);
@@ -563,7 +563,7 @@ def quantize(x: Any, fmt: Any = "e4m3", granularity: str = "tensor", *,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src import fp8
+    >>> from jmp_lite._src import low_precision as fp8
     >>> q = fp8.quantize(jnp.array([1000.0, 1.0, 0.5]), "e4m3")
     >>> q.values, q.scale  # 1000 / 4 = 250 rounds to 256 (3 mantissa bits)
     (Array([256, 0.25, 0.125], dtype=float8_e4m3fn), Array(4., dtype=float32))
@@ -622,7 +622,7 @@ def dequantize(q: Quantized, dtype: Any = jnp.float32) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from jmp_lite._src import fp8
+    >>> from jmp_lite._src import low_precision as fp8
     >>> fp8.dequantize(fp8.quantize(jnp.array([3.0, -7.0]), "e5m2"))
     Array([ 3., -7.], dtype=float32)
   """

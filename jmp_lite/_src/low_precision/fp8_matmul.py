@@ -1,7 +1,7 @@
 """A float8 ``dot_general`` with a float8 backward pass.
 
 :func:`fp8_dot_general` has the signature of :func:`jax.lax.dot_general` plus a
-static :class:`~jmp_lite._src.fp8.config.Fp8Config`, so that
+static :class:`~jmp_lite._src.low_precision.recipes.Fp8Config`, so that
 ``functools.partial(fp8_dot_general, config=...)`` can be Flax's
 ``dot_general`` or an autocast rule for ``dot_general_p``.
 
@@ -83,7 +83,7 @@ there (jax 0.12 lowers it, the custom call in the CUDA branch only).
 
 **Delayed scaling** (``config.scaling="delayed"``, per tensor): the caller
 passes ``scales=DelayedScales(lhs, rhs, grad)``, float32 scalars computed from
-amax histories (:func:`~jmp_lite._src.fp8.scaling.scale_from_history`). The
+amax histories (:func:`~jmp_lite._src.low_precision.scaling.scale_from_history`). The
 matmul reports the amaxes it observed through autodiff: the cotangent of
 ``scales`` is a ``DelayedScales`` holding the amax of the lhs, of the rhs and
 of the incoming gradient (the only way a backward-pass value can leave a
@@ -107,9 +107,9 @@ import numpy as np
 from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
-from jmp_lite._src.fp8 import config as config_lib
-from jmp_lite._src.fp8 import formats as formats_lib
-from jmp_lite._src.fp8 import scaling as scaling_lib
+from jmp_lite._src.low_precision import recipes as config_lib
+from jmp_lite._src.low_precision import formats as formats_lib
+from jmp_lite._src.low_precision import scaling as scaling_lib
 
 _F32 = np.dtype(np.float32)
 Fp8Config = config_lib.Fp8Config
@@ -694,7 +694,7 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
 
   Example:
     >>> import functools, jax, jax.numpy as jnp
-    >>> from jmp_lite._src import fp8
+    >>> from jmp_lite._src import low_precision as fp8
     >>> dot = functools.partial(fp8.fp8_dot_general,
     ...                         config=fp8.Fp8Config(granularity="row"))
     >>> @jax.jit
