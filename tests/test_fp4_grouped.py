@@ -15,6 +15,7 @@ from jmp_lite import fp8
 from jmp_lite._src import compat
 from jmp_lite._src.low_precision import fp4 as fp4_lib
 from jmp_lite._src.low_precision import fp4_grouped
+from jmp_lite._src.low_precision import recipe_matmuls
 
 MATMUL = (((1,), (0,)), ((), ()))  # x (m, K) @ w (K, N)
 F32 = np.float32
@@ -163,10 +164,10 @@ def test_recipe_ragged_dot_picks_the_grouped_matmul_by_recipe():
   x, w, _ = _data(12)
   sizes = jnp.asarray(JAGGED, jnp.int32)
   for config in RTN.values():
-    got = fp4_grouped.recipe_ragged_dot(x, w, sizes, config=config)
+    got = recipe_matmuls.recipe_ragged_dot(x, w, sizes, config=config)
     _same(got, fp4.fp4_ragged_dot(x, w, sizes, config=config))
   config = fp8.Fp8Config(granularity="row")
-  _same(fp4_grouped.recipe_ragged_dot(x, w, sizes, config=config),
+  _same(recipe_matmuls.recipe_ragged_dot(x, w, sizes, config=config),
         fp8.fp8_ragged_dot(x, w, sizes, config=config))
 
 

@@ -276,25 +276,17 @@ def matmul_ops(fn, *args):
           if op[0] in ("dot_general", "ragged_dot_general")]
 
 
-def _has_fp4_grouped():
-  try:
-    from jmp_lite._src.low_precision import fp4_grouped  # pylint: disable=g-import-not-at-top,unused-import
-  except ImportError:
-    return False
-  return True
-
-
-RECIPES = ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"] + (
-    ["nvfp4", "mxfp4"] if _has_fp4_grouped() else [])
+RECIPES = ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4", "mxfp4",
+           "int8", "int8_switchback"]
 
 
 @ROUTES
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_rule_runs_the_recipes_grouped_matmul(route, recipe):
-  from jmp_lite._src.low_precision import fp4_grouped  # pylint: disable=g-import-not-at-top
+  from jmp_lite._src.low_precision import recipe_matmuls  # pylint: disable=g-import-not-at-top
   config = jmp_lite.get_policy(policy(recipe)).fp8_recipe
   found = route(grouped, policy(recipe))(GX, GW, GSIZES)
-  expected = fp4_grouped.recipe_ragged_dot(
+  expected = recipe_matmuls.recipe_ragged_dot(
       GX.astype(BF16), GW.astype(BF16), GSIZES, config=config,
       preferred_element_type=BF16).astype(F32)
   assert found.dtype == F32
@@ -410,8 +402,7 @@ HEAD = "output head (include_output_head=False)"
 
 @JIT
 @ROUTES
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"] + (
-    ["nvfp4"] if _has_fp4_grouped() else []))
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise", "nvfp4", "int8"])
 def test_router_and_combine_stay_in_the_compute_dtype(route, recipe, jit):
   f = route(model, policy(recipe))
   ops = matmul_ops(f, PARAMS, X)

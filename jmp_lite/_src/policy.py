@@ -37,7 +37,8 @@ _KEYS = {
 #: Named presets accepted by :func:`get_policy` (Keras-style names; ``tf32``:
 #: float32 everywhere, matmuls and convolutions in TensorFloat-32;
 #: ``mixed_fp8``: ``mixed_bfloat16`` with per-tensor float8 matmuls;
-#: ``mixed_nvfp4``: ``mixed_bfloat16`` with NVFP4 matmuls).
+#: ``mixed_nvfp4``: ``mixed_bfloat16`` with NVFP4 matmuls; ``mixed_int8``:
+#: ``mixed_bfloat16`` with int8 matmuls, for TPUs and A100s).
 PRESETS: dict[str, str] = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
@@ -45,6 +46,7 @@ PRESETS: dict[str, str] = {
     "tf32": "p=f32,c=f32,o=f32,m=tf32",
     "mixed_fp8": "p=f32,c=bf16,o=f32,m=fp8",
     "mixed_nvfp4": "p=f32,c=bf16,o=f32,m=nvfp4",
+    "mixed_int8": "p=f32,c=bf16,o=f32,m=int8",
 }
 
 # Matmul precisions a policy may name: ours (aliases -> canonical name) and
@@ -78,8 +80,10 @@ MATMUL_PRECISION_HELP = (
     "Valid: {names} (tf32/f32/bf16 for float32 compute; the others are "
     "jax.lax.DotAlgorithmPreset names), 'default', a float8 recipe: {fp8} "
     "(custom: 'fp8_delayed(margin=1)' or a jmp_lite.fp8.Fp8Config; see "
-    "docs/fp8.md), or an FP4 recipe: {fp4} (custom: 'nvfp4(rht=false)' or a "
-    "jmp_lite.fp4.Fp4Config; see docs/fp4.md)."
+    "docs/fp8.md), an FP4 recipe: {fp4} (custom: 'nvfp4(rht=false)' or a "
+    "jmp_lite.fp4.Fp4Config; see docs/fp4.md), or an int8 recipe: {int8} "
+    "(custom: 'int8(quantize_weight_gradient=false)' or a "
+    "jmp_lite.int8.Int8Config; see docs/int8.md)."
 )
 
 
@@ -111,17 +115,19 @@ def _matmul_precision(
     if not isinstance(value, str):
       value.check_policy_use()
       value = value.spec() if value.spec() in recipes_lib.RECIPE_NAMES else value
-    fp4 = (isinstance(value, recipes_lib.Fp4Config)
-           or value in recipes_lib.FP4_RECIPES)
-    family, preset, spec = (("an FP4", "mixed_nvfp4", "m=nvfp4") if fp4 else
-                            ("a float8", "mixed_fp8", "m=fp8"))
+    kind_of = type(recipes_lib.recipe_config(value))
+    family, preset, spec = {
+        recipes_lib.Fp4Config: ("an FP4", "mixed_nvfp4", "m=nvfp4"),
+        recipes_lib.Int8Config: ("an int8", "mixed_int8", "m=int8"),
+    }.get(kind_of, ("a float8", "mixed_fp8", "m=fp8"))
     kind, supported = f"is {family} recipe, which", _FP8_COMPUTE
     fix = f"Use e.g. {preset!r} (p=f32,c=bf16,o=f32,{spec})."
   elif not isinstance(value, str):
     raise TypeError(
         "matmul_precision must be a name such as 'tf32', 'fp8' or "
         "'bf16_bf16_f32_x3', a jax.lax.DotAlgorithmPreset, a "
-        "jmp_lite.fp8.Fp8Config or a jmp_lite.fp4.Fp4Config, got "
+        "jmp_lite.fp8.Fp8Config, a jmp_lite.fp4.Fp4Config or a "
+        "jmp_lite.int8.Int8Config, got "
         f"{type(value).__name__}: {value!r}.")
   elif value in _JAX_PRECISION:
     kind, supported = "(how float32 matmuls run)", (dtypes.FLOAT32,)
@@ -138,7 +144,8 @@ def _matmul_precision(
         f"Unknown matmul precision {given!r}. " + MATMUL_PRECISION_HELP.format(
             names=", ".join(MATMUL_PRECISIONS),
             fp8=", ".join(recipes_lib.FP8_RECIPES),
-            fp4=", ".join(recipes_lib.FP4_RECIPES)))
+            fp4=", ".join(recipes_lib.FP4_RECIPES),
+            int8=", ".join(recipes_lib.INT8_RECIPES)))
   compute = np.dtype(compute_dtype)
   if compute not in supported:
     allowed = ", ".join(d.name for d in supported) or "float8"
@@ -458,7 +465,8 @@ def get_policy(spec: str | Policy) -> Policy:
     ``"tf32"`` (``p=f32,c=f32,o=f32,m=tf32``).
   * ``"mixed_fp8"`` (``p=f32,c=bf16,o=f32,m=fp8``): bfloat16 compute with
     per-tensor float8 matmuls; ``"mixed_nvfp4"`` (``p=f32,c=bf16,o=f32,
-    m=nvfp4``): with NVFP4 matmuls.
+    m=nvfp4``): with NVFP4 matmuls; ``"mixed_int8"`` (``p=f32,c=bf16,o=f32,
+    m=int8``): with int8 matmuls (TPUs, A100s).
   * ``m=...`` / ``matmul=...`` (optional): the matmul precision, e.g.
     ``"p=f32,c=f32,o=f32,m=tf32"`` or ``"c=f32,m=bf16_bf16_f32_x3"``, or a
     float8 recipe: ``fp8``, ``fp8_rowwise``, ``fp8_blockwise``, ``mxfp8``,

@@ -12,7 +12,7 @@ operands, float32 accumulation, result in the compute dtype or, under
 out of float8 and why: ``docs/fp8.md``. A grouped matmul
 (``jax.lax.ragged_dot``, a Mixture-of-Experts layer's experts) goes the same
 way through :data:`fp8_ragged_lower` (:data:`fp8_ragged_passthrough`) to
-:func:`jmp_lite._src.low_precision.fp4_grouped.recipe_ragged_dot`, in its basic form only
+:func:`jmp_lite._src.low_precision.recipe_matmuls.recipe_ragged_dot`, in its basic form only
 (:func:`ragged_exclusion`).
 """
 
@@ -33,8 +33,7 @@ from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.autocast import interpreter as interpreter_lib
 from jmp_lite._src.autocast import rules as rules_lib
 from jmp_lite._src.low_precision import recipes as config_lib
-from jmp_lite._src.low_precision import fp4_grouped as fp4_grouped_lib
-from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import recipe_matmuls as recipe_matmuls_lib
 
 _F32 = np.dtype(np.float32)
 
@@ -170,7 +169,7 @@ def _rule(fallback: str) -> Callable[..., Any]:
     x, y = (tree_lib.cast(v, d) for v, d in zip((lhs, rhs), operand_dtypes))
     if config.scaling == "delayed":  # no state here: scaled currently
       config = _current(config)
-    return fp4_matmul_lib.recipe_dot_general(
+    return recipe_matmuls_lib.recipe_dot_general(
         x, y, dimension_numbers, preferred_element_type=out_dtype,
         config=config, out_sharding=params.get("out_sharding"))
 
@@ -268,7 +267,7 @@ def _ragged_rule(fallback: str) -> Callable[..., Any]:
       y = jax.lax.transpose(y, rhs_perm)
     if config.scaling == "delayed":  # no state here: scaled currently
       config = _current(config)
-    return fp4_grouped_lib.recipe_ragged_dot(
+    return recipe_matmuls_lib.recipe_ragged_dot(
         x, y, group_sizes, config=config, preferred_element_type=out_dtype)
 
   fp8_ragged_rule.__qualname__ = fp8_ragged_rule.__name__ = (

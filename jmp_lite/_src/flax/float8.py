@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
-import warnings
 
 import jax
 from jax import lax
@@ -34,7 +33,7 @@ import numpy as np
 from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
 from jmp_lite._src.low_precision import recipes as config_lib
-from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import recipe_matmuls as recipe_matmuls_lib
 from jmp_lite._src.low_precision import fp8_matmul as matmul_lib
 from jmp_lite._src.low_precision import scaling as scaling_lib
 
@@ -265,7 +264,7 @@ class Matmul:
         scales, new = delayed_scales(stored, lhs, rhs, config)
         if histories[1] is not None:
           histories[1](new)
-    return fp4_matmul_lib.recipe_dot_general(
+    return recipe_matmuls_lib.recipe_dot_general(
         lhs, rhs, dimension_numbers, preferred_element_type=out_dtype,
         config=config, scales=scales, out_sharding=kwargs.get("out_sharding"))
 
@@ -319,20 +318,6 @@ def head_site(closed_jaxpr: Any, candidates: dict[int, Any]) -> int | None:
   return last
 
 
-#: What the NNX policies say of a model's own grouped matmuls under a recipe.
-GROUPED_NOT_HOOKED = (
-    "jmp_lite.{owner}: the model calls jax.lax.ragged_dot ({count} grouped "
-    "matmul(s): a Mixture-of-Experts layer's experts) under a policy whose "
-    "matmuls run in {recipes}. NNX layers have no ragged_dot hook, so the "
-    "NNX policies run these in the compute dtype (float32 accumulation "
-    "where the backend does), not in the recipe. To run them in the recipe, "
-    "autocast the model's functional call instead (jmp_lite.autocast of a "
-    "function of nnx.split's state: per-expert scales, docs/fp8.md), use "
-    "jmp_lite.linen, or call jmp_lite.fp8.fp8_ragged_dot / "
-    "jmp_lite.fp4.fp4_ragged_dot in the module. docs/flax.md, float8."
-)
-
-
 def grouped_matmuls(closed_jaxpr: Any) -> int:
   """How many ``ragged_dot``s on float operands a traced model calls."""
   ragged = compat.primitive("ragged_dot_general_p")
@@ -342,19 +327,6 @@ def grouped_matmuls(closed_jaxpr: Any) -> int:
       1 for eqn in compat.walk_eqns(closed_jaxpr, live_only=True)
       if eqn.primitive is ragged
       and all(tree_lib.is_float(v.aval) for v in eqn.invars[:2]))
-
-
-def warn_grouped_matmuls(closed_jaxpr: Any, configs: Any, owner: str) -> int:
-  """Warns (``GROUPED_NOT_HOOKED``) when a model traced under float8/FP4
-  recipes (``configs``, the recipes in force) calls ``ragged_dot`` on float
-  operands, which no hook reaches; returns how many it calls."""
-  recipes = sorted({config_lib.format_name(c) for c in configs
-                    if c is not None})
-  count = grouped_matmuls(closed_jaxpr) if recipes else 0
-  if count:
-    warnings.warn(GROUPED_NOT_HOOKED.format(
-        owner=owner, count=count, recipes=", ".join(recipes)), stacklevel=4)
-  return count
 
 
 def region(config: Any) -> Any:
@@ -370,11 +342,14 @@ def grouped_in_recipes(fn: Callable[..., Any], args: tuple, kwargs: dict,
   innermost :func:`region` around it (none outside every region), all else
   as traced: autocast's interpreter with a table of the grouped-matmul rule
   only (``with_policy``'s, which keeps operand and result dtypes as traced).
-  What a linen policy runs for a model whose modules call ``ragged_dot``
-  (no Flax hook reaches it); the ``dot_general``s stay the hooks'."""
+  What the linen and NNX policies run for a model whose modules call
+  ``ragged_dot`` (no Flax hook reaches it); the ``dot_general``s stay the
+  hooks'."""
   from jmp_lite._src.autocast import float8 as autocast_float8  # pylint: disable=g-import-not-at-top
   from jmp_lite._src.autocast import interpreter as interpreter_lib  # pylint: disable=g-import-not-at-top
-  compat.require("jmp_lite.linen (grouped matmuls under a float8/FP4 recipe)")
+  compat.require(
+      "jmp_lite.linen/jmp_lite.nnx (grouped matmuls under a float8/FP4 "
+      "recipe)")
   table: dict[Any, Any] = {prim: "recurse"
                            for prim in interpreter_lib.HIGHER_ORDER}
   table[compat.primitive("ragged_dot_general_p")] = (

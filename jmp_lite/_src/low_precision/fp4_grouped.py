@@ -445,28 +445,3 @@ def fp4_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
                    np.dtype(rhs.dtype))
   return grouped_lib.grouped_product(lhs, rhs, sizes, key, matmul=_grouped_fp4,
                                      static=static)
-
-
-# ---------------------------------------------------------------------------
-# The routes' one entry: the recipe object picks the grouped matmul.
-# ---------------------------------------------------------------------------
-
-
-def recipe_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any, *, config: Any,
-                      preferred_element_type: Any = None,
-                      scales: Any = None) -> jax.Array:
-  """The quantized grouped matmul of a policy's recipe object (what every
-  route calls): an :class:`Fp4Config` runs :func:`fp4_ragged_dot` (no PRNG
-  key: stochastic rounding derives its bits from the gradient's), any other
-  recipe (an ``Fp8Config``) ``fp8_ragged_dot`` with delayed-scaling
-  ``scales`` if given. Operands as ``jax.lax.ragged_dot``'s. (It lives here,
-  above both grouped matmuls, as ``recipe_dot_general`` lives in
-  ``fp4_matmul``.)"""
-  if isinstance(config, Fp4Config):
-    del scales   # FP4 recipes scale from current amaxes
-    return fp4_ragged_dot(lhs, rhs, group_sizes,
-                          preferred_element_type=preferred_element_type,
-                          config=config)
-  return grouped_lib.fp8_ragged_dot(
-      lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
-      config=config, scales=scales)

@@ -622,10 +622,195 @@ def _named_fp4(name: str) -> Fp4Config:
   return Fp4Config(recipe=name)
 
 
+# -- int8 recipes ------------------------------------------------------------------
+
+#: The int8 matmul recipes a policy names with ``m=`` (each is
+#: ``Int8Config(recipe=name)``; why each: ``docs/int8.md``).
+INT8_RECIPES: tuple[str, ...] = ("int8", "int8_switchback")
+#: How an int8 recipe scales the weight: per output channel (one scale per
+#: element of the weight's non-contracting axes, the amax along the
+#: contracted one) or one scale for the whole tensor (SwitchBack's).
+INT8_WEIGHT_GRANULARITIES: tuple[str, ...] = ("channel", "tensor")
+#: The largest int8 value a quantized operand takes (symmetric: -127..127;
+#: -128 is never used, so that negation is exact and the range symmetric).
+INT8_MAX = 127
+
+INT8_RECIPE_HELP = (
+    "Valid int8 recipes are 'int8' (row-wise int8 activations and "
+    "gradients, per-output-channel weights, all three matmuls of a linear "
+    "in int8 with int32 accumulation: torchao's int8 mixed-precision "
+    "training) and 'int8_switchback' (SwitchBack, arXiv 2304.13013: "
+    "row-wise activations and gradients, a tensor-wise weight scale, the "
+    "weight gradient in the compute dtype)."
+)
+WEIGHT_GRANULARITY_HELP = (
+    "Valid weight granularities are the strings 'channel' (one scale per "
+    "output channel, int8's default) and 'tensor' (one scale for the whole "
+    "weight, SwitchBack's)."
+)
+_INT8_OWNER = "Int8Config"
+_INT8_FLAGS = ("quantize_forward", "quantize_input_gradient",
+               "stochastic_rounding", "include_output_head", "include_batched",
+               "include_moe_gating")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8Config:
+  """The static configuration of an int8 matmul (a recipe), frozen and hashable.
+
+  For the hardware with int8 matrix units and no float8 ones (TPU v4, v5e,
+  v5p, v6e; NVIDIA A100 and other Ampere/Ada GPUs). Every product of a
+  linear (forward ``y = x W``, input gradient ``dx = g W^T``, weight
+  gradient ``dW = x^T g``) quantizes each operand to symmetric int8 in
+  ``[-127, 127]`` with float32 scales taken along the product's own
+  contracted axis, multiplies ``s8 x s8 -> s32`` and rescales the int32
+  result once in float32: ``round_half_to_even(v / s)`` with
+  ``s = amax / 127`` per row (activations and gradients), per output
+  channel or per tensor (the weight). A policy names it as ``m=int8`` or
+  ``m=int8_switchback``, with changed fields in parentheses
+  (``m=int8(quantize_weight_gradient=false)``); every route (``autocast``,
+  ``with_policy``, linen, NNX) then runs the policy's matmuls through
+  :func:`~jmp_lite.int8.int8_dot_general`, with float8's exclusions
+  (``docs/int8.md``).
+
+  Attributes:
+    recipe: ``"int8"`` (default) or ``"int8_switchback"`` (case ignored).
+    weight_granularity: ``"channel"`` or ``"tensor"``. None (the default)
+      means ``"channel"`` for int8 and ``"tensor"`` for SwitchBack.
+    quantize_forward: run the forward product in int8 (False: the operands
+      as given, float32 accumulation).
+    quantize_input_gradient: run the input-gradient product in int8.
+    quantize_weight_gradient: run the weight-gradient product in int8
+      (False: the compute dtype with float32 accumulation, torchao's advice
+      when convergence suffers). None (the default) means True for int8 and
+      False for SwitchBack.
+    stochastic_rounding: round the incoming gradient stochastically (AQT's
+      option) in both backward products, with bits derived from the
+      gradient's own bits; everything else rounds half to even.
+    include_output_head: under a policy, also run the output head (the last
+      matmul of the forward pass) in int8 (default False).
+    include_batched: under a policy, also run matmuls with batch dimensions
+      (attention scores and their product with the values) in int8 (default
+      False).
+    dim_multiple: under a policy, matmuls run in int8 only where N and K
+      are multiples of it (default 16, as float8's).
+    axis_name: under ``jax.pmap``/``jax.shard_map``, the mapped axis (a
+      string or a tuple of strings) over which a tensor-wise weight amax is
+      reduced (``lax.pmax``), so that replicas share it. Row and channel
+      scales are local. None (default): each replica scales from its own
+      values. Not needed under ``jax.jit`` with sharded arrays.
+    include_moe_gating: under ``autocast``/``with_policy``, also run a
+      Mixture-of-Experts layer's router and combine matmuls in int8
+      (default False: the compute dtype, as for float8).
+
+  Raises:
+    TypeError: for a non-string recipe or granularity, or a non-bool
+      switch.
+    ValueError: for an unknown recipe or granularity.
+
+  Example:
+    >>> import jmp_lite
+    >>> from jmp_lite import int8
+    >>> int8.Int8Config("int8_switchback").weight_granularity
+    'tensor'
+    >>> int8.Int8Config(quantize_weight_gradient=False).spec()
+    'int8(quantize_weight_gradient=false)'
+    >>> print(jmp_lite.get_policy("p=f32,c=bf16,o=f32,m=int8"))
+    p=full,c=bf16,o=full,m=int8
+  """
+
+  recipe: str = "int8"
+  weight_granularity: str | None = None
+  quantize_forward: bool = True
+  quantize_input_gradient: bool = True
+  quantize_weight_gradient: bool | None = None
+  stochastic_rounding: bool = False
+  include_output_head: bool = False
+  include_batched: bool = False
+  dim_multiple: int = 16
+  axis_name: Any = None
+  include_moe_gating: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.recipe, str):
+      raise TypeError(
+          f"Int8Config: recipe must be a string, got "
+          f"{type(self.recipe).__name__}: {self.recipe!r}. {INT8_RECIPE_HELP}")
+    recipe = self.recipe.strip().lower()
+    if recipe not in INT8_RECIPES:
+      raise ValueError(
+          f"Int8Config: unknown recipe {self.recipe!r}. {INT8_RECIPE_HELP}")
+    switchback = recipe == "int8_switchback"
+    for name in _INT8_FLAGS:
+      _check_flag(getattr(self, name), name, _INT8_OWNER)
+    wgrad = self.quantize_weight_gradient
+    if wgrad is None:
+      wgrad = not switchback
+    _check_flag(wgrad, "quantize_weight_gradient", _INT8_OWNER)
+    granularity = self.weight_granularity
+    if granularity is None:
+      granularity = "tensor" if switchback else "channel"
+    name = (granularity.strip().lower() if isinstance(granularity, str)
+            else None)
+    if name not in INT8_WEIGHT_GRANULARITIES:
+      raise (ValueError if isinstance(granularity, str) else TypeError)(
+          f"Int8Config: unknown weight_granularity {granularity!r}. "
+          f"{WEIGHT_GRANULARITY_HELP}")
+    object.__setattr__(self, "recipe", recipe)
+    object.__setattr__(self, "weight_granularity", name)
+    object.__setattr__(self, "quantize_weight_gradient", bool(wgrad))
+    object.__setattr__(self, "dim_multiple", checks.integer(
+        self.dim_multiple, "dim_multiple", _INT8_OWNER, low=1))
+    object.__setattr__(self, "axis_name",
+                       _canonical_axis_name(self.axis_name))
+    for flag in _INT8_FLAGS:
+      object.__setattr__(self, flag, bool(getattr(self, flag)))
+
+  @property
+  def scaling(self) -> str:
+    """``"current"``: int8 scales come from each step's own amaxes (the
+    routes read this as they read a float8 recipe's)."""
+    return "current"
+
+  def spec(self) -> str:
+    """The recipe in the policy grammar: ``"int8(stochastic_rounding=true)"``.
+
+    The recipe's name followed by the fields that differ from the named
+    recipe, in field order; ``from_spec`` (and ``get_policy``'s ``m=``)
+    reads it back to an equal config.
+    """
+    base = _named_int8(self.recipe)
+    changed = [
+        f"{f.name}={_render(getattr(self, f.name))}"
+        for f in dataclasses.fields(self)
+        if getattr(self, f.name) != getattr(base, f.name)
+    ]
+    return f"{self.recipe}({';'.join(changed)})" if changed else self.recipe
+
+  def check_policy_use(self) -> None:
+    """Raises if the config cannot be a policy's recipe: an axis name the
+    policy grammar cannot write."""
+    problem = _unwritable_axis_name(self.axis_name)
+    if problem:
+      raise ValueError(f"{self.spec()}: {problem}")
+
+
+def _check_flag(value: Any, name: str, owner: str) -> None:
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+        f"{owner}: {name} must be True or False, got "
+        f"{type(value).__name__}: {value!r}.")
+
+
+@functools.lru_cache(maxsize=None)
+def _named_int8(name: str) -> Int8Config:
+  return Int8Config(recipe=name)
+
+
 #: The recipe types a policy's ``m=`` resolves to.
-RECIPE_TYPES: tuple[type, ...] = (Fp8Config, Fp4Config)
-#: Every recipe name of the policy grammar (float8, then FP4).
-RECIPE_NAMES: tuple[str, ...] = (*FP8_RECIPES, *FP4_RECIPES)
+RECIPE_TYPES: tuple[type, ...] = (Fp8Config, Fp4Config, Int8Config)
+#: Every recipe name of the policy grammar (float8, then FP4, then int8).
+RECIPE_NAMES: tuple[str, ...] = (*FP8_RECIPES, *FP4_RECIPES, *INT8_RECIPES)
 
 
 #: The recipe fields whose values keep their case in the grammar (names of
@@ -710,6 +895,7 @@ def _field_choices(key: str) -> tuple[str, ...] | None:
       "scaling": SCALING_MODES,
       "amax_algorithm": AMAX_ALGORITHMS,
       "mx_scale_rule": MX_SCALE_RULES,
+      "weight_granularity": INT8_WEIGHT_GRANULARITIES,
   }.get(key)
 
 
@@ -751,6 +937,12 @@ FP4_SPEC_HELP = (
     "'nvfp4(rht=false;stochastic_rounding=false)' or "
     "'mxfp4(mx_scale_rule=floor)'. Fields: {fields}."
 )
+INT8_SPEC_HELP = (
+    "An int8 recipe is one of {names}, optionally followed by the fields to "
+    "change in parentheses, separated by ';', e.g. "
+    "'int8(quantize_weight_gradient=false)' or "
+    "'int8_switchback(stochastic_rounding=true)'. Fields: {fields}."
+)
 
 
 def _grammar_fields(kind: type) -> tuple[str, ...]:
@@ -760,6 +952,9 @@ def _grammar_fields(kind: type) -> tuple[str, ...]:
 
 
 def _spec_help(kind: type = Fp8Config) -> str:
+  if kind is Int8Config:
+    return INT8_SPEC_HELP.format(names=", ".join(INT8_RECIPES),
+                                 fields=", ".join(_grammar_fields(Int8Config)))
   if kind is Fp4Config:
     return FP4_SPEC_HELP.format(names=", ".join(FP4_RECIPES),
                                 fields=", ".join(_grammar_fields(Fp4Config)))
@@ -785,7 +980,7 @@ def _spec_problem(text: str, name: str, paren: str, rest: str,
 
 
 @functools.lru_cache(maxsize=None)
-def from_spec(text: str) -> Fp8Config | Fp4Config:
+def from_spec(text: str) -> Fp8Config | Fp4Config | Int8Config:
   """Reads a recipe written in the policy grammar (see :meth:`Fp8Config.spec`,
   :meth:`Fp4Config.spec`).
 
@@ -795,7 +990,7 @@ def from_spec(text: str) -> Fp8Config | Fp4Config:
 
   Returns:
     The :class:`Fp8Config` of a float8 recipe name, the :class:`Fp4Config`
-    of an FP4 one.
+    of an FP4 one, the :class:`Int8Config` of an int8 one.
 
   Raises:
     ValueError: for an unknown name or field, a field given twice, fields
@@ -806,8 +1001,9 @@ def from_spec(text: str) -> Fp8Config | Fp4Config:
   compact = "".join(text.split())
   name, paren, rest = compact.partition("(")
   name = name.lower()
-  kind = Fp4Config if name in FP4_RECIPES else Fp8Config
-  family = "FP4" if kind is Fp4Config else "float8"
+  kind = (Fp4Config if name in FP4_RECIPES else
+          Int8Config if name in INT8_RECIPES else Fp8Config)
+  family = {Fp4Config: "FP4", Int8Config: "int8"}.get(kind, "float8")
   problem = _spec_problem(compact, name, paren, rest, family)
   fields = (dict(FP8_RECIPES.get(name, {})) if kind is Fp8Config
             else {"recipe": name})
@@ -831,22 +1027,24 @@ def from_spec(text: str) -> Fp8Config | Fp4Config:
     fields[key] = parsed
   if problem:
     help_text = (_spec_help(kind) if name in RECIPE_NAMES else
-                 f"{_spec_help()} {_spec_help(Fp4Config)}")
+                 f"{_spec_help()} {_spec_help(Fp4Config)} "
+                 f"{_spec_help(Int8Config)}")
     raise ValueError(f"{problem} {help_text}")
   return kind(**fields)
 
 
-def recipe_config(matmul_precision: Any) -> Fp8Config | Fp4Config | None:
+def recipe_config(matmul_precision: Any) -> Fp8Config | Fp4Config | Int8Config | None:
   """The recipe of a policy's matmul precision, or None if it names none.
 
   Args:
     matmul_precision: a ``Policy.matmul_precision`` (a name, an
-      :class:`Fp8Config` or :class:`Fp4Config`, or None).
+      :class:`Fp8Config`, :class:`Fp4Config` or :class:`Int8Config`, or
+      None).
 
   Returns:
     The config of a named recipe (``"fp8"`` -> ``Fp8Config()``, ``"nvfp4"``
-    -> ``Fp4Config()``), the config itself, or None for a precision that is
-    no float8 or FP4 recipe.
+    -> ``Fp4Config()``, ``"int8"`` -> ``Int8Config()``), the config itself,
+    or None for a precision that is no float8, FP4 or int8 recipe.
   """
   if isinstance(matmul_precision, RECIPE_TYPES):
     return matmul_precision
@@ -855,10 +1053,14 @@ def recipe_config(matmul_precision: Any) -> Fp8Config | Fp4Config | None:
       return _named(matmul_precision)
     if matmul_precision in FP4_RECIPES:
       return _named_fp4(matmul_precision)
+    if matmul_precision in INT8_RECIPES:
+      return _named_int8(matmul_precision)
   return None
 
 
-def format_name(recipe: Fp8Config | Fp4Config) -> str:
+def format_name(recipe: Fp8Config | Fp4Config | Int8Config) -> str:
   """How messages name the format of a recipe's matmuls: ``"NVFP4"``,
-  ``"MXFP4"`` or ``"float8"`` (e.g. "a dot_general stays out of NVFP4")."""
+  ``"MXFP4"``, ``"int8"`` or ``"float8"`` (e.g. "a dot_general stays out of NVFP4")."""
+  if isinstance(recipe, Int8Config):
+    return "int8"
   return recipe.recipe.upper() if isinstance(recipe, Fp4Config) else "float8"

@@ -1,0 +1,342 @@
+"""An int8 ``dot_general`` with an int8 backward pass: integer products.
+
+:func:`int8_dot_general` has the signature of :func:`jax.lax.dot_general`
+plus a static :class:`~jmp_lite._src.low_precision.recipes.Int8Config`, so
+that ``functools.partial(int8_dot_general, config=...)`` can be Flax's
+``dot_general`` or an autocast rule for ``dot_general_p``. It is for the
+hardware with int8 matrix units and no float8 ones: TPU v4/v5e/v5p/v6e and
+NVIDIA Ampere/Ada GPUs.
+
+How it computes (every platform):
+
+1. The operands are brought to the canonical form ``(B, M, K)`` /
+   ``(B, N, K)`` as the float8 matmul brings them
+   (:func:`~jmp_lite._src.low_precision.fp8_matmul.as_dot_general`).
+2. **Each product quantizes each of its two operands along that product's
+   own contracted axis** (:func:`quantize`): one float32 scale
+   ``s = amax / 127`` per row of the operand (all its other elements), or
+   one per tensor (a SwitchBack weight), and ``q = clip(round(v / s), -127,
+   127)`` as int8, rounding half to even (``jnp.round``; stochastic rounding
+   of the incoming gradient as an option: ``floor(v / s + u)``, ``u``
+   uniform in ``[0, 1)``). A row whose amax is 0 gets ``s = 1`` (all its
+   values are 0). -128 is never produced: the range is symmetric.
+3. The product is an integer product: ``dot_general`` of the two int8
+   arrays with ``preferred_element_type=int32`` (``s8 x s8 -> s32``: the
+   int8 matrix units' instruction on TPU and on NVIDIA GPUs), then one
+   float32 rescale, ``float32(acc) * s_lhs * s_rhs`` (in that order). On
+   CPU the int32 sum is exact, so the result equals an integer reference
+   (int64 accumulation of the same int8 operands, the same rescale) bit for
+   bit. A contraction longer than :data:`EXACT_INT32_LENGTH` (where
+   ``127 * 127 * length`` could overflow int32) is split into chunks of
+   :data:`CHUNK` whose int32 partial products are converted to float32,
+   rescaled and summed in float32.
+4. The three products of a linear: forward ``y = x W`` (the activation per
+   row along K, the weight per output channel along K, or per tensor),
+   input gradient ``dx = g W^T`` (the gradient per row along N, the weight
+   requantized per input channel along N, or per tensor), weight gradient
+   ``dW = x^T g`` (both along the token axis M). Each can be switched off
+   (``Int8Config.quantize_forward``, ``quantize_input_gradient``,
+   ``quantize_weight_gradient``): that product then runs on the operands in
+   their own (compute) dtype with float32 accumulation.
+
+**Non-finite values stay visible**: a NaN or inf makes its row's (or the
+tensor's) scale NaN or inf, and the rescale carries it into every output
+element that row feeds (a NaN element itself is quantized to 0 first, so
+that no undefined float-to-int conversion happens).
+
+**Second derivatives** are refused with a teaching error
+(:data:`SECOND_ORDER_HELP`): the backward pass rounds to int8.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmp_lite._src import checks
+from jmp_lite._src import dtypes as dtypes_lib
+from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import fp8_matmul as fp8_matmul_lib
+from jmp_lite._src.low_precision import recipes as recipes_lib
+
+_F32 = np.dtype(np.float32)
+Int8Config = recipes_lib.Int8Config
+_DEFAULT_CONFIG = Int8Config()
+INT8_MAX = recipes_lib.INT8_MAX
+
+#: The longest contraction whose int32 sum of int8 x int8 products cannot
+#: overflow: ``127 * 127 * length <= 2**31 - 1``.
+EXACT_INT32_LENGTH = (2**31 - 1) // (INT8_MAX * INT8_MAX)
+#: The chunk a longer contraction is split into (each chunk's int32 sum is
+#: exact; the chunks are summed in float32).
+CHUNK = 2**17
+
+# (B, P, C) x (B, Q, C) -> (B, P, Q): every product in canonical form.
+_DN = (((2,), (2,)), ((0,), (0,)))
+
+SECOND_ORDER_HELP = (
+    "A second derivative through an int8 matmul (jmp_lite.int8."
+    "int8_dot_general, or a policy with m=int8 / m=int8_switchback) is not "
+    "supported: its backward pass rounds the gradient to int8, which has no "
+    "useful derivative. For a gradient penalty or a Hessian-vector product, "
+    "run that part of the model outside the int8 recipe (e.g. a 16-bit "
+    "policy for it: jmp_lite.with_policy(f, 'mixed_bfloat16')), or use a "
+    "float8 recipe, whose second derivatives are straight-through."
+)
+
+
+# ---------------------------------------------------------------------------
+# The quantizer.
+# ---------------------------------------------------------------------------
+
+
+def quantize(x: jax.Array, *, per_tensor: bool = False, key: Any = None,
+             axis_name: Any = None) -> tuple[jax.Array, jax.Array]:
+  """Symmetric int8 of ``x`` along its last axis (the contracted one).
+
+  Args:
+    x: a floating array; its last axis is the one a product contracts.
+    per_tensor: one scale for the whole array (else one per row: every
+      element of the other axes).
+    key: a PRNG key for stochastic rounding (``floor(v + u)``), or None for
+      round half to even.
+    axis_name: with ``per_tensor``, the mapped axis over which the amax is
+      reduced (``lax.pmax``), or None.
+
+  Returns:
+    ``(q, scale)``: int8 values in ``[-127, 127]`` shaped as ``x``, and the
+    float32 scale (``amax / 127``; 1 where the amax is 0) shaped as ``x``
+    with the last axis (and, per tensor, every axis) of size 1, so that
+    ``q * scale`` dequantizes.
+  """
+  x = x.astype(_F32)
+  axes = tuple(range(x.ndim)) if per_tensor else (x.ndim - 1,)
+  amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
+  if per_tensor and axis_name is not None:
+    amax = jax.lax.pmax(amax, axis_name)
+  scale = scale_from_amax(amax)
+  return rounded(x, scale, key), scale
+
+
+def scale_from_amax(amax: jax.Array) -> jax.Array:
+  """float32 ``amax / 127``; 1 where that is 0 (an all-zero row, or an amax
+  so small its scale underflows); NaN and inf stay as they are."""
+  scale = amax.astype(_F32) / np.float32(INT8_MAX)
+  return jnp.where(scale == 0, np.float32(1), scale)
+
+
+def rounded(x: jax.Array, scale: jax.Array, key: Any = None) -> jax.Array:
+  """int8 ``clip(round(x / scale), -127, 127)`` (``scale`` broadcasting
+  against ``x``): half to even, or ``floor(x / scale + u)`` with ``key``;
+  a NaN quotient becomes 0 (its scale carries the NaN)."""
+  v = x.astype(_F32) / scale
+  if key is None:
+    v = jnp.round(v)   # half to even
+  else:
+    v = jnp.floor(v + jax.random.uniform(key, v.shape, _F32))
+  v = jnp.clip(v, -INT8_MAX, INT8_MAX)
+  return jnp.where(jnp.isnan(v), np.float32(0), v).astype(jnp.int8)
+
+
+def _product(qa: jax.Array, sa: jax.Array, qb: jax.Array,
+             sb: jax.Array) -> jax.Array:
+  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` float32: the int32 product of
+  the int8 operands, rescaled once (``acc * sa * sb^T``)."""
+  length = qa.shape[-1]
+  sbt = jnp.swapaxes(sb, 1, 2)
+  if length <= EXACT_INT32_LENGTH:
+    acc = jax.lax.dot_general(qa, qb, _DN, preferred_element_type=jnp.int32)
+    return acc.astype(_F32) * sa * sbt
+  # Chunks whose int32 sums are exact, summed in float32.
+  chunks = -(-length // CHUNK)
+  pad = chunks * CHUNK - length
+
+  def split(q):
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, pad)))
+    b, p = q.shape[:2]
+    return jnp.moveaxis(q.reshape(b, p, chunks, CHUNK), 2, 1).reshape(
+        b * chunks, p, CHUNK)
+
+  bsz, p, q = qa.shape[0], qa.shape[1], qb.shape[1]
+  acc = jax.lax.dot_general(split(qa), split(qb), _DN,
+                            preferred_element_type=jnp.int32)
+  acc = acc.reshape(bsz, chunks, p, q).astype(_F32)
+  return jnp.sum(acc * sa[:, None] * sbt[:, None], axis=1)
+
+
+def _high(a: jax.Array, b: jax.Array, dn: Any) -> jax.Array:
+  """A product left in high precision: the operands in their common dtype
+  (the compute dtype under a policy), float32 accumulation."""
+  common = jnp.promote_types(a.dtype, b.dtype)
+  return jax.lax.dot_general(a.astype(common), b.astype(common), dn,
+                             preferred_element_type=_F32)
+
+
+# ---------------------------------------------------------------------------
+# The custom gradient.
+# ---------------------------------------------------------------------------
+
+
+class _Static(NamedTuple):
+  """The static arguments of the custom-gradient matmul (hashable)."""
+
+  config: Int8Config
+  out_dtype: np.dtype
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+
+
+def _weight(b: jax.Array, config: Int8Config) -> tuple[jax.Array, jax.Array]:
+  """The weight (an ``(B, Q, C)`` operand) quantized along C: per channel
+  (row) or per tensor."""
+  return quantize(b, per_tensor=config.weight_granularity == "tensor",
+                  axis_name=config.axis_name)
+
+
+def _forward(a: jax.Array, b: jax.Array, config: Int8Config) -> jax.Array:
+  if not config.quantize_forward:
+    return _high(a, b, _DN)
+  qa, sa = quantize(a)
+  qb, sb = _weight(b, config)
+  return _product(qa, sa, qb, sb)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _int8_matmul(a, b, static):
+  """``(B, M, K) x (B, N, K) -> (B, M, N)`` in int8, result in out_dtype."""
+  return _forward(a, b, static.config).astype(static.out_dtype)
+
+
+def _int8_matmul_fwd(a, b, static):
+  return _forward(a, b, static.config).astype(static.out_dtype), (a, b)
+
+
+def backward_products(a: jax.Array, b: jax.Array, g: jax.Array,
+                      config: Int8Config) -> tuple[jax.Array, jax.Array]:
+  """float32 ``(dlhs (B, M, K), drhs (B, N, K))`` for ``g`` ``(B, M, N)``."""
+  if config.stochastic_rounding:
+    key = fp4_matmul_lib.data_key(g)
+    dgrad_key, wgrad_key = (jax.random.fold_in(key, 0),
+                            jax.random.fold_in(key, 1))
+  else:
+    dgrad_key = wgrad_key = None
+  # dlhs = g @ W^T, contracting N: g per row along N, the weight per input
+  # channel along N (or per tensor).
+  if config.quantize_input_gradient:
+    qg, sg = quantize(g, key=dgrad_key)
+    qbt, sbt = _weight(jnp.swapaxes(b, 1, 2), config)
+    da = _product(qg, sg, qbt, sbt)
+  else:
+    da = _high(g, b, (((2,), (1,)), ((0,), (0,))))
+  # drhs = g^T @ x, contracting the token axis M: both per row along M.
+  if config.quantize_weight_gradient:
+    qgt, sgt = quantize(jnp.swapaxes(g, 1, 2), key=wgrad_key)
+    qat, sat = quantize(jnp.swapaxes(a, 1, 2))
+    db = _product(qgt, sgt, qat, sat)
+  else:
+    db = _high(g, a, (((1,), (1,)), ((0,), (0,))))
+  return da, db
+
+
+def _int8_matmul_bwd(static, residuals, g):
+  a, b = residuals
+  # Whatever would differentiate the backward pass (a second derivative)
+  # meets the refusal.
+  a, b, g = _first_order_only(a), _first_order_only(b), _first_order_only(g)
+  da, db = backward_products(a, b, g, static.config)
+  return da.astype(static.lhs_dtype), db.astype(static.rhs_dtype)
+
+
+_int8_matmul.defvjp(_int8_matmul_fwd, _int8_matmul_bwd)
+
+_first_order_only = fp8_matmul_lib.first_order_only(SECOND_ORDER_HELP)
+
+
+# ---------------------------------------------------------------------------
+# The public function.
+# ---------------------------------------------------------------------------
+
+
+def _operand(x: Any, what: str) -> jax.Array:
+  """A high-precision operand (float32, bfloat16, float16, float64): the one
+  dtype validator refuses int8, float8 and other non-floating operands (the
+  matmul quantizes them itself, with scales from the high-precision
+  values)."""
+  x = jnp.asarray(x)
+  dtypes_lib.canonical_dtype(x.dtype, f"int8_dot_general's {what}")
+  return x
+
+
+def result_dtype(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype:
+  """``preferred_element_type`` if given, else the operands' promoted
+  floating dtype."""
+  if preferred_element_type is not None:
+    return dtypes_lib.canonical_dtype(preferred_element_type,
+                                      "preferred_element_type")
+  return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
+
+
+def int8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
+                     precision: Any = None, preferred_element_type: Any = None,
+                     *, out_sharding: Any = None,
+                     config: Int8Config = _DEFAULT_CONFIG) -> jax.Array:
+  """``jax.lax.dot_general`` as int8 integer products, forward and backward.
+
+  Each product quantizes its operands to symmetric int8 (``[-127, 127]``,
+  round half to even) with float32 scales along its contracted axis (per
+  row; the weight, the rhs, per output channel or per tensor), multiplies
+  ``s8 x s8 -> s32`` and rescales once in float32. The backward pass does
+  the same for the input gradient and the weight gradient (each can be left
+  in the compute dtype). Exact on CPU against an integer reference; see
+  ``docs/int8.md``.
+
+  Args:
+    lhs: a float32, bfloat16 or float16 array (the activation).
+    rhs: likewise (the weight).
+    dimension_numbers: as for ``jax.lax.dot_general``.
+    precision: accepted for signature compatibility and ignored.
+    preferred_element_type: the result dtype (float32, bfloat16, float16,
+      float64). Default: the operands' (promoted) dtype.
+    out_sharding: under explicit sharding (mesh axes of type Explicit), the
+      result's sharding as ``jax.lax.dot_general`` takes it; elsewhere None.
+    config: the static :class:`Int8Config` (default: the ``int8`` recipe).
+
+  Returns:
+    The product, shaped as ``jax.lax.dot_general``'s.
+
+  Raises:
+    TypeError: for a config that is not an ``Int8Config``, or malformed
+      dimension numbers.
+    ValueError: for non-floating operands or ``preferred_element_type``, a
+      ``config.axis_name`` that is not bound here, an ``out_sharding`` for
+      operands on no mesh with Explicit axes, or (when differentiated) a
+      second derivative.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jmp_lite import int8
+    >>> def loss(w, x):
+    ...   return int8.int8_dot_general(x, w, (((1,), (0,)), ((), ()))).sum()
+    >>> x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
+    >>> float(loss(w, x)), jax.jit(jax.grad(loss))(w, x).shape
+    (4096.0, (32, 16))
+  """
+  if not isinstance(config, Int8Config):
+    raise TypeError(
+        f"config must be an Int8Config, got {type(config).__name__}: "
+        f"{config!r}. Build one with e.g. Int8Config('int8').")
+  lhs = _operand(lhs, "lhs")
+  rhs = _operand(rhs, "rhs")
+  del precision
+  fp8_matmul_lib.check_axis_bound(config)
+  dimension_numbers = checks.dimension_numbers(
+      dimension_numbers, lhs.shape, rhs.shape, "int8_dot_general")
+  out_dtype = result_dtype(lhs, rhs, preferred_element_type)
+  static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
+  return fp8_matmul_lib.as_dot_general(
+      _int8_matmul, static, lhs, rhs, dimension_numbers, out_dtype,
+      out_sharding, "int8_dot_general")
