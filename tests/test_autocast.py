@@ -916,3 +916,15 @@ def test_autocast_of_a_gradient_with_a_gather():
   got = jax.jit(jmp_lite.autocast(grad, "mixed_bfloat16"))(x, w, i)
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(got, grad(x, w, i), rtol=1e-2)
+
+
+def test_autocast_of_a_jit_taking_a_typed_prng_key():
+  """A typed PRNG key (``jax.random.key``: an extended dtype, no NumPy one)
+  passed into a ``jit`` inside the function: the memo key of the jit's
+  autocast body read its dtype with NumPy and raised a TypeError."""
+  inner = jax.jit(lambda k, x: (x @ x) * jax.random.uniform(k, x.shape))
+  fn = jmp_lite.autocast(lambda k, x: inner(k, x), "mixed_bfloat16")
+  key, x = jax.random.key(0), jnp.ones((4, 4))
+  assert fn(key, x).dtype == jnp.float32
+  assert [d for op, d in op_dtypes(fn, key, x) if op == "dot_general"] == [
+      ("bfloat16", "bfloat16")]

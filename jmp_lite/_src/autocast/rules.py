@@ -142,9 +142,13 @@ def _is_float_dtype(dtype: Any) -> bool:
 
 
 def dtype_of(x: Any) -> np.dtype | None:
-  """The dtype of an array, tracer or numpy value; None for tokens etc."""
+  """The dtype of an array, tracer or numpy value; None for tokens, typed
+  PRNG key arrays (``jax.random.key``: an extended dtype, no NumPy one)
+  etc."""
   dtype = getattr(x, "dtype", None)
-  return None if dtype is None else np.dtype(dtype)
+  if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    return None
+  return np.dtype(dtype)
 
 
 def wider(a: np.dtype, b: np.dtype) -> np.dtype:

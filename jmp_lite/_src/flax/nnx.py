@@ -10,7 +10,8 @@ in an :class:`Fp8State` variable of the ``PolicyModule``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, NamedTuple
 import warnings
 
 from flax import nnx
@@ -86,9 +87,16 @@ def _cast(tree: Any, dtype: np.dtype) -> Any:
   return tree_lib.cast_floating(tree, dtype, is_leaf=_is_nnx_object)
 
 
-def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args, kwargs):
+def _call_under(policy: policy_lib.Policy, fn: Callable[..., Any], args,
+                kwargs, regions: bool = False):
+  """``fn`` at a boundary under ``policy``; with ``regions``, inside the
+  named scope marking the boundary's recipe (:func:`float8_lib.region`),
+  which the grouped-matmul route reads at each ``ragged_dot`` (a module's
+  effective recipe is its nearest boundary's)."""
   args, kwargs = _cast((args, kwargs), policy.compute_dtype)
-  with policy.matmul_context():
+  region = (float8_lib.region(float8_lib.recipe(policy)) if regions
+            else contextlib.nullcontext())
+  with policy.matmul_context(), region:
     return _cast(fn(*args, **kwargs), policy.output_dtype)
 
 
@@ -130,12 +138,14 @@ class _Boundary(nnx.Module):
   ``nnx.vmap``) split and merge it like any other submodule.
   """
 
-  def __init__(self, module: nnx.Module, policy: policy_lib.Policy):
+  def __init__(self, module: nnx.Module, policy: policy_lib.Policy,
+               regions: bool = False):
     self.module = module
     self.policy = policy
+    self.regions = regions
 
   def __call__(self, *args, **kwargs):
-    return _call_under(self.policy, self.module, args, kwargs)
+    return _call_under(self.policy, self.module, args, kwargs, self.regions)
 
   def __getattr__(self, name: str) -> Any:
     # Only reached for names the boundary itself lacks. Private names are
@@ -145,10 +155,10 @@ class _Boundary(nnx.Module):
       raise AttributeError(name)
     attr = getattr(module, name)
     if callable(attr) and common.is_policy_method(name) and hasattr(attr, "__self__"):
-      policy = self.policy
+      policy, regions = self.policy, self.regions
 
       def method(*args, **kwargs):
-        return _call_under(policy, attr, args, kwargs)
+        return _call_under(policy, attr, args, kwargs, regions)
 
       return method
     return attr
@@ -220,7 +230,13 @@ class PolicyModule(nnx.Module):
   holds each such layer's amax histories, an :class:`Fp8State` in the
   ``nnx.Dict`` ``fp8_state`` keyed by layer path, rolled on each call unless
   ``use_running_average`` (set by ``model.eval()``, cleared by
-  ``model.train()``).
+  ``model.train()``). A module's own ``jax.lax.ragged_dot`` (a
+  Mixture-of-Experts layer's experts), which no Flax hook reaches, runs in
+  the recipe of its module (its nearest rule-matched module's, else the
+  policy's; per-expert scales, current scaling under a delayed recipe): a
+  call that makes one runs through autocast's interpreter with the
+  grouped-matmul rule only (:func:`float8_lib.grouped_in_recipes`), every
+  boundary's call marked with its recipe; other calls are not interpreted.
 
   Attributes:
     module: the wrapped module.
@@ -295,19 +311,22 @@ class PolicyModule(nnx.Module):
     resolver = self._resolver()
     graphdef, params, rest = nnx.split(self.module, nnx.Param, ...)
     _check_params(params, resolver)
-    head = None
+    found = _Discovery(None, 0)
     if self._fp8 is not None:
-      head = _head(self.module, resolver, method, args, kwargs)
+      found = _discover(self.module, resolver, method, args, kwargs)
+    # A model calling ragged_dot (no Flax hook): every boundary marks its
+    # call with its recipe, and the call runs through the grouped route.
+    regions = found.grouped > 0
     copy = nnx.merge(graphdef, _cast_params(params, resolver), rest)
-    if isinstance(method, str):
-      fn = getattr(copy, method)
-    else:
-      fn = lambda *a, **k: method(copy, *a, **k)
-    undo = _install_boundaries(copy, _boundaries(copy, resolver))
+    undo = _install_boundaries(copy, _boundaries(copy, resolver, regions))
     if self._fp8 is not None:
-      undo += _install_hooks(copy, resolver, head, self._histories())
+      undo += _install_hooks(copy, resolver, found.head, self._histories())
     try:
-      out = _call_under(resolver.boundary(()), fn, args, kwargs)
+      if regions:
+        out = _grouped_call(copy, method, resolver.boundary(()), args, kwargs)
+      else:
+        out = _call_under(resolver.boundary(()), _bound(copy, method), args,
+                          kwargs)
       # The outputs leave in the policy's output dtype even where a rule
       # matches the module itself (e.g. a bare BatchNorm).
       out = _cast(out, self.policy.output_dtype)
@@ -375,11 +394,11 @@ def _compute_dtype(resolver: common.Resolver, variable_path: common.Path) -> np.
   return resolver.effective(variable_path[:-1]).compute_dtype
 
 
-def _boundaries(root: nnx.Module,
-                resolver: common.Resolver) -> dict[int, _Boundary]:
+def _boundaries(root: nnx.Module, resolver: common.Resolver,
+                regions: bool = False) -> dict[int, _Boundary]:
   """``id(module) -> _Boundary`` for every rule-matched submodule of ``root``."""
   return {
-      id(node): _Boundary(node, resolver.boundary(path))
+      id(node): _Boundary(node, resolver.boundary(path), regions)
       for path, node in nnx.iter_modules(root)
       if path and resolver.boundary(path) is not None
   }
@@ -496,21 +515,29 @@ class _Recorder(nnx.Module):
     return record(*args, **kwargs)
 
 
-#: Output heads found, per model structure, policy, method and inputs.
-_HEADS: dict = {}
+class _Discovery(NamedTuple):
+  """What the discovery trace of one call found."""
+
+  head: str | None  # the path of the output head's layer
+  grouped: int  # ragged_dot calls on float operands (grouped matmuls)
 
 
-def _head(module: nnx.Module, resolver: common.Resolver, method: Any,
-          args: tuple, kwargs: dict) -> str | None:
-  """The path of the layer that is the output head of this call, or None.
+#: What the discovery trace found, per model structure, policy, method and
+#: inputs.
+_FOUND: dict = {}
+
+
+def _discover(module: nnx.Module, resolver: common.Resolver, method: Any,
+              args: tuple, kwargs: dict) -> _Discovery:
+  """The output head of this call (the path of its layer, or None) and how
+  many ``ragged_dot``s it calls.
 
   One abstract trace of the call with every hookable layer numbered
   (:func:`float8_lib.head_site`), cached per model structure, policy,
   method and input shapes.
   """
   configs = [c for _, _, c in _hooked_layers(module, resolver)]
-  if all(c.include_output_head for c in configs):
-    return None  # no recipe leaves a head out: nothing to find
+  find_head = not all(c.include_output_head for c in configs)
   graphdef, state = nnx.split(module)
   leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_object)
   objects = {i: nnx.split(x) for i, x in enumerate(leaves)
@@ -521,7 +548,7 @@ def _head(module: nnx.Module, resolver: common.Resolver, method: Any,
       for i, x in enumerate(leaves))
   key = (graphdef, resolver.policy, resolver.rules, method, treedef, signature)
   try:
-    return _HEADS[key]
+    return _FOUND[key]
   except (KeyError, TypeError):
     pass
   dynamic = [i for i, x in enumerate(leaves)
@@ -544,26 +571,78 @@ def _head(module: nnx.Module, resolver: common.Resolver, method: Any,
         setattr(layer, field, nnx.data(_Recorder(len(layers),
                                                  field == "einsum_op")))
         layers.append((common.path_str(path), config))
-    fn = (getattr(copy, method) if isinstance(method, str)
-          else lambda *a, **k: method(copy, *a, **k))
     with jax.numpy_dtype_promotion("standard"):
-      return fn(*call_args, **call_kwargs)
+      return _bound(copy, method)(*call_args, **call_kwargs)
 
   closed = jax.make_jaxpr(run)(
       state, [leaves[i] for i in dynamic],
       {i: s for i, (_, s) in objects.items()})
-  float8_lib.warn_grouped_matmuls(
-      closed, [float8_lib.recipe(resolver.policy),
-               *(float8_lib.recipe(o) for _, o in resolver.rules)], "nnx")
-  index = float8_lib.head_site(closed, dict(enumerate(c for _, c in layers)))
-  head = None if index is None else layers[index][0]
-  if len(_HEADS) > 256:
-    _HEADS.clear()
+  index = None
+  if find_head:
+    index = float8_lib.head_site(closed, dict(enumerate(c for _, c in layers)))
+  found = _Discovery(None if index is None else layers[index][0],
+                     float8_lib.grouped_matmuls(closed))
+  if len(_FOUND) > 256:
+    _FOUND.clear()
   try:
-    _HEADS[key] = head
+    _FOUND[key] = found
   except TypeError:
     pass
-  return head
+  return found
+
+
+def _bound(module: nnx.Module, method: str | Callable[..., Any]
+           ) -> Callable[..., Any]:
+  """``module``'s method ``method`` (a name, or a function taking the
+  module first), bound."""
+  if isinstance(method, str):
+    return getattr(module, method)
+  return lambda *a, **k: method(module, *a, **k)
+
+
+def _grouped_call(copy: nnx.Module, method: Any, policy: policy_lib.Policy,
+                  args: tuple, kwargs: dict) -> Any:
+  """The call of ``copy`` (hooks and region-marking boundaries installed)
+  with every ``ragged_dot`` in the recipe of the boundary around it.
+
+  Flax has no ``ragged_dot`` hook: the call runs through
+  :func:`float8_lib.grouped_in_recipes` (autocast's interpreter with the
+  grouped-matmul rule only), as a pure function of the state of ``copy``
+  and of the NNX objects among the inputs (``nnx.Rngs``...), whose changed
+  state (statistics, RNG counters, rolled amax histories) is written back
+  after it.
+  """
+  leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_nnx_object)
+  objects = [i for i, x in enumerate(leaves) if _is_nnx_object(x)]
+  nodes = (copy, [leaves[i] for i in objects])
+  graphdef, state = nnx.split(nodes)
+  dynamic = [i for i, x in enumerate(leaves)
+             if i not in objects and checks.is_array(x)]
+
+  def pure(state, values):
+    model, objs = nnx.merge(graphdef, state)
+    full = list(leaves)
+    for i, value in zip(dynamic, values):
+      full[i] = value
+    for i, obj in zip(objects, objs):
+      full[i] = obj
+    call_args, call_kwargs = jax.tree.unflatten(treedef, full)
+    out = _call_under(policy, _bound(model, method), call_args, call_kwargs,
+                      regions=True)
+    return out, nnx.state((model, objs))
+
+  out, new_state = float8_lib.grouped_in_recipes(
+      pure, (state, [leaves[i] for i in dynamic]), {}, policy.compute_dtype)
+  # Only the variables the call set: the others (a frozen Fp8State in
+  # evaluation, an outer trace's variables) come back as they went in.
+  before = dict(nnx.to_flat_state(state))
+  same = lambda a, b: all(x is y for x, y in zip(
+      jax.tree.leaves(a.get_value()), jax.tree.leaves(b.get_value())))
+  changed = [(path, var) for path, var in nnx.to_flat_state(new_state)
+             if path not in before or not same(var, before[path])]
+  if changed:
+    nnx.update(nodes, nnx.from_flat_state(changed))
+  return out
 
 
 def _check_params(params: Any, resolver: common.Resolver) -> None:
