@@ -14,12 +14,20 @@ How it computes (every platform):
    (:func:`~jmp_lite._src.low_precision.fp8_matmul.as_dot_general`).
 2. **Each product quantizes each of its two operands along that product's
    own contracted axis** (:func:`quantize`): one float32 scale
-   ``s = amax / 127`` per row of the operand (all its other elements), or
-   one per tensor (a SwitchBack weight), and ``q = clip(round(v / s), -127,
-   127)`` as int8, rounding half to even (``jnp.round``; stochastic rounding
-   of the incoming gradient as an option: ``floor(v / s + u)``, ``u``
-   uniform in ``[0, 1)``). A row whose amax is 0 gets ``s = 1`` (all its
-   values are 0). -128 is never produced: the range is symmetric.
+   ``s = amax * float32(1 / 127)`` per row of the operand (all its other
+   elements), or one per tensor (a SwitchBack weight), and
+   ``q = clip(round(v * r), -127, 127)`` as int8 with the float32
+   reciprocal ``r = 1 / s`` (one per row), rounding half to even
+   (``jnp.round``; stochastic rounding of the incoming gradient as an
+   option: ``floor(v * r + u)``, ``u`` uniform in ``[0, 1)``). Both are
+   written as multiplications because XLA compiles a division by a
+   constant or by a broadcast scale into one anyway (jax 0.10's XLA:CPU
+   does), and which one it does must not change the result: as written,
+   every compiler computes the same floats. A row whose scale is below the
+   smallest normal float32 (amax 0, or below ``127 * 2**-126``, about
+   1.5e-36, where ``r`` could overflow) gets ``s = 1`` (all its values
+   quantize to 0). The amax element maps to exactly +-127; -128 is never
+   produced: the range is symmetric.
 3. The product is an integer product: ``dot_general`` of the two int8
    arrays with ``preferred_element_type=int32`` (``s8 x s8 -> s32``: the
    int8 matrix units' instruction on TPU and on NVIDIA GPUs), then one
@@ -109,7 +117,8 @@ def quantize(x: jax.Array, *, per_tensor: bool = False, key: Any = None,
 
   Returns:
     ``(q, scale)``: int8 values in ``[-127, 127]`` shaped as ``x``, and the
-    float32 scale (``amax / 127``; 1 where the amax is 0) shaped as ``x``
+    float32 scale (``amax * float32(1 / 127)``; 1 where that is below the
+    smallest normal float32: :func:`scale_from_amax`) shaped as ``x``
     with the last axis (and, per tensor, every axis) of size 1, so that
     ``q * scale`` dequantizes.
   """
@@ -122,18 +131,29 @@ def quantize(x: jax.Array, *, per_tensor: bool = False, key: Any = None,
   return rounded(x, scale, key), scale
 
 
+#: float32 ``1 / 127``: a scale is ``amax * INV_INT8_MAX`` (what XLA makes
+#: of ``amax / 127`` anyway, written so that no compiler differs).
+INV_INT8_MAX = np.float32(1) / np.float32(INT8_MAX)
+#: The smallest normal float32: a smaller scale is replaced by 1 (its
+#: reciprocal could overflow to inf).
+_TINY = np.float32(np.finfo(np.float32).tiny)
+
+
 def scale_from_amax(amax: jax.Array) -> jax.Array:
-  """float32 ``amax / 127``; 1 where that is 0 (an all-zero row, or an amax
-  so small its scale underflows); NaN and inf stay as they are."""
-  scale = amax.astype(_F32) / np.float32(INT8_MAX)
-  return jnp.where(scale == 0, np.float32(1), scale)
+  """float32 ``amax * float32(1 / 127)``; 1 where that is below the smallest
+  normal float32 (an all-zero row, or an amax below ``127 * 2**-126`` whose
+  reciprocal scale could overflow; its values all quantize to 0); NaN and
+  inf stay as they are."""
+  scale = amax.astype(_F32) * INV_INT8_MAX
+  return jnp.where(scale < _TINY, np.float32(1), scale)
 
 
 def rounded(x: jax.Array, scale: jax.Array, key: Any = None) -> jax.Array:
-  """int8 ``clip(round(x / scale), -127, 127)`` (``scale`` broadcasting
-  against ``x``): half to even, or ``floor(x / scale + u)`` with ``key``;
-  a NaN quotient becomes 0 (its scale carries the NaN)."""
-  v = x.astype(_F32) / scale
+  """int8 ``clip(round(x * (1 / scale)), -127, 127)`` (``scale``
+  broadcasting against ``x``; its float32 reciprocal taken first, one per
+  scale): half to even, or ``floor(x * (1 / scale) + u)`` with ``key``; a
+  NaN product becomes 0 (its scale carries the NaN)."""
+  v = x.astype(_F32) * (np.float32(1) / scale)
   if key is None:
     v = jnp.round(v)   # half to even
   else:
