@@ -556,8 +556,15 @@ def to_varying(x: Any, axis_name: Any) -> Any:
   already varying, and axes that are not shard_map axes (``vmap``'s), are left
   as they are.
   """
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  # Only shard_map's manual mesh axes have varying types: a vmap axis of the
+  # same name (jit of vmap) would fail pcast's batching rule.
+  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())
+  names = tuple(n for n in names if n in manual)
+  if not names:
+    return x
   try:
-    return jax.lax.pcast(x, axis_name, to="varying")
+    return jax.lax.pcast(x, names, to="varying")
   except ValueError:
     return x
 
@@ -575,6 +582,29 @@ def varying_like(fn: Any) -> Any:
     return vary_over(fn(*args), frozenset().union(*map(varying_axes, args)))
 
   return wrapped
+
+
+def all_gather_invariant(x: Any, axis_name: Any) -> Any:
+  """``lax.all_gather(x, axis_name, tiled=True)``, typed as the same on every
+  device of a ``shard_map`` axis (so that ``out_specs=P()`` accepts it):
+  JAX's internal ``all_gather_invariant`` (``jax._src.lax.parallel``: public
+  name in jax 0.10, ``_all_gather_invariant`` in 0.12). Where ``x`` does not
+  vary over ``axis_name`` by type (``pmap``, ``vmap``, ``shard_map(
+  check_vma=False)``), the plain ``lax.all_gather``."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if not set(names) & varying_axes(x):
+    return jax.lax.all_gather(x, axis_name, tiled=True)
+  parallel = _load_quietly("jax._src.lax.parallel")
+  gather = (getattr(parallel, "all_gather_invariant", None) or
+            getattr(parallel, "_all_gather_invariant", None))
+  if gather is None:
+    raise UnsupportedJaxError(
+        f"jmp_lite cannot gather a value as invariant over a shard_map axis "
+        f"with jax {jax.__version__} (jax._src.lax.parallel."
+        f"all_gather_invariant is missing): pmean_value_and_grad's narrow "
+        f"wire formats need it. Use wire_format='float32', or install a jax "
+        f"jmp_lite is tested with (pip install '{JAX_REQUIREMENT}').")
+  return gather(x, axis_name, axis=0, tiled=True)
 
 
 def vary_over(x: Any, axes: frozenset) -> Any:

@@ -1,4 +1,4 @@
-"""Cross-device gradient reduction in float32 (or wider).
+"""Cross-device gradient reduction in float32 (or wider), and its wire formats.
 
 With a half-precision compute dtype the data-parallel all-reduce of the
 gradients runs in half precision (under ``jax.jit`` + sharding, right after
@@ -7,6 +7,15 @@ each backward matmul; under ``shard_map``, inside the backward pass; under
 :func:`grouped_value_and_grad` under ``jax.jit`` + sharding,
 :func:`pmean_value_and_grad` under ``pmap``/``shard_map``. Both return
 float32 (or wider) gradients. Guide: ``docs/precision.md``.
+
+:func:`pmean_value_and_grad` can also send fewer bytes (``wire_format``):
+every device's sum is computed in float32, only what travels is narrower.
+The all-reduce is then a reduce-scatter (an ``all_to_all`` of the narrow
+values, then a float32 sum of the pieces each device receives: Megatron's
+``reduce_scatter_with_fp32_accumulation``) followed by an ``all_gather`` of
+the narrow mean; ``"e4m3"`` scales each gradient leaf with a scale every
+device shares (one ``pmax`` of the leaves' amaxes, NaN counted as inf:
+MS-AMP's rule) before each of the two transfers.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import numpy as np
 from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import tree as tree_lib
+from jmp_lite._src.low_precision import formats as formats_lib
 
 
 #: What a value-and-grad function must return.
@@ -175,12 +185,115 @@ def _pmean_f32(tree: Any, axis_name: Any) -> Any:
   return jax.tree.unflatten(treedef, leaves)
 
 
+#: The formats :func:`pmean_value_and_grad` can send gradients in.
+WIRE_FORMATS: tuple[str, ...] = ("float32", "bfloat16", "e4m3")
+#: The largest e4m3 value (a scaled leaf's amax lands on it).
+_E4M3_MAX = 448.0
+#: The largest scale the e4m3 wire applies (a leaf whose amax is below
+#: 448 / 2**100 is sent with this scale: less precision for values that
+#: small, never an overflow of the scale to inf).
+_E4M3_MAX_SCALE = 2.0**100
+
+
+def _amax(x: jax.Array) -> jax.Array:
+  """max |x| in float32, NaN counted as inf (a max-reduce may drop NaN)."""
+  a = jnp.abs(x.astype(jnp.float32))
+  return jnp.max(jnp.where(jnp.isnan(a), jnp.inf, a), initial=0.0)
+
+
+def _e4m3_scale(amax: jax.Array) -> jax.Array:
+  """448 / amax, 1 for amax 0 or not finite, at most ``_E4M3_MAX_SCALE``."""
+  ok = (amax > 0) & jnp.isfinite(amax)
+  scale = jnp.where(ok, _E4M3_MAX / jnp.where(ok, amax, 1.0), 1.0)
+  return jnp.minimum(scale, _E4M3_MAX_SCALE)
+
+
+def _moved(x: jax.Array, move: Callable[[jax.Array], jax.Array]) -> jax.Array:
+  """``move(x)`` for a collective that only moves data (all_to_all,
+  all_gather), on ``x``'s bits as unsigned integers of its width: no
+  compiler can widen an integer payload to a wider float (XLA:CPU turns a
+  bfloat16 all_to_all into a float32 one, and a float8 one into float16)."""
+  bits = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  return lax.bitcast_convert_type(
+      move(lax.bitcast_convert_type(x, bits)), x.dtype)
+
+
+def _wire_pmean(values: list[jax.Array], axis_name: Any,
+                wire: str) -> list[jax.Array]:
+  """The float32 mean over ``axis_name`` of float arrays, sent as ``wire``
+  (see the module docstring): one bucket of all of them, cut into one piece
+  per device."""
+  n = lax.psum(1, axis_name)
+  sizes = [int(np.prod(x.shape)) for x in values]
+  total = sum(sizes)
+  piece = -(-total // n)
+  flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in values])
+  flat = jnp.pad(flat, (0, piece * n - total))
+  scatter = lambda x: lax.all_to_all(x, axis_name, 0, 0, tiled=True)
+  gather = lambda x: compat.all_gather_invariant(x, axis_name)
+  if wire == "bfloat16":
+    got = _moved(flat.astype(jnp.bfloat16).reshape(n, piece), scatter)
+    mine = jnp.sum(got.astype(jnp.float32), axis=0) / n
+    full = _moved(mine.astype(jnp.bfloat16), gather).astype(jnp.float32)
+    bad = None
+  else:
+    # Which leaf each position of the bucket holds (the padding: one more).
+    ids = np.repeat(np.arange(len(values) + 1),
+                    sizes + [piece * n - total]).astype(np.int32)
+    amax = lax.pmax(jnp.stack([_amax(x) for x in values]), axis_name)
+    scale = jnp.concatenate([_e4m3_scale(amax), jnp.ones((1,), jnp.float32)])
+    at = scale[ids]                                             # [n * piece]
+    sent = formats_lib.saturating_cast(flat * at, "e4m3").reshape(n, piece)
+    got = _moved(sent, scatter)
+    me = lax.axis_index(axis_name)
+    my_ids = lax.dynamic_index_in_dim(ids.reshape(n, piece), me, 0,
+                                      keepdims=False)
+    my_at = lax.dynamic_index_in_dim(at.reshape(n, piece), me, 0,
+                                     keepdims=False)
+    mine = jnp.sum(got.astype(jnp.float32), axis=0) / my_at / n
+    # The mean's own shared scale per leaf, for the gather.
+    amax2 = jnp.zeros((len(values) + 1,), jnp.float32).at[my_ids].max(
+        jnp.where(jnp.isnan(mine), jnp.inf, jnp.abs(mine)))
+    amax2 = lax.pmax(amax2[:len(values)], axis_name)
+    scale2 = jnp.concatenate([_e4m3_scale(amax2),
+                              jnp.ones((1,), jnp.float32)])
+    sent2 = formats_lib.saturating_cast(mine * scale2[my_ids], "e4m3")
+    full = _moved(sent2, gather).astype(jnp.float32) / scale2[ids]
+    # A leaf with a NaN or inf on any device is NaN on every device: inf -
+    # inf is NaN, and a finite amax adds 0 (no NaN constant in the program).
+    bad = (amax - amax) + (amax2 - amax2)
+  out, start = [], 0
+  for i, (x, size) in enumerate(zip(values, sizes)):
+    leaf = full[start:start + size].reshape(x.shape)
+    if bad is not None:
+      leaf = leaf + bad[i]
+    out.append(leaf.astype(x.dtype))
+    start += size
+  return out
+
+
+def _pmean_wire(tree: Any, axis_name: Any, wire: str) -> Any:
+  """:func:`_pmean_f32`, the floating leaves sent as ``wire``."""
+  if wire == "float32":
+    return _pmean_f32(tree, axis_name)
+  leaves, treedef = jax.tree.flatten(tree)
+  where = [i for i, x in enumerate(leaves) if tree_lib.is_float(x)
+           and np.prod(np.shape(x)) > 0]
+  if where:
+    means = _wire_pmean([tree_lib.widen_floating(leaves[i]) for i in where],
+                        axis_name, wire)
+    for i, m in zip(where, means):
+      leaves[i] = m
+  return jax.tree.unflatten(treedef, leaves)
+
+
 def pmean_value_and_grad(
     value_and_grad_fn: Callable[..., Any],
     axis_name: Any,
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    wire_format: str = "float32",
 ) -> Callable[..., Any]:
   """Per-device gradients averaged across a ``pmap``/``shard_map`` axis in float32.
 
@@ -199,6 +312,15 @@ def pmean_value_and_grad(
     argnums: the positional argument(s) ``value_and_grad_fn`` differentiates
       (as its own ``argnums``; default 0).
     has_aux: whether ``value_and_grad_fn`` returns ``((loss, aux), grads)``.
+    wire_format: what the gradients travel in: ``"float32"`` (default: one
+      float32 all-reduce), ``"bfloat16"`` (half the bytes: an
+      ``all_to_all`` in bfloat16, a float32 sum on each device, an
+      ``all_gather`` of the bfloat16 mean) or ``"e4m3"`` (experimental, a
+      quarter of the bytes: the same in float8 e4m3, each leaf scaled by a
+      scale every device shares). The sums are float32 in every format; the
+      error bound of each is in ``docs/precision.md``. A NaN or inf on one
+      device reaches every device's gradients, so a loss-scaling check
+      skips the step everywhere. The loss is averaged in float32.
 
   Returns:
     A function with ``value_and_grad_fn``'s signature returning the loss
@@ -210,7 +332,8 @@ def pmean_value_and_grad(
     TypeError: if ``value_and_grad_fn`` is not callable, ``axis_name`` is not
       a string or a tuple of strings, or ``argnums`` is not an int or a
       sequence of ints.
-    ValueError: for a negative or repeated ``argnums``; at call time, if
+    ValueError: for a negative or repeated ``argnums``, an unknown
+      ``wire_format``; at call time, if
       ``argnums`` is out of range or the axis is not bound.
 
   Example:
@@ -228,6 +351,7 @@ def pmean_value_and_grad(
                   "such as jax.value_and_grad(loss_fn)")
   checks.axis_name(axis_name)
   nums = checks.argnums(argnums, "argnums", caller)
+  wire = checks.choice(wire_format, "wire_format", caller, WIRE_FORMATS)
 
   def wrapped(*args, **kwargs):
     checks.argnums_in_range(nums, "argnums", len(args), caller)
@@ -241,6 +365,6 @@ def pmean_value_and_grad(
                                     caller)
     loss_dtype = loss.dtype
     loss = _pmean_f32(loss, axis_name).astype(loss_dtype)
-    return _join(loss, aux, _pmean_f32(grads, axis_name), has_aux)
+    return _join(loss, aux, _pmean_wire(grads, axis_name, wire), has_aux)
 
   return wrapped
