@@ -85,6 +85,51 @@ def test_fp8_parity_quick_never_replaces_committed_results():
 
 
 @pytest.mark.slow
+def test_int8_parity_quick(tmp_path):
+  # examples/int8_parity.py: fp8_parity's models and loops under the int8
+  # recipes (issue 38), held to 1% of bf16's LM loss on average over seeds.
+  proc = run_example(EXAMPLES / "int8_parity.py", "--quick", "--out", tmp_path)
+  assert_exited_cleanly(proc)
+  result, text = _outputs(tmp_path, "int8_parity")
+  runs = ("bf16", "int8", "int8_switchback")  # the --quick selection
+  assert result["config"]["seeds"] == [0]
+  for model in ("cnn", "lm"):
+    figures = result["runs"][model]["0"]
+    assert tuple(figures) == runs
+    for name, run in figures.items():
+      assert len(run["loss_history"]) == result["config"][model]["steps"]
+      assert all(math.isfinite(x) for x in run["loss_history"]), (model, name)
+    # The quantized matmuls ran in int8 (forward matmuls by lhs dtype): the
+    # CNN's dense layer, the LM's projections and MLP; bf16 runs none, and
+    # the rest (head, convolutions, attention) stays bf16 in every run.
+    assert set(figures["bf16"]["forward_dots"]) == {"bfloat16"}
+    for name in ("int8", "int8_switchback"):
+      dots = figures[name]["forward_dots"]
+      assert set(dots) == {"int8", "bfloat16"}, (model, name, dots)
+      assert sum(dots.values()) == figures["bf16"]["forward_dots"]["bfloat16"]
+      assert result["int8_forward_matmuls"][model][name] == dots["int8"]
+  assert result["runs"]["cnn"]["0"]["int8"]["forward_dots"]["int8"] == 1
+  assert result["runs"]["lm"]["0"]["int8"]["forward_dots"]["int8"] == 6
+  assert "| 1 int8 + 1 bf16 |" in text and "| 6 int8 + 3 bf16 |" in text
+  # The verdicts follow from the figures: LM gated on the mean relative error
+  # (1%), CNN on every seed (1 point).
+  rows = {(r["model"], r["run"]): r for r in result["verdicts"]}
+  assert sorted(rows) == [("cnn", "int8"), ("cnn", "int8_switchback"),
+                          ("lm", "int8"), ("lm", "int8_switchback")]
+  for (model, name), row in rows.items():
+    figures = result["runs"][model]["0"]
+    value, ref = figures[name][row["metric"]], figures["bf16"][row["metric"]]
+    error = value - ref if model == "cnn" else 100 * (value - ref) / ref
+    assert row["per_seed"]["0"]["error"] == pytest.approx(error, abs=2e-3)
+    assert row["tolerance"] == 1.0
+    assert row["passed"] == (abs(row["mean_error"]) <= row["tolerance"])
+  assert "arXiv:2304.13013" in text and "## Parity against bf16" in text
+  proc = run_example(EXAMPLES / "int8_parity.py", "--quick", "--update-results")
+  assert proc.returncode == 2
+  assert "never replace the committed results" in proc.stderr
+
+
+@pytest.mark.slow
 def test_fp8_flax_ops_quick(tmp_path):
   proc = run_example(EXAMPLES / "fp8_flax_ops.py", "--quick", "--out", tmp_path)
   assert_exited_cleanly(proc)
