@@ -551,8 +551,10 @@ def test_what_stays_out_of_float8():
   conv = [d for op, d in ops if op == "conv_general_dilated"]
   assert conv == [("bfloat16", "bfloat16")]
   dots = [d for op, d in ops if op == "dot_general"]
-  # the int matmul as written, w1 in float8, the island in f32, the head bf16.
-  assert dots == [(), (E4, E4), ("float32",) * 2, ("bfloat16",) * 2]
+  # the int matmul as written (op_dtypes lists a matmul's integer operands),
+  # w1 in float8, the island in f32, the head bf16.
+  assert dots == [("int32",) * 2, (E4, E4), ("float32",) * 2,
+                  ("bfloat16",) * 2]
 
 
 def test_user_dot_rule_wins_over_the_recipe():

@@ -64,6 +64,7 @@ PUBLIC_MODULES = (
     "jmp_lite.nnx",
     "jmp_lite.fp8",
     "jmp_lite.fp4",
+    "jmp_lite.int8",
     "jmp_lite.diagnostics",
     "jmp_lite.autocast_rules",
 )

@@ -125,7 +125,10 @@ def _island_policy(matmul_precision: Any) -> Policy:
   if policy.matmul_precision is None or recipe is not None:
     what = ("leaves the island's matmuls at JAX's default precision"
             if recipe is None else "is an FP4 recipe"
-            if isinstance(recipe, recipes_lib.Fp4Config) else "is a float8 recipe")
+            if isinstance(recipe, recipes_lib.Fp4Config) else
+            f"is an {recipes_lib.format_name(recipe)} recipe"
+            if isinstance(recipe, recipes_lib.Int8Config) else
+            "is a float8 recipe")
     shown = repr(matmul_precision if recipe is None else recipe.spec())
     raise ValueError(
         f"{owner}: matmul_precision={shown} {what}. {ISLAND_PRECISION}")

@@ -169,17 +169,20 @@ class Policy:
   ``"fp8_rowwise"``, ``"fp8_blockwise"``, ``"mxfp8"``, ``"fp8_delayed"`` or a
   ``jmp_lite.fp8.Fp8Config``) runs the policy's matmuls in float8 instead:
   ``docs/fp8.md``; an FP4 recipe (``"nvfp4"``, ``"mxfp4"`` or a
-  ``jmp_lite.fp4.Fp4Config``) runs them in FP4: ``docs/fp4.md``.
-  ``matmul_precision`` keeps the spelling given (a named recipe stays its
-  name); ``fp8_recipe`` holds the recipe resolved to an ``Fp8Config`` or
-  ``Fp4Config`` once, when the policy is built (None without one).
+  ``jmp_lite.fp4.Fp4Config``) runs them in FP4: ``docs/fp4.md``; an int8
+  recipe (``"int8"``, ``"int8_switchback"`` or a
+  ``jmp_lite.int8.Int8Config``) runs them as int8 integer products:
+  ``docs/int8.md``. ``matmul_precision`` keeps the spelling given (a named
+  recipe stays its name); ``fp8_recipe`` holds the recipe resolved to an
+  ``Fp8Config``, ``Fp4Config`` or ``Int8Config`` once, when the policy is
+  built (None without one).
 
   Args:
     param_dtype: dtype parameters are stored in (usually float32).
     compute_dtype: dtype the computation runs in (float16/bfloat16 for mixed
       precision).
     output_dtype: dtype outputs are returned in.
-    matmul_precision: optional matmul precision, float8 or FP4 recipe; ``None``
+    matmul_precision: optional matmul precision, float8, FP4 or int8 recipe; ``None``
       leaves it to JAX's default.
 
   Raises:
@@ -207,10 +210,11 @@ class Policy:
   compute_dtype: type
   output_dtype: type
   matmul_precision: "str | recipes_lib.Fp8Config | None" = None
-  #: The policy's float8 or FP4 recipe, resolved once from
+  #: The policy's float8, FP4 or int8 recipe, resolved once from
   #: ``matmul_precision`` (``"fp8"`` -> ``Fp8Config()``, ``"nvfp4"`` ->
-  #: ``Fp4Config()``), or None without one.
-  fp8_recipe: "recipes_lib.Fp8Config | recipes_lib.Fp4Config | None" = dataclasses.field(
+  #: ``Fp4Config()``, ``"int8"`` -> ``Int8Config()``), or None without one.
+  fp8_recipe: ("recipes_lib.Fp8Config | recipes_lib.Fp4Config | "
+               "recipes_lib.Int8Config | None") = dataclasses.field(
       default=None, init=False, compare=False, repr=False)
 
   def __init__(
@@ -334,10 +338,13 @@ def _warn_unapplied_precision(policy: Policy, method: str) -> None:
     return
   _WARNED_UNAPPLIED.add(policy)
   m = _recipe_text(policy.matmul_precision)
-  meaning = (f"in FP4 ({m})"
-             if isinstance(policy.fp8_recipe, recipes_lib.Fp4Config)
-             else f"in float8 ({m})" if policy.fp8_recipe is not None
-             else f"at the {m} precision")
+  recipe = policy.fp8_recipe
+  if recipe is None:
+    meaning = f"at the {m} precision"
+  elif isinstance(recipe, recipes_lib.Fp4Config):
+    meaning = f"in FP4 ({m})"
+  else:  # float8 or int8
+    meaning = f"in {recipes_lib.format_name(recipe)} ({m})"
   warnings.warn(
       UNAPPLIED_MATMUL_PRECISION.format(
           m=m, method=method, policy=f"'{policy}'",
@@ -396,7 +403,7 @@ def _entry_problem(part: str, key: str, value: str,
   if value.count("(") < value.count(")"):
     return f"it has a ')' with no '(' before it at {part!r}"
   if value.count("(") > value.count(")"):
-    return (f"the float8 recipe {value!r} does not close its parenthesis: "
+    return (f"the recipe {value!r} does not close its parenthesis: "
             "write name(field=value;...), e.g. "
             "'m=fp8_delayed(margin=1;history_length=32)'")
   if "=" not in part or ("=" in value and "(" not in value):
@@ -473,8 +480,11 @@ def get_policy(spec: str | Policy) -> Policy:
     ``fp8_delayed``, or one of them with fields changed,
     ``"m=fp8_delayed(margin=1;history_length=32)"`` (``docs/fp8.md``), or
     an FP4 recipe: ``nvfp4``, ``mxfp4``, or one of them with fields changed,
-    ``"m=nvfp4(rht=false;stochastic_rounding=false)"`` (``docs/fp4.md``); see
-    :class:`Policy`. ``str(policy)`` prints it only when set, so jmp's specs
+    ``"m=nvfp4(rht=false;stochastic_rounding=false)"`` (``docs/fp4.md``), or
+    an int8 recipe: ``int8``, ``int8_switchback``, or one of them with
+    fields changed, ``"m=int8(quantize_weight_gradient=false)"``
+    (``docs/int8.md``); see :class:`Policy`. ``str(policy)`` prints it only
+    when set, so jmp's specs
     and strings are unchanged.
 
   ``get_policy(str(policy)) == policy`` (with equal hashes) for every

@@ -222,9 +222,10 @@ def op_dtypes(
 
   Returns:
     A list of ``(primitive name, (dtype name, ...))`` pairs, one per equation,
-    listing the dtypes of its floating inputs only. A ``dot_general`` or
-    ``ragged_dot_general`` that a
-    float8 or FP4 recipe left out of its format carries the reason in the
+    listing the dtypes of its floating inputs (for a ``dot_general`` or
+    ``ragged_dot_general``, its two operands' floating or integer dtypes
+    (an int8 recipe's product shows as ``('int8', 'int8')``)). One that a
+    float8, FP4 or int8 recipe left out of its format carries the reason in the
     pair's ``note`` attribute (shown in its repr; ``docs/fp8.md``, what stays
     out of float8); a debug record of the logger ``"jmp_lite"`` says the
     same, naming the format ("stays out of NVFP4: ...") when the matmul is
@@ -255,13 +256,24 @@ def op_dtypes(
   return [
       OpDtypes(
           eqn.primitive.name,
-          tuple(
-              np.dtype(v.aval.dtype).name
-              for v in eqn.invars
-              if tree_lib.is_float(v.aval)
-          ),
+          _listed_dtypes(eqn, eqn.primitive in matmuls),
           markers.fallback_reason(stack) if eqn.primitive in matmuls
           else None,
       )
       for eqn, stack in compat.walk_eqns_in_scopes(closed, live_only=True)
   ]
+
+
+def _listed_dtypes(eqn: Any, matmul: bool) -> tuple[str, ...]:
+  """The dtype names :func:`op_dtypes` lists for an equation: its floating
+  inputs; for a matmul, its two operands' floating or integer dtypes, so
+  that an int8 product shows as ``('int8', 'int8')`` (a grouped matmul's
+  group sizes are not operands)."""
+  def listed(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return tree_lib.is_float(aval) or (
+        matmul and dtype is not None
+        and jax.dtypes.issubdtype(dtype, np.integer))
+  operands = eqn.invars[:2] if matmul else eqn.invars
+  return tuple(np.dtype(v.aval.dtype).name for v in operands
+               if listed(v.aval))

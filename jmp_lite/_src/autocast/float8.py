@@ -77,6 +77,18 @@ def _quantizable(aval: Any) -> bool:
   return 2 <= np.dtype(aval.dtype).itemsize <= 4
 
 
+def quantized_already(avals: tuple[Any, ...]) -> bool:
+  """A matmul a recipe made already (a nested float8, FP4 or int8 route, or
+  a hand call of ``fp8_dot_general``/``int8_dot_general``): an operand in a
+  one-byte float format, or two int8 operands (``s8 x s8 -> s32``). It runs
+  as written, no fallback."""
+  if any(tree_lib.is_float(a) and np.dtype(a.dtype).itemsize == 1
+         for a in avals):
+    return True
+  return len(avals) == 2 and all(
+      rules_lib.dtype_of(a) == np.dtype(np.int8) for a in avals)
+
+
 def exclusion(config: config_lib.Fp8Config, avals: tuple[Any, ...],
               dimension_numbers: Any) -> str | None:
   """Why a ``dot_general`` stays out of float8 under ``config``, or None.
@@ -147,9 +159,7 @@ def _rule(fallback: str) -> Callable[..., Any]:
                    preferred_element_type: Any = None, **params: Any) -> Any:
     config = ctx.fp8_config
     reason = ctx._fp8_excluded  # pylint: disable=protected-access
-    already_float8 = any(tree_lib.is_float(a) and np.dtype(a.dtype).itemsize == 1
-                         for a in ctx.in_avals)
-    if already_float8:  # quantized already (a nested float8 route): as is
+    if quantized_already(ctx.in_avals):  # a nested recipe's product: as is
       config, reason = None, None
     elif config is not None and reason is None:
       reason = exclusion(config, ctx.in_avals, dimension_numbers)
@@ -241,9 +251,7 @@ def _ragged_rule(fallback: str) -> Callable[..., Any]:
     dnums = ragged_dot_dimension_numbers
     config = ctx.fp8_config
     reason = ctx._fp8_excluded  # pylint: disable=protected-access
-    already_float8 = any(tree_lib.is_float(a) and np.dtype(a.dtype).itemsize == 1
-                         for a in ctx.in_avals[:2])
-    if already_float8:  # quantized already (a nested float8 route): as is
+    if quantized_already(ctx.in_avals[:2]):  # a nested recipe's: as is
       config, reason = None, None
     elif config is not None and reason is None:
       reason = ragged_exclusion(config, ctx.in_avals, dnums)

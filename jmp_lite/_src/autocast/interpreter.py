@@ -83,14 +83,17 @@ def _is_disabled(eqn: Any) -> bool:
 
 def _is_quantized_dot(eqn: Any, region: Any) -> bool:
   """A ``dot_general`` float8 would quantize under the recipe in force there
-  (whatever its shapes), or one in float8 already (a nested float8 route):
-  batched matmuls float8 leaves alone (attention, a cross-entropy written as
-  an einsum) and integer/float64 operands do not count. A grouped matmul
-  (``ragged_dot_general``) in the form float8 quantizes counts too (no dense
-  matmul before it is the output head)."""
+  (whatever its shapes), or one in float8 or int8 already (a nested recipe's
+  product): batched matmuls float8 leaves alone (attention, a cross-entropy
+  written as an einsum) and other integer or float64 operands do not count.
+  A grouped matmul (``ragged_dot_general``) in the form float8 quantizes
+  counts too (no dense matmul before it is the output head)."""
   if eqn.primitive not in _MATMULS:
     return False
   avals = [v.aval for v in eqn.invars[:2]]
+  if len(avals) == 2 and all(rules_lib.dtype_of(a) == np.dtype(np.int8)
+                             for a in avals):
+    return True  # an int8 recipe's s8 x s8 product (a nested int8 route)
   if len(avals) != 2 or not all(
       tree_lib.is_float(a) and 1 <= np.dtype(a.dtype).itemsize <= 4
       for a in avals):

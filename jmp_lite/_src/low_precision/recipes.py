@@ -828,10 +828,11 @@ AXIS_NAME_SPELLING = (
     "name such as 'batch' or 'data_parallel' (letters, digits, '_', '.', "
     "'-'; not starting with a digit, and not 'none'); a tuple is written "
     "axis_name=(data|fsdp). Rename the mesh axis, or pass the config to "
-    "jmp_lite.fp8.fp8_dot_general (jmp_lite.fp4.fp4_dot_general) directly."
+    "jmp_lite.fp8.fp8_dot_general (jmp_lite.fp4.fp4_dot_general, "
+    "jmp_lite.int8.int8_dot_general) directly."
 )
 FIELD_SEPARATOR_HELP = (
-    "Fields inside a float8 recipe are separated by ';' (',' separates the "
+    "Fields inside a recipe are separated by ';' (',' separates the "
     "policy's keys)"
 )
 
@@ -966,7 +967,8 @@ def _spec_problem(text: str, name: str, paren: str, rest: str,
                   family: str) -> str | None:
   """What is wrong with a recipe's text as a whole, or None."""
   if name not in RECIPE_NAMES:
-    return f"Malformed float8 recipe {text!r}: {name!r} names no recipe."
+    return (f"Malformed recipe {text!r}: {name!r} names no float8, FP4 or "
+            "int8 recipe.")
   extra = rest.count(")") - rest.count("(") - 1  # ')' beyond the fields'
   if paren and (extra < 0 or not rest.endswith(")")):
     return (f"The {family} recipe {text!r} does not close its parenthesis: "
