@@ -61,9 +61,11 @@ def _per_device_grads(w, xs, n):
 def _bound(wire, per, n):
   """The documented bound on |result - exact mean|, per element."""
   mean_abs = np.mean(np.abs(per), axis=0)
-  sums = n * 2.0**-23 * mean_abs          # the float32 sums
+  # The float32 sums, and the float32 rounding of the gradients themselves
+  # (the mapped program and this test's vmap round them differently).
+  sums = n * 2.0**-23 * mean_abs + 2.0**-21 * np.max(np.abs(per))
   if wire == "float32":
-    return 2 * sums + 1e-30
+    return sums
   u = U[wire]
   if wire == "bfloat16":
     return (2 * u + u * u) * mean_abs + sums

@@ -664,8 +664,8 @@ class Int8Config:
   gradient ``dW = x^T g``) quantizes each operand to symmetric int8 in
   ``[-127, 127]`` with float32 scales taken along the product's own
   contracted axis, multiplies ``s8 x s8 -> s32`` and rescales the int32
-  result once in float32: ``round_half_to_even(v / s)`` with
-  ``s = amax / 127`` per row (activations and gradients), per output
+  result once in float32: ``round_half_to_even(v * (1 / s))`` with
+  ``s = amax * float32(1 / 127)`` per row (activations and gradients), per output
   channel or per tensor (the weight). A policy names it as ``m=int8`` or
   ``m=int8_switchback``, with changed fields in parentheses
   (``m=int8(quantize_weight_gradient=false)``); every route (``autocast``,
