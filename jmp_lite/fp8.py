@@ -6,7 +6,8 @@ Most users never import this module: a policy names a float8 recipe
 (e4m3 operands, float32 accumulation, e5m2 or e4m3 gradients). Import it to
 change a recipe's fields (:class:`Fp8Config`) or to call the float8 matmul
 yourself (:func:`fp8_dot_general`, e.g. as a Flax layer's ``dot_general``;
-:func:`fp8_ragged_dot`, a Mixture-of-Experts layer's ``jax.lax.ragged_dot``).
+:func:`fp8_ragged_dot`, a Mixture-of-Experts layer's ``jax.lax.ragged_dot``;
+:func:`fp8_all_to_all`, its token dispatch across devices in float8).
 Guide: ``docs/fp8.md``.
 
 Example:
@@ -21,8 +22,10 @@ Example:
 """
 
 from jmp_lite._src.low_precision.recipes import Fp8Config
+from jmp_lite._src.low_precision.collectives import fp8_all_to_all
 from jmp_lite._src.low_precision.fp8_grouped import fp8_ragged_dot
 from jmp_lite._src.low_precision.fp8_matmul import DelayedScales
 from jmp_lite._src.low_precision.fp8_matmul import fp8_dot_general
 
-__all__ = ("DelayedScales", "Fp8Config", "fp8_dot_general", "fp8_ragged_dot")
+__all__ = ("DelayedScales", "Fp8Config", "fp8_all_to_all", "fp8_dot_general",
+           "fp8_ragged_dot")

@@ -208,7 +208,8 @@ def _e4m3_scale(amax: jax.Array) -> jax.Array:
   return jnp.minimum(scale, _E4M3_MAX_SCALE)
 
 
-def _moved(x: jax.Array, move: Callable[[jax.Array], jax.Array]) -> jax.Array:
+def moved_as_bits(x: jax.Array,
+                  move: Callable[[jax.Array], jax.Array]) -> jax.Array:
   """``move(x)`` for a collective that only moves data (all_to_all,
   all_gather), on ``x``'s bits as unsigned integers of its width: no
   compiler can widen an integer payload to a wider float (XLA:CPU turns a
@@ -232,9 +233,9 @@ def _wire_pmean(values: list[jax.Array], axis_name: Any,
   scatter = lambda x: lax.all_to_all(x, axis_name, 0, 0, tiled=True)
   gather = lambda x: compat.all_gather_invariant(x, axis_name)
   if wire == "bfloat16":
-    got = _moved(flat.astype(jnp.bfloat16).reshape(n, piece), scatter)
+    got = moved_as_bits(flat.astype(jnp.bfloat16).reshape(n, piece), scatter)
     mine = jnp.sum(got.astype(jnp.float32), axis=0) / n
-    full = _moved(mine.astype(jnp.bfloat16), gather).astype(jnp.float32)
+    full = moved_as_bits(mine.astype(jnp.bfloat16), gather).astype(jnp.float32)
     bad = None
   else:
     # Which leaf each position of the bucket holds (the padding: one more).
@@ -244,7 +245,7 @@ def _wire_pmean(values: list[jax.Array], axis_name: Any,
     scale = jnp.concatenate([_e4m3_scale(amax), jnp.ones((1,), jnp.float32)])
     at = scale[ids]                                             # [n * piece]
     sent = formats_lib.saturating_cast(flat * at, "e4m3").reshape(n, piece)
-    got = _moved(sent, scatter)
+    got = moved_as_bits(sent, scatter)
     me = lax.axis_index(axis_name)
     my_ids = lax.dynamic_index_in_dim(ids.reshape(n, piece), me, 0,
                                       keepdims=False)
@@ -258,7 +259,7 @@ def _wire_pmean(values: list[jax.Array], axis_name: Any,
     scale2 = jnp.concatenate([_e4m3_scale(amax2),
                               jnp.ones((1,), jnp.float32)])
     sent2 = formats_lib.saturating_cast(mine * scale2[my_ids], "e4m3")
-    full = _moved(sent2, gather).astype(jnp.float32) / scale2[ids]
+    full = moved_as_bits(sent2, gather).astype(jnp.float32) / scale2[ids]
     # A leaf with a NaN or inf on any device is NaN on every device: inf -
     # inf is NaN, and a finite amax adds 0 (no NaN constant in the program).
     bad = (amax - amax) + (amax2 - amax2)
