@@ -8,7 +8,10 @@ a plot. For float8, :func:`fp8_stats` measures what each scaling recipe
 (a plain cast, per tensor, per row, blockwise, MXFP8, a delayed scale) would
 clip at the format's max and flush to zero, with the quantizers the float8
 matmul runs, and :func:`advise_fp8` picks the cheapest granularity per layer
-or keeps the layer out of float8. Guide: ``docs/diagnostics.md``.
+or keeps the layer out of float8; ``fmt="e2m1"`` and ``fmt="int8"`` measure
+and advise the FP4 and int8 recipes the same way (int8: the share of each
+layer's values that round to zero under row-wise int8, and which layers to
+keep in 16 bits). Guide: ``docs/diagnostics.md``.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -24,6 +27,10 @@ Example:
   >>> fp8 = jax.jit(diagnostics.fp8_stats, static_argnums=1)(acts, "activation")
   >>> diagnostics.advise_fp8(fp8).granularity
   {'dense': 'row'}
+  >>> spiky = {"dense": jnp.ones((4, 64)).at[:, 0].set(1e4)}  # an outlier feature
+  >>> i8 = diagnostics.fp8_stats(spiky, "activation", fmt="int8")
+  >>> i8["dense"].fraction("flushed", "int8"), diagnostics.advise_fp8(i8).keep_out
+  (0.984375, ('dense',))
 """
 
 from jmp_lite._src.diagnostics.fp8_advice import advise_fp8

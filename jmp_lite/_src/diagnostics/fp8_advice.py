@@ -1,6 +1,7 @@
-"""Host-side float8 and FP4 advice: per layer, the cheapest granularity (or
-FP4 recipe) that keeps the quantization losses small, or to keep the layer
-out of float8 (FP4), with the layers ranked by their error.
+"""Host-side float8, FP4 and int8 advice: per layer, the cheapest granularity
+(or FP4 or int8 recipe) that keeps the quantization losses small, or to keep
+the layer out of float8 (FP4, int8: in 16 bits), with the layers ranked by
+their error.
 
 :class:`Fp8Advice` and :func:`advise_fp8`. They read the statistics of
 :mod:`jmp_lite._src.diagnostics.fp8_stats` on the host. Guide:
@@ -21,6 +22,8 @@ from jmp_lite._src.diagnostics.fp8_stats import FP4_FORMAT
 from jmp_lite._src.diagnostics.fp8_stats import FP4_STAT_RECIPES
 from jmp_lite._src.diagnostics.fp8_stats import Fp8Stats
 from jmp_lite._src.diagnostics.fp8_stats import GRANULARITIES
+from jmp_lite._src.diagnostics.fp8_stats import INT8_FORMAT
+from jmp_lite._src.diagnostics.fp8_stats import INT8_STAT_RECIPES
 from jmp_lite._src.diagnostics.fp8_stats import ROLES
 from jmp_lite._src.diagnostics.report import _format_percent
 from jmp_lite._src.diagnostics.stats import _group_key
@@ -43,10 +46,24 @@ DEFAULT_MAX_CLIPPED = 0.0
 #: the row error counts what both cost), the mean row error at E2M1's unit
 #: roundoff (25%).
 FP4_DEFAULT_LIMITS = (1.0, 1.0, E2M1_UNIT_ROUNDOFF)
+#: The default mean row error for int8 statistics: 2**-5 (3.125%, an SQNR
+#: of 30.1 dB). Gaussian rows lose about 0.9% (41 dB) under row-wise int8;
+#: the limit lets a row's largest entry be up to about 14 times its RMS
+#: (the grid step is ``amax / 127``), beyond which outliers (LLM.int8's
+#: outlier features) set the scale and the rest of the row loses its bits.
+INT8_MAX_ERROR = 2.0**-5
+#: The default limits for int8 statistics: no clipping (current absmax
+#: scaling never clips; clipping means a stale given scale), 5% of the
+#: entries flushed to zero (Gaussian rows flush about 1.2%: their entries
+#: below half a grid step; an outlier 16 times the RMS flushes about 5%),
+#: the mean row error at :data:`INT8_MAX_ERROR`.
+INT8_DEFAULT_LIMITS = (0.0, 0.05, INT8_MAX_ERROR)
 
 _NAMES = {"tensor": "per tensor", "row": "per row", "blockwise": "blockwise",
           "mxfp8": "MXFP8", "delayed": "with the given delayed scales",
-          "cast": "without scaling", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+          "cast": "without scaling", "nvfp4": "NVFP4", "mxfp4": "MXFP4",
+          "int8": "int8 (row-wise, per-channel weights)",
+          "int8_switchback": "SwitchBack's int8 (a per-tensor weight scale)"}
 _PLURAL = {"activation": "activations", "weight": "weights",
            "gradient": "gradients"}
 
@@ -64,7 +81,9 @@ class Fp8Advice:
       ``"tensor"``, ``"row"``, ``"blockwise"`` or ``"mxfp8"`` (the order
       they are tried in), or ``None``: keep the layer out of float8. For FP4
       statistics, the first FP4 recipe that fits (``"nvfp4"``,
-      ``"mxfp4"``) or ``None``: keep the layer in the compute dtype (bf16).
+      ``"mxfp4"``) or ``None``: keep the layer in the compute dtype (bf16);
+      for int8 statistics, the first int8 recipe that fits (``"int8"``,
+      ``"int8_switchback"``) or ``None``: keep the layer in 16 bits.
     keep_out: the layers whose granularity is ``None``, in order.
     delayed: ``{layer: fits}`` for the layers measured with a delayed scale
       (``fp8_stats(..., scale=...)``): whether those scales keep every role
@@ -101,12 +120,13 @@ class Fp8Advice:
   def __str__(self) -> str:
     if not self.stats:
       return "\n".join(f"- {r}" for r in self.reasons)
-    fp4 = _is_fp4(self.stats)
-    lines = [f"| layer | {'FP4 recipe' if fp4 else 'float8 granularity'} | "
-             "roles measured |", "|---|---|---|"]
+    kind = _kind(self.stats)
+    title = {"fp4": "FP4 recipe", "int8": "int8 recipe"}.get(
+        kind, "float8 granularity")
+    lines = [f"| layer | {title} | roles measured |", "|---|---|---|"]
     for layer, choice in self.granularity.items():
-      verdict = ("keep in the compute dtype" if fp4 else
-                 "keep out of float8") if choice is None else choice
+      verdict = ("keep out of float8" if kind == "float8" else
+                 "keep in the compute dtype") if choice is None else choice
       if layer in self.delayed:
         verdict += ("; delayed scales fit" if self.delayed[layer]
                     else "; delayed scales do not fit")
@@ -127,9 +147,19 @@ class Fp8Advice:
     return "\n".join(lines)
 
 
-def _is_fp4(stats: Mapping[str, Mapping[str, Fp8Stats]]) -> bool:
-  return any(s.formats == (FP4_FORMAT,) for roles in stats.values()
-             for s in roles.values())
+#: What each kind of statistics is called in the advice's sentences.
+_KIND_NAMES = {"float8": "float8", "fp4": "FP4", "int8": "int8"}
+
+
+def _leaf_kind(s: Fp8Stats) -> str:
+  """``"fp4"``, ``"int8"`` or ``"float8"``: which matmuls ``s`` measures."""
+  return {(FP4_FORMAT,): "fp4", (INT8_FORMAT,): "int8"}.get(s.formats,
+                                                             "float8")
+
+
+def _kind(stats: Mapping[str, Mapping[str, Fp8Stats]]) -> str:
+  kinds = {_leaf_kind(s) for roles in stats.values() for s in roles.values()}
+  return kinds.pop() if len(kinds) == 1 else "float8"
 
 
 def _percent(share: float) -> str:
@@ -152,9 +182,12 @@ def _cell(s: Fp8Stats, fmt: str, recipe: str) -> str:
 
 def _measurements(stats: Mapping[str, Mapping[str, Fp8Stats]]) -> str:
   recipes = ("cast",) + GRANULARITIES
-  if _is_fp4(stats):
+  kind = _kind(stats)
+  if kind == "fp4":
     recipes = FP4_STAT_RECIPES
-  elif any("delayed" in s.recipes for roles in stats.values()
+  elif kind == "int8":
+    recipes = INT8_STAT_RECIPES
+  if kind != "fp4" and any("delayed" in s.recipes for roles in stats.values()
          for s in roles.values()):
     recipes += ("delayed",)
   titles = [f"{r}: clipped / flushed / error %"
@@ -219,6 +252,14 @@ def _named(stats: Any) -> list[tuple[str, Fp8Stats]]:
   return out
 
 
+#: What ``granularities`` holds for int8 statistics.
+INT8_LADDER_HELP = (
+    "For int8 statistics (fp8_stats(..., fmt='int8')) granularities names "
+    "the int8 recipes to try, in order: 'int8', 'int8_switchback' (default "
+    "('int8', 'int8_switchback'): per-channel weight scales first, the more "
+    "accurate; activations and gradients measure the same under both)."
+)
+
 #: What ``granularities`` holds for FP4 statistics.
 FP4_LADDER_HELP = (
     "For FP4 statistics (fp8_stats(..., fmt='e2m1')) granularities names "
@@ -228,39 +269,46 @@ FP4_LADDER_HELP = (
 )
 
 
-def _granularities(granularities: Any, fp4: bool) -> tuple[str, ...]:
+def _granularities(granularities: Any, kind: str) -> tuple[str, ...]:
   """The ladder to try: a tuple (or list) of distinct names, cheapest first."""
   ladder = (tuple(granularities) if isinstance(granularities, (tuple, list))
             else None)
-  if fp4 and ladder == GRANULARITIES:
-    return FP4_STAT_RECIPES
-  kind, help_text = (("FP4 recipe", FP4_LADDER_HELP) if fp4 else
-                     ("granularity", fp8_config.MATMUL_GRANULARITY_HELP))
+  recipes = {"fp4": FP4_STAT_RECIPES, "int8": INT8_STAT_RECIPES}.get(kind)
+  if recipes and ladder == GRANULARITIES:
+    return recipes
+  what, help_text = {
+      "fp4": ("FP4 recipe", FP4_LADDER_HELP),
+      "int8": ("int8 recipe", INT8_LADDER_HELP),
+  }.get(kind, ("granularity", fp8_config.MATMUL_GRANULARITY_HELP))
   names = tuple(
-      checks.choice(g, "FP4 recipe", "advise_fp8", FP4_STAT_RECIPES, help_text)
-      if fp4 else fp8_scaling.check_granularity(g, GRANULARITIES, help_text)
+      checks.choice(g, what, "advise_fp8", recipes, help_text)
+      if recipes else
+      fp8_scaling.check_granularity(g, GRANULARITIES, help_text)
       for g in ladder or ())
   if not names or len(set(names)) != len(names):
     raise (TypeError if ladder is None else ValueError)(
         f"advise_fp8: granularities must be a tuple naming at least one "
-        f"{kind}, each once, cheapest first, got {granularities!r}; e.g. "
+        f"{what}, each once, cheapest first, got {granularities!r}; e.g. "
         f"('tensor', 'row', 'blockwise'). {help_text}")
   return names
 
 
-def _max_error(max_error: Any, fp4: bool) -> dict[str, float]:
+def _max_error(max_error: Any, kind: str) -> dict[str, float]:
   if max_error is None:
-    if fp4:
+    if kind == "fp4":
       return {FP4_FORMAT: E2M1_UNIT_ROUNDOFF}
+    if kind == "int8":
+      return {INT8_FORMAT: INT8_MAX_ERROR}
     return {name: fp8_formats.get_format(name).unit_roundoff
             for name in fp8_formats.FORMAT_NAMES}
   value = checks.at_least(
       max_error, "max_error", "advise_fp8", 0,
       "it is the largest mean relative row error allowed, e.g. 0.0625 "
       "(None: each format's unit roundoff, 2**-4 for e4m3, 2**-3 for e5m2, "
-      "2**-2 for FP4's e2m1)")
-  return {name: value for name in ((FP4_FORMAT,) if fp4
-                                   else fp8_formats.FORMAT_NAMES)}
+      "2**-2 for FP4's e2m1; 2**-5 for int8)")
+  names = {"fp4": (FP4_FORMAT,), "int8": (INT8_FORMAT,)}.get(
+      kind, fp8_formats.FORMAT_NAMES)
+  return {name: value for name in names}
 
 
 def advise_fp8(stats: Any, *, by: Any = None,
@@ -286,6 +334,12 @@ ranking`), the largest first: the candidates for a keep-list.
   ``None`` meaning: keep the layer in the compute dtype (bf16). A tree
   mixing float8 and FP4 statistics is refused (advise each on its own).
 
+  int8 statistics (``fp8_stats(..., fmt="int8")``) likewise, with the int8
+  recipes as the ladder (``"int8"``, then ``"int8_switchback"``) and
+  ``None`` meaning: keep the layer in 16 bits (the compute dtype). Default
+  limits: nothing clipped, at most 5% flushed to zero, a mean row error of
+  at most 2**-5 (3.125%; an SQNR of 30.1 dB).
+
   Args:
     stats: a tree of :class:`Fp8Stats` (from :func:`fp8_stats`), e.g.
       ``{"weight": ..., "activation": ..., "gradient": ...}``.
@@ -299,11 +353,12 @@ ranking`), the largest first: the candidates for a keep-list.
     max_flushed: the share of entries a granularity may flush to zero, in
       [0, 1]. None (default): 1% for float8, no limit for FP4 (every FP4
       block flushes its entries below 1/24 of its largest; the row error
-      counts it).
+      counts it), 5% for int8 (Gaussian rows flush about 1.2%).
     max_error: the largest mean relative row error; None (default): each
       format's unit roundoff (6.25% for e4m3, 12.5% for e5m2, 25% for
       FP4's e2m1), the most rounding alone can cost a row in the format's
-      normal range.
+      normal range; 2**-5 (3.125%) for int8, whose error grows with the
+      ratio of a row's largest entry to its RMS.
     granularities: the granularities to try, cheapest first (e.g. without
       ``"mxfp8"`` on GPUs without MXFP8 tensor cores, where it brings no
       speedup).
@@ -332,27 +387,31 @@ ranking`), the largest first: the candidates for a keep-list.
   key = _group_key(by, "advise_fp8")
   named = _named(stats)
   host_stats([leaf for _, leaf in named], "advise_fp8")
-  fp4_leaves = [name for name, leaf in named
-                if leaf.formats == (FP4_FORMAT,)]
-  fp4 = bool(fp4_leaves)
-  if fp4 and len(fp4_leaves) != len(named):
-    other = next(name for name, leaf in named
-                 if leaf.formats != (FP4_FORMAT,))
+  first = {}
+  for name, leaf in named:
+    first.setdefault(_leaf_kind(leaf), name)
+  if len(first) > 1:
+    (kind_a, name_a), (kind_b, name_b) = sorted(
+        first.items(), key=lambda item: ("fp4", "int8", "float8").index(
+            item[0]))[:2]
     raise ValueError(
-        f"advise_fp8: these statistics mix FP4 ({fp4_leaves[0]!r}) and "
-        f"float8 ({other!r}) measurements, whose recipes differ. Advise "
-        "each on its own: advise_fp8(fp4_stats), advise_fp8(fp8_stats).")
-  default_clipped, default_flushed = (
-      FP4_DEFAULT_LIMITS[:2] if fp4 else (DEFAULT_MAX_CLIPPED,
-                                          DEFAULT_MAX_FLUSHED))
+        f"advise_fp8: these statistics mix {_KIND_NAMES[kind_a]} "
+        f"({name_a!r}) and {_KIND_NAMES[kind_b]} ({name_b!r}) measurements, "
+        "whose recipes differ. Advise each on its own: "
+        f"advise_fp8({kind_a}_stats), advise_fp8({kind_b}_stats).")
+  kind = next(iter(first), "float8")
+  default_clipped, default_flushed = {
+      "fp4": FP4_DEFAULT_LIMITS[:2], "int8": INT8_DEFAULT_LIMITS[:2]}.get(
+          kind, (DEFAULT_MAX_CLIPPED, DEFAULT_MAX_FLUSHED))
   max_clipped = checks.share(
       default_clipped if max_clipped is None else max_clipped,
       "max_clipped", "advise_fp8", zero_allowed=True)
   max_flushed = checks.share(
       default_flushed if max_flushed is None else max_flushed,
       "max_flushed", "advise_fp8", zero_allowed=True)
-  errors = _max_error(max_error, fp4)
-  ladder = _granularities(granularities, fp4)
+  errors = _max_error(max_error, kind)
+  ladder = _granularities(granularities, kind)
+  family = _KIND_NAMES[kind]
   grouped: dict[str, dict[str, list[Fp8Stats]]] = {}
   for name, leaf in named:
     layer = key(name)
@@ -383,7 +442,7 @@ ranking`), the largest first: the candidates for a keep-list.
       choice[layer] = None
     if choice[layer] is None:
       reasons.append(
-          f"Keep {layer} out of {'FP4' if fp4 else 'float8'} (in the "
+          f"Keep {layer} out of {family} (in the "
           f"compute dtype): even {_NAMES[ladder[-1]]}, "
           f"{_describe(failed[-1][1])}.")
     elif failed:
@@ -404,7 +463,7 @@ ranking`), the largest first: the candidates for a keep-list.
         reasons.append(
             f"{layer}: {int(s.nonfinite)} of its {_PLURAL[role]} are inf/NaN "
             f"(measured as zeros): fix those first; in a "
-            f"{'FP4' if fp4 else 'float8'} matmul they make the result "
+            f"{family} matmul they make the result "
             "non-finite whatever the granularity.")
   worst = {layer: max(s.error(ladder[0], s.formats[0])
                       for s in roles.values())

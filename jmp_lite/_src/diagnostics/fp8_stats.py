@@ -1,10 +1,12 @@
-"""Jit-side float8 and FP4 statistics: what each float8 scaling recipe, and
-each FP4 recipe (NVFP4, MXFP4), would clip, flush to zero and round away,
-per leaf of any pytree.
+"""Jit-side float8, FP4 and int8 statistics: what each float8 scaling recipe,
+each FP4 recipe (NVFP4, MXFP4) and each int8 recipe (``int8``,
+``int8_switchback``) would clip, flush to zero and round away, per leaf of
+any pytree.
 
 :class:`Fp8Stats` and :func:`fp8_stats`. Every recipe runs the quantizers of
 :mod:`jmp_lite._src.low_precision` themselves (the ones the float8 and FP4 matmuls
-run), so the counts are what those matmuls would do to the values. The host side (the
+run, and the int8 matmul's :func:`~jmp_lite._src.low_precision.int8_matmul.\
+quantize`), so the counts are what those matmuls would do to the values. The host side (the
 advice per layer) is :mod:`jmp_lite._src.diagnostics.fp8_advice`. Guide:
 ``docs/diagnostics.md`` (Float8).
 """
@@ -28,6 +30,7 @@ from jmp_lite._src.low_precision import recipes as fp8_config
 from jmp_lite._src.low_precision import formats as fp8_formats
 from jmp_lite._src.low_precision import fp4 as fp4_lib
 from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
+from jmp_lite._src.low_precision import int8_matmul as int8_matmul_lib
 from jmp_lite._src.low_precision import scaling as fp8_scaling
 
 #: The roles a tensor plays in a float8 matmul, as :func:`fp8_stats` names them.
@@ -52,6 +55,25 @@ FP4_STAT_RECIPES: tuple[str, ...] = fp4_matmul_lib.FP4_RECIPES
 #: E2M1's unit roundoff (1 mantissa bit): the most rounding alone costs a
 #: value between two normal E2M1 values.
 E2M1_UNIT_ROUNDOFF = 2.0**-2
+
+#: The int8 format's name, as ``fmt=`` takes it.
+INT8_FORMAT = "int8"
+_INT8_NAMES = ("int8", "s8")
+#: What :func:`fp8_stats` measures with ``fmt="int8"``: each int8 recipe as
+#: the int8 matmul quantizes an operand of the role (symmetric int8 along the
+#: contracting axes, ``scale = amax / 127`` per row; SwitchBack's weight: one
+#: scale per tensor), and ``"delayed"`` (a given per-tensor scale) when a
+#: scale is given.
+INT8_STAT_RECIPES: tuple[str, ...] = fp8_config.INT8_RECIPES
+#: Why the int8 recipes are measured on their own.
+INT8_FORMAT_HELP = (
+    "fmt='int8' measures the int8 recipes ('int8', 'int8_switchback': "
+    "symmetric int8 with float32 scales, amax / 127 per row along the "
+    "contracting axes, as int8_dot_general quantizes each operand; "
+    "SwitchBack scales the weight per tensor), and 'delayed' with scale=; "
+    "measure them in a call of their own (e.g. fp8_stats(x, role, "
+    "fmt='int8'))."
+)
 
 #: Why FP4 is measured on its own.
 FP4_FORMAT_HELP = (
@@ -113,8 +135,8 @@ class Fp8Stats:
     rows: int32, the rows with a nonzero finite entry of at least 2**-126:
       the rows the error is averaged over.
     clipped: int32 ``(formats, recipes)``, finite entries with ``|x / scale|``
-      above the format's max (448 for e4m3, 57344 for e5m2, 6 for e2m1):
-      saturated to it.
+      above the format's max (448 for e4m3, 57344 for e5m2, 6 for e2m1;
+      for int8, ``|x / scale|`` rounding to 128 or more): saturated to it.
     flushed: int32 ``(formats, recipes)``, nonzero finite entries that
       quantize to zero.
     error_sum: float32 ``(formats, recipes)``, the sum over rows of each
@@ -123,11 +145,12 @@ class Fp8Stats:
     error_max: float32 ``(formats, recipes)``, the largest such row error.
     role: static, ``"activation"``, ``"weight"`` or ``"gradient"``.
     formats: static, the format names measured, e.g. ``("e4m3",)``, or
-      ``("e2m1",)`` for FP4.
+      ``("e2m1",)`` for FP4, ``("int8",)`` for int8.
     recipes: static, the recipes measured: ``"cast"`` (a saturating cast,
       no scaling), ``"tensor"``, ``"row"``, ``"blockwise"``, ``"mxfp8"``
       (current scaling) and ``"delayed"`` (a given per-tensor scale); for
-      FP4, ``"nvfp4"`` and ``"mxfp4"``.
+      FP4, ``"nvfp4"`` and ``"mxfp4"``; for int8, ``"int8"``,
+      ``"int8_switchback"`` (and ``"delayed"``).
     block_size: static, the tile/block edge of ``"blockwise"``.
 
   See ``docs/diagnostics.md`` (Float8) for each recipe and count.
@@ -350,26 +373,31 @@ def combine_fp8_stats(stats: Sequence[Fp8Stats], group: str) -> Fp8Stats:
 
 
 def _format_name(fmt: Any) -> str:
-  """The canonical name of a float8 format or of FP4's E2M1."""
+  """The canonical name of a float8 format, of FP4's E2M1 or of int8."""
   if isinstance(fmt, str) and fmt.strip().lower() in _FP4_NAMES:
     return FP4_FORMAT
+  if isinstance(fmt, str) and fmt.strip().lower() in _INT8_NAMES:
+    return INT8_FORMAT
   if (not isinstance(fmt, (str, bool, int, float)) and fmt is not None
       and not isinstance(fmt, fp8_formats.Fp8Format)):
     try:
       if np.dtype(fmt) == fp4_lib.E2M1_DTYPE:
         return FP4_FORMAT
+      if np.dtype(fmt) == np.int8:
+        return INT8_FORMAT
     except TypeError:
       pass
   try:
     return fp8_formats.get_format(fmt, "fmt").name
   except (TypeError, ValueError) as err:
     raise type(err)(
-        f"{err} For FP4, fmt='e2m1' (or jnp.float4_e2m1fn).") from None
+        f"{err} For FP4, fmt='e2m1' (or jnp.float4_e2m1fn); for int8, "
+        "fmt='int8' (or jnp.int8).") from None
 
 
 def _formats(fmt: Any, role: str, scaled: bool) -> tuple[str, ...]:
   """The measured format names; with ``scaled`` (a delayed scale given), one
-  float8 format."""
+  float8 format or int8. FP4 and int8 are measured on their own."""
   if fmt is None:
     return (_ROLE_FORMAT[role],)
   many = fmt if isinstance(fmt, (tuple, list)) else (fmt,)
@@ -378,14 +406,18 @@ def _formats(fmt: Any, role: str, scaled: bool) -> tuple[str, ...]:
     name = _format_name(f)
     if name not in names:
       names.append(name)
-  mixed = FP4_FORMAT in names and len(names) > 1
+  alone = [n for n in (FP4_FORMAT, INT8_FORMAT) if n in names]
+  mixed = bool(alone) and len(names) > 1
   if not names or mixed or (scaled and (len(names) > 1 or FP4_FORMAT in names)):
+    kind = "FP4" if FP4_FORMAT in alone else "int8"
+    others = "int8" if len(alone) == 2 else "float8 formats"
     problem = ("must name at least one format" if not names
-               else "mixes FP4 with float8 formats" if mixed
+               else f"mixes {kind} with {others}" if mixed
                else "was given with scale=: a delayed scale belongs to one "
                "format; measure each with its own scale (one call each)")
     raise ValueError(f"fp8_stats: fmt={fmt!r} {problem}. "
-                     f"{fp8_formats.FORMAT_HELP} {FP4_FORMAT_HELP}")
+                     f"{fp8_formats.FORMAT_HELP} {FP4_FORMAT_HELP} "
+                     f"{INT8_FORMAT_HELP}")
   return tuple(names)
 
 
@@ -527,6 +559,25 @@ def _fp4_quantized(x: jax.Array, recipe: str, role: str,
   return values[:rows, :k], dequantized[:rows, :k], limit[:rows, :k]
 
 
+_INT8_CLIP = np.float32(fp8_config.INT8_MAX + 0.5)
+
+
+def _int8_quantized(x: jax.Array, recipe: str, role: str,
+                    scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """int8 of a float32 ``(rows, K)`` matrix as ``int8_dot_general``
+  quantizes an operand of ``role`` (round half to even): float32 ``(values,
+  scale per entry)``. ``"int8"``: a scale per row (a weight's rows are its
+  output channels); ``"int8_switchback"``: the weight per tensor;
+  ``"delayed"``: the given per-tensor dequantization ``scale``."""
+  if recipe == "delayed":
+    q, s = int8_matmul_lib.rounded(x, scale), scale
+  else:
+    per_tensor = (role == "weight" and fp8_config.Int8Config(
+        recipe).weight_granularity == "tensor")
+    q, s = int8_matmul_lib.quantize(x, per_tensor=per_tensor)
+  return q.astype(_F32), jnp.broadcast_to(s, x.shape)
+
+
 def _inverse_power_of_two(v: jax.Array) -> jax.Array:
   """``2**-floor(log2(v))`` for normal float32 ``v > 0``, the exponent
   clamped to [-126, 126] so that the result is a normal float32 too."""
@@ -573,6 +624,13 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
       if name == FP4_FORMAT:
         values, dequantized, limit = _fp4_quantized(x32, recipe, role, norm)
         over = magnitude > limit
+      elif name == INT8_FORMAT:
+        values, per_entry = _int8_quantized(x32, recipe, role, scale)
+        # Rounding |x / scale| to 128 or more: the clip changed the value
+        # (half to even: 127.5 rounds to 128). Current absmax scaling puts
+        # each row's (tensor's) largest entry at 127: it never clips.
+        over = (magnitude / per_entry) >= _INT8_CLIP
+        dequantized = (values * per_entry) * inv
       else:
         fmt = fp8_formats.get_format(name)
         q = _quantized(x, fmt, recipe, role, block_size, scale)
@@ -622,7 +680,12 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   row's relative error are counted. With ``fmt="e2m1"`` the recipes are
   FP4's instead, ``"nvfp4"`` and ``"mxfp4"``, each quantizing the leaf as
   :func:`jmp_lite.fp4.fp4_dot_general` quantizes an operand of that role
-  (weights in NVFP4's 16x16 tiles, gradients rounded stochastically). No
+  (weights in NVFP4's 16x16 tiles, gradients rounded stochastically). With
+  ``fmt="int8"`` the recipes are int8's, ``"int8"`` and
+  ``"int8_switchback"`` (and ``"delayed"`` with ``scale``), each quantizing
+  the leaf as :func:`jmp_lite.int8.int8_dot_general` quantizes an operand of
+  that role: symmetric int8, round half to even, ``amax / 127`` per row
+  along the contracting axes (SwitchBack: the weight per tensor). No
   host sync: call it inside a jitted step and return the result.
 
   Args:
@@ -634,13 +697,15 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
       every axis but the last for weights) and the blockwise shape (1 x 128
       tiles; 128 x 128 blocks for weights).
     fmt: a format (``"e4m3"``, ``"e5m2"``) or a tuple of formats to measure;
-      ``"e2m1"`` measures the FP4 recipes (on its own); None: the role's.
+      ``"e2m1"`` measures the FP4 recipes, ``"int8"`` the int8 recipes
+      (each on its own); None: the role's.
     axis: the contracting axes, an int or a tuple of ints, for every leaf of
       rank >= 1 (a scalar is one entry); None: the role's. Rows, tiles and
       MX blocks run along them.
     scale: per-tensor dequantization scales to measure as ``"delayed"``
       (e.g. from an amax history): a positive scalar, or a tree of scalars
-      that is a prefix of ``tree``; traced values are fine. One format only.
+      that is a prefix of ``tree``; traced values are fine. One format
+      only (a float8 format or int8; FP4 has none).
     block_size: the tile/block edge of ``"blockwise"`` (default 128, a
       multiple of 16, as :class:`Fp8Config` takes it).
 
@@ -654,7 +719,7 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
       leaf or repeated (NumPy's errors), a block size that is not a positive
       multiple of 16, a scale that is not positive and finite or does not
       fit ``tree`` (JAX's error), a scale with several formats or with FP4,
-      or FP4 mixed with float8 formats.
+      or FP4 or int8 mixed with other formats.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -672,8 +737,12 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   formats = _formats(fmt, role, scale is not None)
   block_size = _block_size(block_size)
   fp4 = formats == (FP4_FORMAT,)
-  recipes = (FP4_STAT_RECIPES if fp4
-             else RECIPES if scale is not None else RECIPES[:-1])
+  if fp4:
+    recipes = FP4_STAT_RECIPES
+  elif formats == (INT8_FORMAT,):
+    recipes = INT8_STAT_RECIPES + (("delayed",) if scale is not None else ())
+  else:
+    recipes = RECIPES if scale is not None else RECIPES[:-1]
 
   def stats(x, s):
     if not tree_lib.is_float(x):
