@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jmp_lite
+import jmp_lite.int8  # pylint: disable=unused-import
 import jmp_lite.linen  # pylint: disable=unused-import
 import jmp_lite.nnx  # pylint: disable=unused-import
 from benchmarks import common
@@ -76,6 +77,12 @@ ROUTES = {
                   "(plain_fp8_matmul, not jmp_lite)"),
     "with_policy_fp8": ("jax", "with_policy(apply_lm, 'mixed_fp8')"),
     "autocast_fp8": ("jax", "autocast(loss, 'mixed_fp8')"),
+    "hand_int8": ("jax", "hand, with the blocks' dense matmuls through "
+                  "jmp_lite.int8.int8_dot_general (mixed_int8's recipe)"),
+    "with_policy_int8": ("jax", "with_policy(apply_lm, 'mixed_int8')"),
+    "with_policy_int8_switchback": ("jax", "with_policy(apply_lm, "
+                                    "'p=f32,c=bf16,o=f32,m=int8_switchback')"),
+    "autocast_int8": ("jax", "autocast(loss, 'mixed_int8')"),
     "linen_hand": ("linen", "linen LM, params cast to bfloat16 by hand"),
     "linen_policy": ("linen", "jmp_lite.linen.apply_policy(lm, 'mixed_bfloat16')"),
     "nnx_hand": ("nnx", "NNX CharLM, params cast to bfloat16 by hand"),
@@ -88,6 +95,19 @@ HAND_FP8 = "hand_fp8"
 PLAIN_FP8 = "plain_fp8"
 #: The routes that put float8 on the matmuls through jmp_lite.
 FP8_ROUTES = tuple(r for r in ROUTES if r.endswith("_fp8") and r not in (HAND_FP8, PLAIN_FP8))
+#: The int8 step written by hand (issue 38).
+HAND_INT8 = "hand_int8"
+#: Each int8 route -> (its m= recipe, the float8 route of the same door it is
+#: compared with: ``ratios_int8_fp8``, the issue's target <= 1.3).
+INT8_ROUTES = {
+    HAND_INT8: ("int8", HAND_FP8),
+    "with_policy_int8": ("int8", "with_policy_fp8"),
+    "with_policy_int8_switchback": ("int8_switchback", "with_policy_fp8"),
+    "autocast_int8": ("int8", "autocast_fp8"),
+}
+#: The issue's target for an int8 route against its float8 twin (trace +
+#: lower, and compile).
+TARGET_INT8_VS_FP8 = 1.3
 #: The issue's targets: every route / hand-cast at the deepest depth.
 TARGET_UNROLLED = 1.3
 TARGET_SCAN = 1.1
@@ -169,9 +189,19 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
   cfg = _lm_config(size, layers)
   workload = wl.transformer(size["batch"], cfg)
   params, batch = wl.setup(workload, seed)
-  policy = wl.policy("bf16", "fp8" if route in FP8_ROUTES else None)
+  recipe_name = ("fp8" if route in FP8_ROUTES
+                 else INT8_ROUTES[route][0]
+                 if route in INT8_ROUTES and route != HAND_INT8 else None)
+  policy = wl.policy("bf16", recipe_name)
   matmul = jnp.matmul
-  if route == HAND_FP8:
+  if route == HAND_INT8:
+    int8_recipe = wl.policy("bf16", "int8").fp8_recipe
+
+    def matmul(x, w):  # what with_policy's int8 rule binds for a Dense matmul
+      return jmp_lite.int8.int8_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                                            preferred_element_type=x.dtype,
+                                            config=int8_recipe)
+  elif route == HAND_FP8:
     recipe = wl.policy("bf16", "fp8").fp8_recipe
 
     def matmul(x, w):  # what with_policy's float8 rule binds for a Dense matmul
@@ -189,7 +219,7 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
 
   if route == "float32":
     loss = f32_loss
-  elif route in ("hand", HAND_FP8, PLAIN_FP8):
+  elif route in ("hand", HAND_FP8, PLAIN_FP8, HAND_INT8):
     def loss(p, b):
       p, x = policy.cast_to_compute((p, b["x"]))
       return wl.cross_entropy(apply(p, x), b["y"])
@@ -349,16 +379,22 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
   """Each row's ratios to its family's hand-cast step at the same depth, a
   float8 route's (``ratios_fp8``) to the float8 step written by hand, and
   every jmp_lite float8 row's, ``hand_fp8``'s included (``ratios_plain``), to
-  the plain float8 matmul's step (``plain_fp8``)."""
+  the plain float8 matmul's step (``plain_fp8``), and an int8 route's
+  (``ratios_int8_fp8``) to the float8 route of the same door
+  (:data:`INT8_ROUTES`)."""
   hand = {(r["family"], r["layers"], r["scan"]): r for r in rows if r["route"] in HAND.values()}
   hand_fp8 = {(r["layers"], r["scan"]): r for r in rows if r["route"] == HAND_FP8}
   plain = {(r["layers"], r["scan"]): r for r in rows if r["route"] == PLAIN_FP8}
+  by_route = {_key(r): r for r in rows}
   for r in rows:
     r["ratios"] = _ratios(r, hand.get((r["family"], r["layers"], r["scan"])))
     if r["route"] in FP8_ROUTES:
       r["ratios_fp8"] = _ratios(r, hand_fp8.get((r["layers"], r["scan"])))
     if r["route"] in FP8_ROUTES + (HAND_FP8,):
       r["ratios_plain"] = _ratios(r, plain.get((r["layers"], r["scan"])))
+    if r["route"] in INT8_ROUTES:
+      twin = INT8_ROUTES[r["route"]][1]
+      r["ratios_int8_fp8"] = _ratios(r, by_route.get((twin, r["layers"], r["scan"])))
 
 
 def measure_all(args) -> dict[str, Any]:
@@ -491,6 +527,19 @@ def table(report: dict[str, Any]) -> list[str]:
                    + "".join(f"| {runner.fmt(r['ratios_plain'].get(k), '.2f')} "
                              for k in ("trace_lower", "compile", "total",
                                        "hlo_instructions")) + "|")
+  int8_rows = [r for r in rows if r.get("ratios_int8_fp8")]
+  if int8_rows:
+    lines += ["", "The int8 routes against the float8 route of the same door (issue 38's "
+              f"target: <= {TARGET_INT8_VS_FP8} for trace + lower and for compile), same run:",
+              "",
+              "| route | float8 twin | blocks | trace+lower / fp8 | compile / fp8 "
+              "| HLO / fp8 |",
+              "|---|---|---|---:|---:|---:|"]
+    for r in int8_rows:
+      lines.append(f"| {r['route']} | {INT8_ROUTES[r['route']][1]} "
+                   f"| {r['layers']}{' (scan)' if r['scan'] else ''} "
+                   + "".join(f"| {runner.fmt(r['ratios_int8_fp8'].get(k), '.2f')} "
+                             for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
   for what, key in (("compile time", lambda r: r["compile_s"]),
                     ("trace + lower", lambda r: r["trace_lower_s"])):
     lines += ["", f"Per block (unrolled depths in order), milliseconds of {what}:", ""]
@@ -532,6 +581,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   for family, hand in HAND.items():
     if any(ROUTES[r][0] == family for r in args.routes) and hand not in args.routes:
       args.routes.insert(0, hand)  # Ratios need the family's baseline.
+  for route, (_, twin) in INT8_ROUTES.items():
+    if route in args.routes and twin not in args.routes:
+      args.routes.insert(args.routes.index(route), twin)  # int8's ratios need it.
   if any(r in FP8_ROUTES for r in args.routes) and HAND_FP8 not in args.routes:
     args.routes.insert(args.routes.index(HAND["jax"]) + 1, HAND_FP8)
   if HAND_FP8 in args.routes and PLAIN_FP8 not in args.routes:

@@ -29,6 +29,12 @@ float8 modes) need Blackwell's FP4 tensor cores: on any other GPU (an H100)
 the suite says so and skips them (``fp4_problem``); on Blackwell and in the
 dry run they run, ResNet-50 excepted (no matmul would run in FP4), and the
 case records whether the compiled program kept the native block-scaled GEMM.
+The int8 modes ``int8`` and ``int8_switchback`` (issue 38; the policy
+``p=f32,c=bf16,o=f32,m=<recipe>`` through ``jmp_lite.with_policy``) run
+``s8 x s8 -> s32`` products on the int8 matrix units (A100/Ada, and Hopper);
+ResNet-50 is skipped (no matmul would run in int8) and so is PyTorch (no
+twin: ``torch._int_mm`` has no autograd and torchao's int8 training is a
+prototype); each case records its int8 FLOP share.
 
 A case (workload, library, mode) compiles its step from shapes, runs warm-up
 steps, times ``--gpu-steps`` steps one by one and reads the peak device
@@ -68,7 +74,11 @@ from benchmarks import workloads as wl
 from benchmarks import wrapper_overhead
 from models import results as output
 
-MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4")
+MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4",
+         "int8", "int8_switchback")
+#: The int8 modes (``jmp_lite.int8``, issue 38): ``s8 x s8 -> s32`` products on
+#: the int8 matrix units of A100/Ada GPUs (and Hopper's, at float8's rate).
+INT8_MODES = ("int8", "int8_switchback")
 #: The FP4 modes (``jmp_lite.fp4``): tensor cores on Blackwell only.
 FP4_MODES = ("nvfp4", "mxfp4")
 #: Compute capabilities with FP4 tensor cores (Blackwell: B200/GB200/B300 10.x,
@@ -96,7 +106,12 @@ MODE_DESCRIPTIONS = {
                      "tiles, RHT, stochastic rounding); Blackwell only",
             "mxfp4": "p=f32,c=bf16,o=f32,m=mxfp4 through with_policy (1x32 "
                      "E2M1 blocks, E8M0 scales, RHT, stochastic rounding); "
-                     "Blackwell only"},
+                     "Blackwell only",
+            "int8": "p=f32,c=bf16,o=f32,m=int8 through with_policy (row-wise int8 "
+                    "operands, per-channel weights, all three matmuls s8 x s8 -> s32)",
+            "int8_switchback": "p=f32,c=bf16,o=f32,m=int8_switchback through "
+                               "with_policy (per-tensor weight scale, the weight "
+                               "gradient in bf16)"},
     "torch": {"f32": "TF32 off (matmuls and cuDNN)", "tf32": "TF32 on",
               "bf16": "torch.autocast bfloat16",
               "f16": "torch.autocast float16 + GradScaler(2**15)",
@@ -106,18 +121,25 @@ MODE_DESCRIPTIONS = {
                              "under torch.autocast bfloat16 (eager)",
               "mxfp8": "not run (torchao's MX training is a prototype)",
               "nvfp4": "not run (torchao's NVFP4 training is a prototype)",
-              "mxfp4": "not run (torchao's MXFP4 training is a prototype)"},
+              "mxfp4": "not run (torchao's MXFP4 training is a prototype)",
+              "int8": "not run (no PyTorch twin: torch._int_mm is an inference GEMM "
+                      "with no autograd, and torchao's int8 mixed-precision training "
+                      "is a prototype)",
+              "int8_switchback": "not run (no PyTorch twin: SwitchBack is not in "
+                                 "torch or torchao)"},
 }
 MATMUL_PRECISION = {"f32": "highest", "tf32": "tensorfloat32"}
 PEAK_KIND = {"f32": "f32", "tf32": "tf32", "bf16": "half", "f16": "half",
              "fp8": "fp8", "fp8_rowwise": "fp8", "mxfp8": "fp8",
-             "nvfp4": "fp4", "mxfp4": "fp4"}
+             "nvfp4": "fp4", "mxfp4": "fp4", "int8": "int8", "int8_switchback": "int8"}
 #: Published dense (no sparsity) peaks, TFLOP/s, matched on device_kind (the
-#: A100 has no float8: its float8 modes get no MFU).
+#: A100 has no float8: its float8 modes get no MFU; int8: dense TOPS).
 PEAK_TFLOPS = (
-    ("H100", {"fp8": 1979.0, "half": 989.0, "tf32": 494.0, "f32": 67.0}),   # H100 SXM
-    ("H200", {"fp8": 1979.0, "half": 989.0, "tf32": 494.0, "f32": 67.0}),
-    ("A100", {"half": 312.0, "tf32": 156.0, "f32": 19.5}),
+    ("H100", {"fp8": 1979.0, "int8": 1979.0, "half": 989.0, "tf32": 494.0,
+              "f32": 67.0}),   # H100 SXM
+    ("H200", {"fp8": 1979.0, "int8": 1979.0, "half": 989.0, "tf32": 494.0,
+              "f32": 67.0}),
+    ("A100", {"int8": 624.0, "half": 312.0, "tf32": 156.0, "f32": 19.5}),
 )
 WARMUP_STEPS = 3
 #: The comparisons time blocks of this many steps, --gpu-steps blocks each.
@@ -224,7 +246,7 @@ def _variant(workload: wl.Workload, mode: str, cast: str = "policy", kind: str =
   ``"policy"`` or ``"autocast"``, ``kind``: ``"jmp_lite"`` or ``"hand"``."""
   if mode in MATMUL_PRECISION:
     return common.make_variant("plain", wl.loss_fn(workload, "f32"))
-  if mode in FP8_MODES or mode in FP4_MODES:  # the policy routes run recipes
+  if mode in FP8_MODES or mode in FP4_MODES or mode in INT8_MODES:  # recipes
     loss = wl.loss_fn(workload, "with_policy",
                       wl.policy("bf16", FP8_MODES.get(mode, mode)))
     return common.make_variant(kind, loss, jmp_lite.NoOpLossScale())
@@ -320,10 +342,11 @@ def run_jax_case(workload: wl.Workload, mode: str, steps: int, seed: int) -> dic
       "peak_bytes": memory.get("peak_bytes_in_use"), "bytes_limit": memory.get("bytes_limit"),
       "compile": compile_info, "init_s": init_s, "final_loss": float(losses[-1]),
   }
-  if mode in FP8_MODES or mode in FP4_MODES:
-    key = "fp8" if mode in FP8_MODES else "fp4"
+  if mode in FP8_MODES or mode in FP4_MODES or mode in INT8_MODES:
+    key = ("fp8" if mode in FP8_MODES else "fp4" if mode in FP4_MODES else "int8")
     result[key] = (fp8_info(mode, compile_info["flops"], compiled.as_text())
-                   if key == "fp8" else fp4_info(mode, compiled.as_text()))
+                   if key == "fp8" else fp4_info(mode, compiled.as_text())
+                   if key == "fp4" else int8_info(mode, compile_info["flops"]))
     # TFLOP/s counts the model's matmuls, as in every other mode. The float8
     # and FP4 steps' jaxprs count more: MX's zero-padding of short contracting
     # dimensions, and the first layer's input gradient, which a custom_vjp
@@ -372,6 +395,14 @@ def fp8_info(mode: str, flops: dict[str, Any], optimized_hlo: str) -> dict[str, 
     info.update(mx_path=path, compute_capability=capability,
                 native_gemm=CUDNN_BLOCK_SCALED in optimized_hlo)
   return info
+
+
+def int8_info(mode: str, flops: dict[str, Any]) -> dict[str, Any]:
+  """What an int8 case ran: the share of its matmul FLOPs on int8 operands
+  (the jaxpr's count: the ``s8 x s8 -> s32`` ``dot_general``s)."""
+  int8 = sum(v for k, v in flops["by_dtype"].items() if "int8" in k)
+  return {"recipe": mode,
+          "int8_flop_share": int8 / flops["total"] if flops["total"] else None}
 
 
 def fp4_problem(dry_run: bool) -> str | None:
@@ -424,6 +455,13 @@ def skip_reason(workload: str, library: str, mode: str, torchao: str | None,
       return ("no FP4 matmul: the convolutions stay in bf16 (FP4 covers "
               "dot_general) and the output head is kept out of FP4")
     return None
+  if mode in INT8_MODES:
+    if library == "torch":
+      return MODE_DESCRIPTIONS["torch"][mode]
+    if workload == "resnet":
+      return ("no int8 matmul: the convolutions stay in bf16 (int8 covers "
+              "dot_general) and the output head is kept out of int8")
+    return None
   if mode not in FP8_MODES:
     return None
   if workload == "resnet":
@@ -467,7 +505,7 @@ def grouped_problem(workload: wl.Workload, mode: str) -> str | None:
   (N = 8 experts) and its output head, which stay out of float8 anyway: the
   case is skipped with this reason rather than reported as a float8 figure.
   """
-  if mode not in FP8_MODES and mode not in FP4_MODES:
+  if mode not in FP8_MODES and mode not in FP4_MODES and mode not in INT8_MODES:
     return None
   recipe = FP8_MODES.get(mode, mode)
   loss = wl.loss_fn(workload, "with_policy", wl.policy("bf16", recipe))
@@ -482,7 +520,7 @@ def grouped_problem(workload: wl.Workload, mode: str) -> str | None:
           f"{sum(counts.values())} ragged_dot_general have bfloat16 operands under "
           f"m={recipe} through with_policy"
           + (f" ({'; '.join(notes)})" if notes else
-             " (this jmp_lite has no float8/FP4 rule for ragged_dot_general)")
+             " (this jmp_lite has no float8/FP4/int8 rule for ragged_dot_general)")
           + f"; a {mode} figure would time the bf16 program: not run")
 
 
@@ -733,6 +771,17 @@ def _fp8_rows(report: dict[str, Any]) -> list[str]:
   return rows
 
 
+def _int8_rows(report: dict[str, Any]) -> list[str]:
+  """One row per int8 JAX case that ran: its int8 FLOP share and speedup."""
+  rows = []
+  for r in report["results"]:
+    for mode, c in r.get("jax", {}).items():
+      if c.get("status") == OK and "int8" in c:
+        rows.append(f"| {r['workload']} | {mode} | {_pct(c['int8']['int8_flop_share'])} "
+                    f"| {runner.fmt(c.get('speedup_vs_bf16'), '.2f')} |")
+  return rows
+
+
 def _comparison_rows(report: dict[str, Any]) -> list[str]:
   rows = []
   for r in report["results"]:
@@ -811,6 +860,21 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "| workload | mode | float8 FLOP share | speedup vs bf16 | MXFP8 path |",
         "|---|---|---:|---:|---|",
+        *rows,
+        "",
+    ]
+  rows = _int8_rows(report)
+  if rows:
+    lines += [
+        "## int8 cases",
+        "",
+        "int8 FLOP share: the train step's matmul FLOPs whose operands are int8 "
+        "(`s8 x s8 -> s32` products, counted on the jaxpr; the rest stay in bf16). "
+        "Speedup vs bf16: the bf16 case's step time over this one's. MFU against "
+        "the GPU's dense int8 peak.",
+        "",
+        "| workload | mode | int8 FLOP share | speedup vs bf16 |",
+        "|---|---|---:|---:|",
         *rows,
         "",
     ]

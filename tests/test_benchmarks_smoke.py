@@ -341,6 +341,52 @@ def test_compile_time_plain_float8_baseline():
   assert "ratios_plain" not in rows[2] and "ratios_plain" not in rows[0]
 
 
+@pytest.mark.standard_promotion  # the benchmarks' models mix bfloat16 and float32
+def test_compile_time_int8_routes():
+  """The int8 routes (issue 38): asking for one brings its float8 twin (and
+  the twin's baselines); ``hand_int8`` lowers to the operations
+  ``with_policy`` binds under ``mixed_int8``, every dense matmul of a block
+  as three ``s8 x s8 -> s32`` products (SwitchBack: two, its weight gradient
+  in bf16); each int8 row gets its ratios to its float8 twin, reported."""
+  from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
+  assert compile_time.parse(["--routes", "with_policy_int8"]).routes == [
+      "hand", "hand_fp8", "plain_fp8", "with_policy_fp8", "with_policy_int8"]
+  assert compile_time.parse(["--routes", "hand_int8"]).routes == [
+      "hand", "hand_fp8", "plain_fp8", "hand_int8"]
+
+  def lowered(route):
+    loss, operands = compile_time.program(route, compile_time.SIZES[True], 1, False, 0)
+    return jax.jit(jax.value_and_grad(loss)).lower(*operands).as_text()
+
+  def operations(text):
+    return collections.Counter(re.findall(r"(?:stablehlo|chlo|func)\.\w+", text))
+
+  def int8_dots(text):
+    dots = re.findall(r"stablehlo\.dot_general.*?: \((.*?)\) -> tensor<[^>]*x(\w+)>", text)
+    return [out for operands_, out in dots if operands_.count("xi8>") == 2]
+
+  hand = lowered("hand_int8")
+  assert operations(hand) == operations(lowered("with_policy_int8"))
+  assert int8_dots(hand) == ["i32"] * (3 * 4)  # four dense matmuls, three products
+  assert int8_dots(lowered("with_policy_int8_switchback")) == ["i32"] * (2 * 4)
+  row = lambda route, t: {"route": route, "family": "jax", "layers": 1, "scan": False,
+                          "trace_lower_s": t, "compile_s": 2 * t, "lowered_functions": 1,
+                          "optimized_hlo": {"instructions": 10 * t}}
+  rows = [row("hand", 1.0), row("hand_fp8", 2.0), row("with_policy_fp8", 2.0),
+          row("hand_int8", 3.0), row("with_policy_int8", 2.2),
+          row("with_policy_int8_switchback", 1.0)]
+  compile_time.add_ratios(rows)
+  assert rows[3]["ratios_int8_fp8"]["compile"] == 1.5
+  assert rows[4]["ratios_int8_fp8"]["trace_lower"] == pytest.approx(1.1)
+  assert rows[5]["ratios_int8_fp8"]["hlo_instructions"] == 0.5
+  assert "ratios_int8_fp8" not in rows[1]
+  text = "\n".join(compile_time.table({
+      "results": rows, "config": {"size": {"width": 16, "heads": 2, "seq_len": 8,
+                                           "vocab": 32, "batch": 2}, "repeats": 1}}))
+  assert "| hand_int8 | hand_fp8 | 1 | 1.50 | 1.50 | 1.50 |" in text
+  assert "| with_policy_int8_switchback | with_policy_fp8 | 1 |" in text
+
+
 def test_compile_time_merge_keeps_rows_it_did_not_measure(tmp_path):
   """``--merge``: a run's rows replace those of the same route, depth and
   scan; the others stay, each naming its run; another configuration is

@@ -30,7 +30,9 @@ from helpers import example_env
 #: the GPU suite's dry runs compile every workload: the slow stage.
 pytestmark = pytest.mark.slow
 
-MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4")
+MODES = ("f32", "tf32", "bf16", "f16", "fp8", "fp8_rowwise", "mxfp8", "nvfp4", "mxfp4",
+         "int8", "int8_switchback")
+INT8_MODES = ("int8", "int8_switchback")
 FP8_MODES = ("fp8", "fp8_rowwise", "mxfp8")
 FP4_MODES = ("nvfp4", "mxfp4")
 WORKLOADS = ("mlp", "resnet", "transformer", "moe")
@@ -105,9 +107,13 @@ def _skipped(entry, library, mode, report):
   if entry["workload"] == "moe":
     if library == "torch":
       return "no PyTorch twin"
-    if mode in FP8_MODES + FP4_MODES and _moe_grouped_in_bf16(mode):
+    if mode in FP8_MODES + FP4_MODES + INT8_MODES and _moe_grouped_in_bf16(mode):
       return "the grouped matmuls stay in bf16"
     return None
+  if mode in INT8_MODES:   # no PyTorch twin; ResNet's convolutions stay bf16
+    if library == "torch":
+      return "no PyTorch twin"
+    return "no int8 matmul" if entry["workload"] == "resnet" else None
   if mode in FP4_MODES:   # the dry run runs FP4 through the policy routes
     if library == "torch":
       return "prototype"
@@ -182,7 +188,16 @@ def test_every_jax_case_ran_with_consistent_figures(split):
     if entry["workload"] == "resnet":
       assert not set(FP8_MODES) & set(cases)  # skipped: no float8 matmul
       assert not set(FP4_MODES) & set(cases)  # nor FP4
+      assert not set(INT8_MODES) & set(cases)  # nor int8
       continue
+    # The int8 rows ran through with_policy: most matmul FLOPs on int8
+    # operands (SwitchBack's weight gradients stay in bf16).
+    for mode in set(INT8_MODES) & set(cases):
+      info = cases[mode]["int8"]
+      assert info["recipe"] == mode and cases[mode]["loss_scale"] == 1.0
+      assert "speedup_vs_bf16" in cases[mode]
+      low = 0.5 if mode == "int8" else 0.3
+      assert low < info["int8_flop_share"] < 1.0, (entry["workload"], mode, info)
     # The MoE's float8/FP4 cases run where with_policy quantizes its grouped
     # matmuls (else they are skipped: checked by _check_library_cases).
     for mode in set(FP8_MODES) & set(cases):
@@ -200,8 +215,9 @@ def test_every_jax_case_ran_with_consistent_figures(split):
       assert mx["mx_path"].startswith("emulation (cpu"), mx
     if entry["workload"] == "moe":
       # No grouped matmul of a float8/FP4 case that ran is on bf16 operands.
-      for mode in (set(FP8_MODES) | set(FP4_MODES)) & set(cases):
-        grouped = cases[mode]["fp8" if mode in FP8_MODES else "fp4"]["grouped_dtypes"]
+      for mode in (set(FP8_MODES) | set(FP4_MODES) | set(INT8_MODES)) & set(cases):
+        grouped = cases[mode]["fp8" if mode in FP8_MODES else "fp4" if mode in FP4_MODES
+                              else "int8"]["grouped_dtypes"]
         assert sum(grouped.values()) == 6 and "bfloat16" not in grouped, (mode, grouped)
     # The FP4 rows ran through with_policy, emulated on the CPU.
     for mode in set(FP4_MODES) & set(cases):
@@ -237,6 +253,17 @@ def test_fp4_modes_skip_off_blackwell_and_say_why(monkeypatch):
   assert gpu_suite.skip_reason("mlp", "jax", "bf16", None, reason) is None
 
 
+def test_int8_modes_skip_resnet_and_torch_and_say_why():
+  from benchmarks import gpu_suite  # pylint: disable=import-outside-toplevel
+  for mode in INT8_MODES:
+    assert gpu_suite.skip_reason("mlp", "jax", mode, None) is None
+    assert gpu_suite.skip_reason("transformer", "jax", mode, None) is None
+    assert "no int8 matmul" in gpu_suite.skip_reason("resnet", "jax", mode, None)
+    assert "no PyTorch twin" in gpu_suite.skip_reason("mlp", "torch", mode, None)
+    assert gpu_suite.PEAK_KIND[mode] == "int8"
+  assert gpu_suite.peak_tflops("NVIDIA A100-SXM4-80GB")["int8"] == 624.0
+
+
 def test_moe_row_compares_bf16_with_every_recipe_or_says_why_not():
   """The MoE (ragged_dot experts): its FLOPs count the grouped matmuls; its
   bf16 row runs them in bf16; a float8/FP4 mode runs only where with_policy
@@ -265,7 +292,7 @@ def test_moe_row_compares_bf16_with_every_recipe_or_says_why_not():
   bf16 = workloads.loss_fn(moe, "policy", workloads.policy("bf16"))
   assert gpu_suite.grouped_dtypes(jax.value_and_grad(bf16), *shapes) == {"bfloat16": 6}
   assert gpu_suite.grouped_problem(moe, "bf16") is None
-  for mode in FP8_MODES + FP4_MODES:
+  for mode in FP8_MODES + FP4_MODES + INT8_MODES:
     reason = gpu_suite.grouped_problem(moe, mode)
     assert (reason is not None) == _moe_grouped_in_bf16(mode), (mode, reason)
     if reason:
@@ -289,6 +316,23 @@ def test_markdown_lists_the_float8_cases(split):
       else:
         assert f"| {entry['workload']} | {mode} | " in text
   assert "| mlp | mxfp8 | – | " in text and "emulation (cpu" in text
+
+
+def test_markdown_lists_the_int8_cases(split):
+  _, out, report = split
+  text = (out / "gpu.md").read_text()
+  assert "## int8 cases" in text
+  for entry in report["results"]:
+    for mode in INT8_MODES:
+      case = entry["jax"][mode]
+      if case["status"] == "skipped":
+        why = ("the grouped matmuls stay in bf16" if entry["workload"] == "moe"
+               else "no int8 matmul")
+        assert f"| jmp_lite (JAX) | {mode} | skipped: {why}" in text
+      else:
+        share = case["int8"]["int8_flop_share"]
+        assert f"| {entry['workload']} | {mode} | {100 * share:.1f}%" in text or (
+            f"| {entry['workload']} | {mode} | " in text)
 
 
 @pytest.mark.torch
@@ -447,7 +491,7 @@ def test_spent_budget_reports_cases_as_not_run_and_replaces_other_reports(tmp_pa
   entry = report["results"][0]
   for library in ("jax", "torch") if _has_torch() else ("jax",):
     for mode, case in entry[library].items():
-      if library == "torch" and mode in ("mxfp8", "nvfp4", "mxfp4"):
+      if library == "torch" and mode in ("mxfp8", "nvfp4", "mxfp4") + INT8_MODES:
         assert case["status"] == "skipped"  # never run, whatever the budget
         continue
       if library == "torch" and case["status"] == "skipped":
