@@ -362,23 +362,25 @@ def test_zeros_all_zero_rows_and_operands(recipe):
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_non_finite_value_stays_in_its_row(recipe, bad):
+@pytest.mark.parametrize("k", [32, 128])
+def test_a_non_finite_value_stays_in_its_row(recipe, bad, k):
   """A NaN or inf in row 3 of x: row 3 of the output is non-finite, every
   other row finite and equal to the reference (SwitchBack's per-tensor
-  weight is unaffected: the bad value is in the activation)."""
-  x = _spread((8, 32), 8)
+  weight is unaffected: the bad value is in the activation). Rows of 128:
+  XLA:CPU's row maximum skips a NaN there (the quantizer adds a sum)."""
+  x = _spread((64, k), 8)
   x[3, 7] = bad
-  w = _spread((32, 16), 9)
+  w = _spread((k, 16), 9)
   y = np.asarray(jax.jit(lambda a, b: int8.int8_dot_general(
       a, b, DENSE, config=int8.Int8Config(recipe)))(x, w))
   assert not np.any(np.isfinite(y[3]))
   others = np.delete(y, 3, axis=0)
   assert np.all(np.isfinite(others))
-  ry, _, _ = reference(x, w, np.zeros((8, 16), np.float32), DENSE,
+  ry, _, _ = reference(x, w, np.zeros((64, 16), np.float32), DENSE,
                        int8.Int8Config(recipe))
   np.testing.assert_array_equal(others, np.delete(ry, 3, axis=0))
   # The same in the input gradient: a bad value in row 5 of g.
-  g = _spread((8, 16), 10, 1.0)
+  g = _spread((64, 16), 10, 1.0)
   g[5, 2] = bad
   x[3, 7] = 1.0
   _, dx, _ = _vjp_fn(int8.Int8Config(recipe), DENSE)(x, w, g)
@@ -741,6 +743,22 @@ def test_shard_map_shares_the_tensor_wise_weight_amax():
   np.testing.assert_array_equal(local[:, 16:24], np.asarray(y_ref)[:, 16:24])
   for cols in (slice(0, 8), slice(8, 16), slice(24, 32)):
     assert not np.array_equal(local[:, cols], np.asarray(y_ref)[:, cols])
+
+
+def test_a_nan_in_one_replicas_weight_slice_stays_visible():
+  """lax.pmax across replicas skips a NaN on CPU: the replica holding the
+  NaN still makes its output non-finite (its own scale carries it); the
+  others, whose columns hold no NaN, stay finite with the shared amax."""
+  spec = jax.sharding.PartitionSpec
+  x = _spread((8, 64), 31, 1.0)
+  w = _spread((64, 32), 32, 1.0)
+  w[5, 19] = np.nan     # column 19: replica 2 (columns 16..23)
+  config = int8.Int8Config("int8_switchback", axis_name="data")
+  y = np.asarray(jax.jit(jax.shard_map(
+      lambda x, w: int8.int8_dot_general(x, w, DENSE, config=config),
+      mesh=_mesh(4), in_specs=(spec(), spec(None, "data")),
+      out_specs=spec(None, "data")))(x, w))
+  assert not np.any(np.isfinite(y[:, 16:24]))
 
 
 def test_shard_map_data_parallel_switchback():

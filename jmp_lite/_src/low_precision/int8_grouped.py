@@ -101,7 +101,12 @@ def _rows_product(x, w, groups, config, key=None):
 def _columns(x, groups, key=None):
   """``x`` ``[M, P]`` quantized per group and column along the group's
   rows: int8 ``[M, P]`` and the scale ``[G, P]``."""
-  scale = int8_lib.scale_from_amax(grouped_lib.segment_amax(x, groups))
+  # 0 or NaN per group and column (a scatter-max can skip a NaN; a sum
+  # cannot: int8_matmul.nan_term).
+  x32 = x.astype(_F32)
+  nan = jnp.zeros((groups.count + 1,) + x.shape[1:], _F32).at[groups.ids].add(
+      jnp.where(jnp.isnan(x32), x32, np.float32(0)))[:groups.count]
+  scale = int8_lib.scale_from_amax(grouped_lib.segment_amax(x, groups) + nan)
   rows = grouped_lib.per_row(scale, groups, 1.0)
   return int8_lib.rounded(x, rows, key), scale
 

@@ -127,8 +127,18 @@ def quantize(x: jax.Array, *, per_tensor: bool = False, key: Any = None,
   amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
   if per_tensor and axis_name is not None:
     amax = jax.lax.pmax(amax, axis_name)
-  scale = scale_from_amax(amax)
+  scale = scale_from_amax(amax + nan_term(x, axes))
   return rounded(x, scale, key), scale
+
+
+def nan_term(x: jax.Array, axes: Any) -> jax.Array:
+  """0, or NaN where the reduction of ``x`` over ``axes`` meets a NaN: added
+  to an amax so that a NaN element reaches its scale (its quantized value is
+  0). XLA:CPU's maximum can skip a NaN (a row reduction of 64 or more
+  elements, and ``lax.pmax`` across replicas); a sum cannot."""
+  x = x.astype(_F32)
+  return jnp.sum(jnp.where(jnp.isnan(x), x, np.float32(0)), axis=axes,
+                 keepdims=True)
 
 
 #: float32 ``1 / 127``: a scale is ``amax * INV_INT8_MAX`` (what XLA makes
