@@ -17,9 +17,14 @@ with its element type and size. Three settings:
   gradient of a loss of it (``jax.grad``: the cotangent's all-to-all);
 * **FSDP** (weights sharded over the 8 devices, ``jax.jit``): the weight
   all-gathers of a two-layer step in bfloat16 against the float8 policy
-  ``m=fp8`` as XLA partitions it today (it gathers the quantized weight;
-  XLA:CPU widens a float8 all-gather to float16, which the table shows:
-  jmp_lite does not yet control this gather, issue 39 item 1).
+  ``m=fp8`` as XLA partitions it by itself (it gathers the quantized weight;
+  XLA:CPU widens a float8 all-gather to float16, which the table shows) and
+  with ``Fp8Config.fsdp_axis`` (issue 39 item 1: the quantized shard's
+  values gathered as ``uint8``, 1 byte per element; the output head stays
+  in bfloat16 by default, so the last row puts it in float8 too). The
+  remaining wide collectives of those rows are not weight gathers: the
+  float32 weight gradients' all-reduces (XLA:CPU does not turn them into
+  reduce-scatters) and, with the bfloat16 head, the activations.
 
 Per collective: the payload (the bytes of its operand, for an all-gather its
 result) and an estimate of what each device sends: ``(n-1)/n`` of the
@@ -171,11 +176,15 @@ def fsdp_programs(size) -> dict[str, str]:
     return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
 
   out = {}
-  for name, policy in (("bfloat16 (mixed_bfloat16)", "mixed_bfloat16"),
-                       ("float8 (m=fp8, XLA's partitioning)",
-                        "p=f32,c=bf16,o=f32,m=fp8")):
-    out[name] = _compiled(jax.grad(jmp_lite.with_policy(loss, policy)),
-                          params, batch)
+  for name, policy in (
+      ("bfloat16 (mixed_bfloat16)", "mixed_bfloat16"),
+      ("float8 (m=fp8, XLA's partitioning)", "p=f32,c=bf16,o=f32,m=fp8"),
+      ("float8 (m=fp8(fsdp_axis=d))", "p=f32,c=bf16,o=f32,m=fp8(fsdp_axis=d)"),
+      ("float8, head too (m=fp8(fsdp_axis=d;include_output_head=true))",
+       "p=f32,c=bf16,o=f32,m=fp8(fsdp_axis=d;include_output_head=true)")):
+    with jax.set_mesh(_mesh()):   # fsdp_axis reads the mesh set here
+      out[name] = _compiled(jax.grad(jmp_lite.with_policy(loss, policy)),
+                            params, batch)
   return out
 
 

@@ -174,6 +174,9 @@ def _random_config(rng):
       native_mx=pick(True, False),
       axis_name=pick(None, _AXES[rng.integers(len(_AXES))],
                      tuple(rng.choice(_AXES, rng.integers(1, 4),
+                                      replace=False).tolist())),
+      fsdp_axis=pick(None, _AXES[rng.integers(len(_AXES))],
+                     tuple(rng.choice(_AXES, rng.integers(1, 3),
                                       replace=False).tolist())))
   if granularity == "blockwise":
     fields["block_size"] = pick(None, 16 * int(rng.integers(1, 17)))

@@ -171,3 +171,65 @@ def fp8_all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int,
         f"{FEATURE_AXIS_HELP}")
   tiled = checks.flag(tiled, "tiled", owner)
   return _all_to_all(x, axis_name, axes[0], axes[1], tiled, config)
+
+
+# ---------------------------------------------------------------------------
+# FSDP: the weight all-gather of a float8 matmul, 1 byte per element.
+# ---------------------------------------------------------------------------
+
+NO_FSDP_MESH = (
+    "Fp8Config(fsdp_axis={axis!r}) gathers the float8 weight over the mesh "
+    "axis {axis!r}, which it reads from the mesh set where the step is "
+    "traced, but {found}. Trace the step under that mesh: "
+    "`with jax.set_mesh(mesh): step(params, batch)` (or "
+    "jax.sharding.use_mesh(mesh)), with the weights sharded over {axis!r} "
+    "(e.g. NamedSharding(mesh, P({axis!r}, None))); or leave fsdp_axis None "
+    "to let XLA partition the matmul."
+)
+FSDP_UNDER_SHARD_MAP = (
+    "Fp8Config(fsdp_axis={axis!r}) is for jax.jit with weights sharded over "
+    "the mesh axis {axis!r} (FSDP): XLA's partitioner inserts the all-gather. "
+    "Here {axis!r} is a manual axis (inside jax.shard_map), where each "
+    "device holds its shard and nothing is partitioned: gather the weight "
+    "yourself (jax.lax.all_gather) before the matmul, or run the step under "
+    "jax.jit instead of shard_map."
+)
+
+
+def fsdp_replicated(axis: Any) -> jax.sharding.NamedSharding:
+  """The sharding a float8 weight takes once gathered over the mesh axis (or
+  axes) ``axis``: replicated (``PartitionSpec()``) on the mesh set where
+  this is traced (``jax.set_mesh``/``jax.sharding.use_mesh``).
+
+  Fully replicated: FSDP over ``axis``; a weight also sharded over another
+  mesh axis (tensor parallelism) is gathered over that one too.
+
+  Raises:
+    ValueError: no mesh is set, it lacks ``axis``, or ``axis`` is manual
+      (inside ``jax.shard_map``); each message says how to fix it.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  names = axis if isinstance(axis, tuple) else (axis,)
+  if mesh.empty:
+    raise ValueError(NO_FSDP_MESH.format(axis=axis, found="no mesh is set"))
+  missing = [n for n in names if n not in mesh.axis_names]
+  if missing:
+    raise ValueError(NO_FSDP_MESH.format(
+        axis=axis, found=f"the mesh set has no axis {missing[0]!r} (its axes: "
+        f"{', '.join(map(repr, mesh.axis_names))})"))
+  manual = set(getattr(mesh, "manual_axes", ()))
+  if manual & set(names):
+    raise ValueError(FSDP_UNDER_SHARD_MAP.format(axis=axis))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def gathered(x: jax.Array, sharding: Any) -> jax.Array:
+  """``x`` constrained to ``sharding`` (replicated: the partitioner gathers
+  it) as its bits (``uint8`` for float8 values and E8M0 scales, ``uint32``
+  for float32 scales): what moves is the payload at its own width."""
+  # The optimization barrier pins the gather to the bits: without it XLA's
+  # sharding propagation moves the replicated sharding back through the
+  # bitcast and gathers the float8 array, which XLA:CPU widens to float16.
+  move = lambda bits: jax.lax.with_sharding_constraint(
+      jax.lax.optimization_barrier(bits), sharding)
+  return parallel_lib.moved_as_bits(x, move)

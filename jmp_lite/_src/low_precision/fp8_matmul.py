@@ -53,6 +53,17 @@ gradients are typed as ``jax.lax.dot_general``'s, and the quantized matmul
 runs inside ``jax.sharding.auto_axes`` (:func:`as_dot_general`), so the
 compiled program is the one Auto axes give.
 
+**FSDP** (``config.fsdp_axis``): under ``jax.jit`` with the weight (the
+rhs) sharded over that mesh axis, the forward quantizes the local shard
+(scales shared by every shard: XLA reduces the amaxes) and constrains the
+float8 values and the scales, as their bits, to be replicated
+(:func:`~jmp_lite._src.low_precision.collectives.gathered`): the
+partitioner all-gathers 1-byte values, and an optimization barrier keeps
+it from moving the gather back onto the float8 array (which XLA:CPU
+widens). Per tensor the backward reuses the gathered weight; the other
+granularities gather their requantized transposed weight the same way, so
+no high-precision copy of the weight is gathered.
+
 Contracting dimensions that do not divide into the block size (blockwise,
 MX) are zero-padded: exact for a dot product, since the padding contributes
 nothing and does not change any block's amax.
@@ -107,6 +118,7 @@ import numpy as np
 from jmp_lite._src import checks
 from jmp_lite._src import compat
 from jmp_lite._src import dtypes as dtypes_lib
+from jmp_lite._src.low_precision import collectives as collectives_lib
 from jmp_lite._src.low_precision import recipes as config_lib
 from jmp_lite._src.low_precision import formats as formats_lib
 from jmp_lite._src.low_precision import scaling as scaling_lib
@@ -495,6 +507,17 @@ _FORWARD_KINDS = {"tensor": ("tensor", "tensor"), "row": ("row", "row"),
 _BACKWARD_KINDS = {"row": ("row", "row"), "mxfp8": ("mx", "mx")}
 
 
+def _gathered_weight(op: _Operand, config: Fp8Config) -> _Operand:
+  """The quantized rhs (the weight), with ``config.fsdp_axis``
+  all-gathered as float8 bits and scales (quantize, then gather: each shard
+  quantized with the scales every shard shares); else as it is."""
+  if config.fsdp_axis is None:
+    return op
+  sharding = collectives_lib.fsdp_replicated(config.fsdp_axis)
+  return _Operand(collectives_lib.gathered(op.values, sharding),
+                  collectives_lib.gathered(op.scale, sharding), op.kind)
+
+
 def _forward(a, b, scales, config):
   lhs_kind, rhs_kind = _FORWARD_KINDS[config.granularity]
   fmt = config.forward
@@ -502,6 +525,7 @@ def _forward(a, b, scales, config):
                                  None if scales is None else scales.lhs)
   qb, amax_b = _quantize_operand(b, fmt, rhs_kind, config,
                                  None if scales is None else scales.rhs)
+  qb = _gathered_weight(qb, config)
   return (_product(qa, qb, config.native_mx, _forward_dn(config)), qa, qb,
           amax_a, amax_b)
 
@@ -581,6 +605,7 @@ def _backward(residuals, g, *, static):
       dgrad_kinds = wgrad_kinds = _BACKWARD_KINDS[config.granularity]
     g_n, _ = _quantize_operand(g, grad_fmt, dgrad_kinds[0], config)
     bt_op, _ = _quantize_operand(bt, fwd_fmt, dgrad_kinds[1], config)
+    bt_op = _gathered_weight(bt_op, config)
     da = _product(g_n, bt_op, config.native_mx)
     g_m, _ = _quantize_operand(gt, grad_fmt, wgrad_kinds[0], config)
     at_op, _ = _quantize_operand(at, fwd_fmt, wgrad_kinds[1], config)
@@ -690,7 +715,9 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
       message names the value and that form).
     ValueError: for scales given to current scaling, a Python/NumPy scale that is zero, negative,
       subnormal or not finite, a ``config.axis_name`` that is not bound
-      here, or an out_sharding for operands on no mesh with Explicit axes.
+      here, a ``config.fsdp_axis`` that the mesh set here lacks (or no mesh
+      set, or a manual ``shard_map`` axis), or an out_sharding for operands
+      on no mesh with Explicit axes.
 
   Example:
     >>> import functools, jax, jax.numpy as jnp

@@ -248,6 +248,21 @@ class Fp8Config:
       ``sort``) and the combine (a matmul with the gate weights). Default
       False: they stay in the compute dtype, as DeepSeek-V3 keeps them
       (``docs/fp8.md``).
+    fsdp_axis: under ``jax.jit`` with weights sharded over a mesh axis
+      (FSDP), that axis (a string, or a tuple of strings). The matmul
+      quantizes the rhs (the weight) shard by shard with the scales every
+      shard shares (per tensor and per row: the maximum of the amaxes, one
+      max all-reduce), then replicates the float8 values and their scales
+      as their bits (``uint8``; ``jax.lax.with_sharding_constraint``), so
+      that XLA all-gathers 1 byte per element and no wider copy of the
+      weight; the backward pass reuses the gathered weight (per tensor) or
+      gathers its requantized transpose the same way (row, blockwise, MX).
+      Every granularity. The mesh is the one set where the step is traced
+      (``jax.set_mesh(mesh)``); the gathered weight is fully replicated, so
+      a weight also sharded over another axis (tensor parallelism) is
+      gathered over it too. None (default): XLA partitions the matmul
+      itself (XLA:CPU widens a float8 all-gather to float16;
+      ``docs/fp8.md``, "FSDP: the weight all-gather in float8").
 
   Raises:
     TypeError, ValueError: for a field of the wrong type or value.
@@ -280,6 +295,7 @@ class Fp8Config:
   native_mx: bool = True
   axis_name: Any = None
   include_moe_gating: bool = False
+  fsdp_axis: Any = None
 
   def __post_init__(self):
     fields = dict(
@@ -301,6 +317,7 @@ class Fp8Config:
         dtypes_lib.canonical_dtype(self.compute_dtype,
                                    "Fp8Config.compute_dtype"),
         axis_name=_canonical_axis_name(self.axis_name),
+        fsdp_axis=_canonical_fsdp_axis(self.fsdp_axis),
     )
     for name in _FLAGS:
       fields[name] = checks.flag(getattr(self, name), name, _OWNER)
@@ -359,7 +376,8 @@ class Fp8Config:
     problem = (
         f"compute_dtype={np.dtype(self.compute_dtype).name}. "
         f"{POLICY_COMPUTE_DTYPE}" if self.compute_dtype is not None else
-        _unwritable_axis_name(self.axis_name))
+        _unwritable_axis_name(self.axis_name) or
+        _unwritable_axis_name(self.fsdp_axis, "fsdp_axis"))
     if problem:
       raise ValueError(f"{self.spec()}: {problem}")
 
@@ -372,7 +390,32 @@ def _canonical_axis_name(name: Any) -> Any:
   return tuple(name) if isinstance(name, (tuple, list)) else name
 
 
-def _unwritable_axis_name(axis: Any) -> str | None:
+FSDP_AXIS_HELP = (
+    "fsdp_axis names the mesh axis (a string such as 'fsdp', or a tuple of "
+    "them) over which the weights (the rhs of each float8 matmul) are "
+    "sharded under jax.jit, FSDP-style: the matmul quantizes the local shard "
+    "and all-gathers the 1-byte float8 values (as uint8 bits) and their "
+    "scales, never a wider copy (docs/fp8.md, 'FSDP: the weight all-gather "
+    "in float8'). None (default): XLA partitions the matmul as it likes."
+)
+
+
+def _canonical_fsdp_axis(axis: Any) -> Any:
+  """None, a mesh axis name, or a tuple of them (a list becomes a tuple)."""
+  if axis is None:
+    return None
+  names = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+  if not names or not all(isinstance(n, str) and n for n in names):
+    raise TypeError(f"{_OWNER}.fsdp_axis must be a mesh axis name or a tuple "
+                    f"of them, got {type(axis).__name__}: {axis!r}. "
+                    f"{FSDP_AXIS_HELP}")
+  if len(set(names)) != len(names):
+    raise ValueError(f"{_OWNER}.fsdp_axis={axis!r} names an axis twice. "
+                     f"{FSDP_AXIS_HELP}")
+  return names if isinstance(axis, (tuple, list)) else axis
+
+
+def _unwritable_axis_name(axis: Any, field: str = "axis_name") -> str | None:
   """Why a recipe's (canonical) axis name cannot be written in the policy
   grammar, or None if it can."""
   names = axis if isinstance(axis, tuple) else (axis,)
@@ -380,7 +423,7 @@ def _unwritable_axis_name(axis: Any) -> str | None:
       isinstance(n, str) and _AXIS_NAME.match(n) and n.lower() != "none"
       for n in names)):
     return None
-  return (f"axis_name={axis!r} cannot be written in the policy grammar. "
+  return (f"{field}={axis!r} cannot be written in the policy grammar. "
           f"{AXIS_NAME_SPELLING}")
 
 
@@ -815,7 +858,7 @@ RECIPE_NAMES: tuple[str, ...] = (*FP8_RECIPES, *FP4_RECIPES, *INT8_RECIPES)
 
 #: The recipe fields whose values keep their case in the grammar (names of
 #: mapped axes are case-sensitive); every other value is case-insensitive.
-_CASED_FIELDS = ("axis_name",)
+_CASED_FIELDS = ("axis_name", "fsdp_axis")
 #: How the grammar writes a tuple of axis names: ``axis_name=(data|fsdp)``
 #: (``,`` separates a policy's keys and ``;`` a recipe's fields).
 _AXIS_SEPARATOR = "|"

@@ -1,0 +1,247 @@
+"""Fp8Config(fsdp_axis=...): the FSDP weight all-gather of a float8 matmul
+moves the quantized shard's 1-byte values (as uint8 bits) and its scales,
+never a wider copy of the weight; the step equals the unsharded float8 one."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+import pytest
+
+import jmp_lite
+from jmp_lite import fp8
+
+N = 8
+WIDTH, BATCH = 256, 512       # the batch larger than a weight: XLA then
+                              # keeps the activations sharded (FSDP's pattern)
+RECIPES = ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"]
+_BYTES = {"u8": 1, "s8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "u16": 2, "f16": 2,
+          "bf16": 2, "u32": 4, "s32": 4, "f32": 4, "pred": 1}
+
+
+def _mesh(axis_type=AxisType.Auto):
+  return jax.make_mesh((N,), ("fsdp",), axis_types=(axis_type,))
+
+
+def _policy(recipe, fsdp=True):
+  fields = ["include_output_head=true"] + (["fsdp_axis=fsdp"] if fsdp else [])
+  return f"p=f32,c=bf16,o=f32,m={recipe}({';'.join(fields)})"
+
+
+def _params(seed=0, layers=2):
+  keys = jax.random.split(jax.random.key(seed), layers + 1)
+  params = [jax.random.normal(k, (WIDTH, WIDTH)) / WIDTH**0.5
+            for k in keys[:-1]]
+  return params, jax.random.normal(keys[-1], (BATCH, WIDTH))
+
+
+def _loss(params, x):
+  for w in params[:-1]:
+    x = jnp.tanh(x @ w)
+  return jnp.mean((x @ params[-1]) ** 2)
+
+
+def _sharded(mesh, params, x):
+  return (jax.device_put(params, NamedSharding(mesh, P("fsdp", None))),
+          jax.device_put(x, NamedSharding(mesh, P("fsdp"))))
+
+
+def _gathers(hlo):
+  """(element type, elements) of every all-gather of a compiled program."""
+  out = []
+  for m in re.finditer(r"= (\(.*?\)|\S+) all-gather\(", hlo):
+    for dtype, dims in re.findall(r"([a-z0-9]+)\[([0-9,]*)\]", m.group(1)):
+      out.append((dtype, int(np.prod([int(d) for d in dims.split(",") if d]))))
+  return out
+
+
+def _compiled(recipe, fsdp, axis_type=AxisType.Auto, layers=2):
+  mesh = _mesh(axis_type)
+  step = jax.jit(jax.value_and_grad(jmp_lite.with_policy(
+      _loss, _policy(recipe, fsdp))))
+  with jax.set_mesh(mesh):
+    return step.lower(*_sharded(mesh, *_params(layers=layers))).compile(
+    ).as_text()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_weight_gather_is_one_byte(recipe):
+  gathers = _gathers(_compiled(recipe, fsdp=True))
+  weight = WIDTH * WIDTH
+  values = [g for g in gathers if g == ("u8", weight)]
+  # Forward: both weights; backward: per tensor the gathered weights are
+  # reused, the other recipes gather the requantized transposed weight of
+  # each layer whose input gradient is needed (the second one: 1).
+  assert len(values) == (2 if recipe == "fp8" else 3), gathers
+  wide = [g for g in gathers if _BYTES[g[0]] > 1 and g[1] * 16 > weight]
+  assert not wide, gathers                    # no wide gather of a weight
+  assert {t for t, _ in gathers} <= {"u8", "u32"}, gathers   # scales: bits
+  assert all(n * 16 <= weight for t, n in gathers if t == "u32"), gathers
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise", "mxfp8"])
+def test_without_fsdp_axis_the_weight_gather_is_wider(recipe):
+  # What XLA's partitioning does by itself: XLA:CPU widens a float8
+  # all-gather to float16 (fp8, fp8_rowwise), or it gathers the float32
+  # weight (mxfp8); the difference fsdp_axis makes.
+  gathers = _gathers(_compiled(recipe, fsdp=False))
+  weight = WIDTH * WIDTH
+  assert not [g for g in gathers if g == ("u8", weight)], gathers
+  assert [g for g in gathers if g[0] in ("f16", "f32") and g[1] == weight], (
+      gathers)
+
+
+def test_explicit_axes_gather_one_byte():
+  # jax.make_mesh's default axis type: the matmul runs inside auto_axes.
+  gathers = _gathers(_compiled("fp8", fsdp=True, axis_type=AxisType.Explicit))
+  assert [g for g in gathers if g == ("u8", WIDTH * WIDTH)], gathers
+  assert {t for t, _ in gathers} <= {"u8", "u32"}, gathers
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantize_then_gather_equals_gather_then_quantize(recipe):
+  # The matmul gathers each shard quantized with the scales every shard
+  # shares: its forward equals the unsharded float8 forward bit for bit.
+  mesh = _mesh()
+  params, x = _params()
+  config = jmp_lite.get_policy(_policy(recipe)).fp8_recipe
+  plain = dataclasses.replace(config, fsdp_axis=None)
+  dn = (((1,), (0,)), ((), ()))
+  fn = lambda c: jax.jit(lambda w, x: fp8.fp8_dot_general(x, w, dn, config=c))
+  want = fn(plain)(params[0], x)
+  with jax.set_mesh(mesh):
+    ps, xs = _sharded(mesh, params, x)
+    got = fn(config)(ps[0], xs)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_loss_and_gradients_equal_unsharded(recipe):
+  params, x = _params()
+  grad = lambda spec: jax.jit(jax.value_and_grad(
+      jmp_lite.with_policy(_loss, spec)))
+  want_loss, want = grad(_policy(recipe, fsdp=False))(params, x)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    got_loss, got = grad(_policy(recipe))(*_sharded(mesh, params, x))
+  assert got_loss == want_loss
+  for g, w in zip(got, want):
+    # The weight gradient contracts over the sharded batch: XLA sums the
+    # devices' partial products (an all-reduce) in another order than one
+    # device's dot, and the gradient is rounded to the compute dtype
+    # (bfloat16) after it: equal up to one bfloat16 rounding (per tensor,
+    # rowwise and MX are bit for bit or within float32 rounding here).
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2**-7,
+                               atol=1e-6 * float(jnp.abs(w).max()))
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
+def test_ten_adam_steps_equal_unsharded(recipe):
+  params, x = _params(layers=3)
+  opt = optax.adam(1e-3)
+
+  def run(spec, params, x):
+    loss = jmp_lite.with_policy(_loss, spec)
+
+    @jax.jit
+    def step(params, state, x):
+      value, grads = jax.value_and_grad(loss)(params, x)
+      updates, state = opt.update(grads, state, params)
+      return optax.apply_updates(params, updates), state, value
+
+    state, losses = opt.init(params), []
+    for _ in range(10):
+      params, state, value = step(params, state, x)
+      losses.append(float(value))
+    return np.array(losses)
+
+  want = run(_policy(recipe, fsdp=False), params, x)
+  mesh = _mesh()
+  with jax.set_mesh(mesh):
+    got = run(_policy(recipe), *_sharded(mesh, params, x))
+  # The losses of the first step are equal bit for bit; later ones follow
+  # weights updated from gradients summed across devices in another order
+  # (float32 rounding), and Adam's normalised step carries that on.
+  assert got[0] == want[0]
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_cuda_export_constrains_uint8_weight_replicated():
+  mesh = _mesh()
+  ws, bs = NamedSharding(mesh, P("fsdp", None)), NamedSharding(mesh, P("fsdp"))
+  grad = jax.value_and_grad(jmp_lite.with_policy(_loss, _policy("fp8")))
+  step = jax.jit(grad, in_shardings=([ws, ws], bs),
+                 out_shardings=(NamedSharding(mesh, P()), [ws, ws]))
+  arg = lambda shape, s: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)
+  with jax.set_mesh(mesh):
+    text = jax.export.export(step, platforms=["cuda"])(
+        [arg((WIDTH, WIDTH), ws)] * 2, arg((BATCH, WIDTH), bs)).mlir_module()
+  # Partitioning happens when XLA:GPU compiles it: the exported program
+  # shows where the partitioner must gather (the constraints), not the
+  # all-gathers themselves.
+  constraints = re.findall(
+      r"(?:sdy\.sharding_constraint|custom_call @Sharding)\(?\s*%\S+\)?\s*"
+      r"(.*?):\s*(?:\()?tensor<([^>]*)>", text)
+  weights = [c for c in constraints if c[1].startswith(f"1x{WIDTH}x{WIDTH}x")]
+  assert len(weights) == 2, constraints
+  for sharding, tensor in weights:
+    assert tensor.endswith("ui8"), weights
+    assert "fsdp" not in sharding, weights               # replicated
+  assert "f8E4M3FN" in text
+
+
+def test_fsdp_axis_in_the_policy_grammar():
+  policy = jmp_lite.get_policy("p=f32,c=bf16,m=fp8_rowwise(fsdp_axis=FSDP)")
+  assert policy.fp8_recipe.fsdp_axis == "FSDP"          # case kept
+  assert jmp_lite.get_policy(str(policy)) == policy
+  config = fp8.Fp8Config(fsdp_axis=["data", "fsdp"])
+  assert config.fsdp_axis == ("data", "fsdp")
+  assert jmp_lite.get_policy(str(jmp_lite.get_policy("bf16").with_matmul_precision(
+      config))).fp8_recipe == config
+
+
+def _step(recipe="fp8"):
+  return jax.jit(jax.grad(jmp_lite.with_policy(_loss, _policy(recipe))))
+
+
+def test_no_mesh_teaches():
+  params, x = _params()
+  with pytest.raises(ValueError, match=r"no mesh is set.*jax\.set_mesh"):
+    _step()(params, x)
+
+
+def test_axis_missing_from_mesh_teaches():
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(AxisType.Auto,))
+  params, x = _params()
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"no axis 'fsdp'.*'data'"):
+      _step()(params, x)
+
+
+def test_manual_axis_teaches():
+  mesh = _mesh()
+  params, x = _params()
+  config = fp8.Fp8Config(fsdp_axis="fsdp")
+  body = lambda w, x: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())),
+                                          config=config)
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("fsdp")),
+                         out_specs=P("fsdp"))
+  with jax.set_mesh(mesh):
+    with pytest.raises(ValueError, match=r"manual axis.*all_gather"):
+      jax.jit(mapped)(params[0], x)
+
+
+@pytest.mark.parametrize("bad,error", [(3, TypeError), ("", TypeError),
+                                       (("a", "a"), ValueError)])
+def test_bad_fsdp_axis_teaches(bad, error):
+  with pytest.raises(error, match="fsdp_axis"):
+    fp8.Fp8Config(fsdp_axis=bad)
