@@ -18,6 +18,7 @@ import pytest
 import jmp_lite
 import jmp_lite.fp4
 import jmp_lite.fp8
+from jmp_lite import int8
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
 from jmp_lite._src import compat
@@ -69,7 +70,8 @@ def _grouped_dtypes(fn, *args):
 
 @pytest.mark.parametrize("recipe,expected", [
     ("fp8", ("float8_e4m3fn", "float8_e4m3fn")),
-    ("nvfp4", ("float32", "float32"))])   # NVFP4's exact float32 emulation
+    ("nvfp4", ("float32", "float32")),    # NVFP4's exact float32 emulation
+    ("int8", ("int8", "int8"))])
 def test_linen_policy_runs_a_module_s_ragged_dot_in_its_recipe(recipe, expected):
   spec = f"p=f32,c=bf16,o=f32,m={recipe}"
   model = jlinen.apply_policy(LinenMoE(), spec)
@@ -117,6 +119,8 @@ def _by_hand(spec):
                                  amax_algorithm=None)
   if isinstance(config, jmp_lite.fp4.Fp4Config):
     return lambda x, w, s: jmp_lite.fp4.fp4_ragged_dot(x, w, s, config=config)
+  if isinstance(config, int8.Int8Config):
+    return lambda x, w, s: int8.int8_ragged_dot(x, w, s, config=config)
   return lambda x, w, s: jmp_lite.fp8.fp8_ragged_dot(x, w, s, config=config)
 
 
@@ -129,7 +133,9 @@ def _ragged_operands(closed):
 @pytest.mark.parametrize("recipe,expected", [
     ("fp8_rowwise", ("float8_e4m3fn", "float8_e4m3fn")),
     ("nvfp4", ("float32", "float32")),   # NVFP4's exact float32 emulation
-    ("mxfp8", ("float32", "float32"))])  # MXFP8's emulation (dequantized)
+    ("mxfp8", ("float32", "float32")),   # MXFP8's emulation (dequantized)
+    ("int8", ("int8", "int8")),
+    ("int8_switchback", ("int8", "int8"))])
 def test_nnx_policy_runs_a_module_s_ragged_dot_in_its_recipe(recipe, expected):
   spec = f"p=f32,c=bf16,o=f32,m={recipe}"
   with warnings.catch_warnings():
@@ -152,7 +158,7 @@ def test_nnx_policy_runs_a_module_s_ragged_dot_in_its_recipe(recipe, expected):
   assert (dw == hand_grads["module"]["w"][...]).all() and (dx == hand_dx).all()
   assert (grads["module"]["out"]["kernel"][...]
           == hand_grads["module"]["out"]["kernel"][...]).all()
-  if recipe == "fp8_rowwise":  # forward, dx and dw: float8 operands
+  if recipe in ("fp8_rowwise", "int8"):  # forward, dx, dw: 8-bit operands
     closed = jax.make_jaxpr(jax.grad(lambda x: (model(x, SIZES) ** 2).sum()))(X)
     assert _ragged_operands(closed) == [expected] * 3
 
