@@ -11,7 +11,10 @@ loss-scaled, float16-compute train step with
 ``jmp_lite.grouped_value_and_grad`` (one group per device), checks that every
 weight-gradient all-reduce of the compiled HLO is float32 (and that the plain
 step's are float16), trains a few steps and writes its copy of the final
-params to ``OUT.npz``. The test compares the two processes' params with each
+params to ``OUT.npz``. Then the same MLP with its weights sharded over the
+devices (FSDP) under a float8 policy whose weights are all-gathered as
+float8 bits (``m=fp8(fsdp_axis=data)``, issue 39): every weight all-gather
+of its compiled HLO is ``u8``; it trains and saves its params too. The test compares the two processes' params with each
 other and with a single-process run of :func:`train` on 4 local devices.
 
 Exit status 77 means gloo CPU collectives are not available in this jaxlib
@@ -56,13 +59,13 @@ def _mlp(params, x):
   return x
 
 
-def init_params():
+def init_params(sizes=SIZES):
   """Float32 MLP params, the same in every process (numpy, seeded)."""
   rng = np.random.default_rng(0)
   return [
       (rng.normal(size=(a, b)).astype(np.float32) / np.float32(np.sqrt(a)),
        np.zeros(b, np.float32))
-      for a, b in zip(SIZES[:-1], SIZES[1:])
+      for a, b in zip(sizes[:-1], sizes[1:])
   ]
 
 
@@ -143,6 +146,63 @@ def train(mesh: Mesh) -> dict[str, object]:
   return out
 
 
+FSDP_POLICY = "p=f32,c=bf16,o=f32,m=fp8(fsdp_axis=data;include_output_head=true)"
+#: The FSDP MLP: every matmul in float8 (widths multiples of 16, the head
+#: included), so that every weight gather is a float8 one.
+FSDP_SIZES = (32, 64, 64, 16)
+
+
+def all_gather_types(hlo_text: str) -> list[str]:
+  """``dtype[shape]`` of every array an all-gather of the HLO gathers."""
+  types = []
+  for line in hlo_text.splitlines():
+    if re.search(r"\ball-gather(-start)?\(", line):
+      result = line.split("=", 1)[1].split("all-gather", 1)[0]
+      types += re.findall(r"\b([a-z]+\d*\[[\d,]*\])", result)
+  return types
+
+
+def train_fsdp(mesh: Mesh) -> dict[str, object]:
+  """Trains the float8 FSDP step on ``mesh``: the weights (and the batch)
+  sharded over ``data``, the float8 weights all-gathered as their bits.
+
+  Returns:
+    ``{"params": [numpy leaves], "losses": [...], "gathers": all-gather
+    types}``.
+  """
+  apply = jmp_lite.with_policy(_mlp, jmp_lite.get_policy(FSDP_POLICY))
+  opt = optax.sgd(0.05)   # no state: nothing else to gather
+
+  def loss_fn(params, batch):
+    logits = apply(params, batch["x"])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+        logits, batch["y"]))
+
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  shard = lambda v: _global(mesh, P("data") if v.ndim == 2 else P(), v)  # noqa: E731
+  params = jax.tree_util.tree_map(shard, init_params(FSDP_SIZES))
+  data = batches()
+  put = lambda b: {k: _global(mesh, P("data"), v) for k, v in b.items()}  # noqa: E731
+  with jax.set_mesh(mesh):
+    opt_state = jax.jit(opt.init)(params)
+    shardings = lambda t: jax.tree_util.tree_map(lambda x: x.sharding, t)  # noqa: E731
+    compiled = jax.jit(step, out_shardings=(
+        shardings(params), shardings(opt_state), NamedSharding(mesh, P()))
+    ).lower(params, opt_state, put(data[0])).compile()
+    losses = []
+    for batch in data:
+      params, opt_state, loss = compiled(params, opt_state, put(batch))
+      losses.append(float(np.asarray(loss.addressable_data(0))))
+  full = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))(params)
+  return {"params": [np.asarray(x.addressable_data(0))
+                     for x in jax.tree_util.tree_leaves(full)],
+          "losses": losses, "gathers": all_gather_types(compiled.as_text())}
+
+
 def main(argv: list[str]) -> int:
   process_id, port, out_path = int(argv[1]), argv[2], argv[3]
   try:
@@ -166,9 +226,16 @@ def main(argv: list[str]) -> int:
     assert weight(out["grouped"]), out["grouped"]
     assert all(t.startswith("f32[") for t in weight(out["grouped"])), out["grouped"]
     assert any(t.startswith("f16[") for t in weight(out["plain"])), out["plain"]
+    with jax.numpy_dtype_promotion("standard"):   # optax's sgd
+      fsdp = train_fsdp(mesh)
+    print(f"[process {process_id}] fp8 FSDP all-gathers: {fsdp['gathers']}",
+          flush=True)
     np.savez(out_path, losses=np.asarray(out["losses"]),
              grouped=np.asarray(out["grouped"]), plain=np.asarray(out["plain"]),
-             **{f"param_{i}": x for i, x in enumerate(out["params"])})
+             fsdp_losses=np.asarray(fsdp["losses"]),
+             fsdp_gathers=np.asarray(fsdp["gathers"]),
+             **{f"param_{i}": x for i, x in enumerate(out["params"])},
+             **{f"fsdp_param_{i}": x for i, x in enumerate(fsdp["params"])})
     print(f"[process {process_id}] losses {out['losses']}", flush=True)
   finally:
     jax.distributed.shutdown()

@@ -612,6 +612,25 @@ def test_two_process_distributed_run(tmp_path):
   for a, b in zip(params[0], reference["params"]):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
+  # The float8 FSDP step (issue 39): every weight all-gather carries float8
+  # bits (u8; the scales' gathers are u32 scalars' bits), both processes end
+  # with equal params, those of a one-process run on 4 devices.
+  for r in results:
+    gathers = [t for t in r["fsdp_gathers"] if not t.endswith("[]")]
+    assert gathers and all(t.startswith(("u8[", "u32[")) for t in gathers), \
+        list(r["fsdp_gathers"])
+    assert any(t.startswith("u8[") for t in gathers)
+  fsdp = [[r[f"fsdp_param_{i}"] for i in range(6)] for r in results]
+  for a, b in zip(*fsdp):
+    np.testing.assert_array_equal(a, b)
+  with jax.numpy_dtype_promotion("standard"):
+    local = worker.train_fsdp(Mesh(np.array(
+        jax.devices()[:worker.GLOBAL_DEVICES]), ("data",)))
+  np.testing.assert_allclose(results[0]["fsdp_losses"], local["losses"],
+                             rtol=1e-5)
+  for a, b in zip(fsdp[0], local["params"]):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
 
 @pytest.mark.slow
 @needs_devices

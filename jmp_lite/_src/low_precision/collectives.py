@@ -181,8 +181,8 @@ NO_FSDP_MESH = (
     "Fp8Config(fsdp_axis={axis!r}) gathers the float8 weight over the mesh "
     "axis {axis!r}, which it reads from the mesh set where the step is "
     "traced, but {found}. Trace the step under that mesh: "
-    "`with jax.set_mesh(mesh): step(params, batch)` (or "
-    "jax.sharding.use_mesh(mesh)), with the weights sharded over {axis!r} "
+    "`with jax.set_mesh(mesh): step(params, batch)`, with the weights "
+    "sharded over {axis!r} "
     "(e.g. NamedSharding(mesh, P({axis!r}, None))); or leave fsdp_axis None "
     "to let XLA partition the matmul."
 )
@@ -199,7 +199,7 @@ FSDP_UNDER_SHARD_MAP = (
 def fsdp_replicated(axis: Any) -> jax.sharding.NamedSharding:
   """The sharding a float8 weight takes once gathered over the mesh axis (or
   axes) ``axis``: replicated (``PartitionSpec()``) on the mesh set where
-  this is traced (``jax.set_mesh``/``jax.sharding.use_mesh``).
+  this is traced (``jax.set_mesh``).
 
   Fully replicated: FSDP over ``axis``; a weight also sharded over another
   mesh axis (tensor parallelism) is gathered over that one too.
