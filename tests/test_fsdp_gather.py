@@ -1,6 +1,7 @@
-"""Fp8Config(fsdp_axis=...): the FSDP weight all-gather of a float8 matmul
-moves the quantized shard's 1-byte values (as uint8 bits) and its scales,
-never a wider copy of the weight; the step equals the unsharded float8 one."""
+"""Fp8Config(fsdp_axis=...) and Int8Config(fsdp_axis=...): the FSDP weight
+all-gather of a float8 (int8) matmul moves the quantized shard's 1-byte
+values (as uint8 bits) and its scales, never a wider copy of the weight; the
+step equals the unsharded quantized one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import optax
 import pytest
 
 import jmp_lite
+import jmp_lite.int8
 from jmp_lite import fp8
 
 N = 8
@@ -245,3 +247,48 @@ def test_manual_axis_teaches():
 def test_bad_fsdp_axis_teaches(bad, error):
   with pytest.raises(error, match="fsdp_axis"):
     fp8.Fp8Config(fsdp_axis=bad)
+
+
+@pytest.mark.parametrize("recipe", ["int8", "int8_switchback"])
+def test_int8_weight_gather_is_one_byte_and_exact(recipe):
+  gathers = _gathers(_compiled(recipe, fsdp=True))
+  weight = WIDTH * WIDTH
+  values = [g for g in gathers if g == ("u8", weight)]
+  # Forward: both weights; backward: the second layer's requantized
+  # transposed weight (its input gradient).
+  assert len(values) == 3, gathers
+  assert not [g for g in gathers if _BYTES[g[0]] > 1 and g[1] * 16 > weight]
+  assert {t for t, _ in gathers} <= {"u8", "u32"}, gathers
+  # Quantize then gather equals gather then quantize: the forward and the
+  # loss equal the unsharded int8 run's bit for bit.
+  mesh = _mesh()
+  params, x = _params()
+  config = jmp_lite.get_policy(_policy(recipe)).fp8_recipe
+  plain = dataclasses.replace(config, fsdp_axis=None)
+  dn = (((1,), (0,)), ((), ()))
+  fn = lambda c: jax.jit(lambda w, x: jmp_lite.int8.int8_dot_general(
+      x, w, dn, config=c))
+  want = fn(plain)(params[0], x)
+  with jax.set_mesh(mesh):
+    got = fn(config)(*_sharded(mesh, params[0], x))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  loss = lambda policy: jax.jit(jmp_lite.with_policy(_loss, policy))
+  want = loss(_policy(recipe, fsdp=False))(*_params())
+  with jax.set_mesh(mesh):
+    got = loss(_policy(recipe))(*_sharded(mesh, *_params()))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_int8_fsdp_axis_in_the_grammar_and_its_errors():
+  config = jmp_lite.get_policy("p=f32,c=bf16,o=f32,m=int8(fsdp_axis=Fsdp)"
+                               ).fp8_recipe
+  assert config.fsdp_axis == "Fsdp"
+  assert jmp_lite.get_policy(str(jmp_lite.get_policy(
+      "p=f32,c=bf16,o=f32,m=int8(fsdp_axis=Fsdp)"))).fp8_recipe == config
+  with pytest.raises(TypeError, match="Int8Config.fsdp_axis"):
+    jmp_lite.int8.Int8Config(fsdp_axis=3)
+  dn = (((1,), (0,)), ((), ()))
+  with pytest.raises(ValueError, match=r"no mesh is set.*jax\.set_mesh"):
+    jmp_lite.int8.int8_dot_general(
+        jnp.ones((8, 32)), jnp.ones((32, 16)), dn,
+        config=jmp_lite.int8.Int8Config(fsdp_axis="fsdp"))

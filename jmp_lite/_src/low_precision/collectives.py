@@ -178,7 +178,8 @@ def fp8_all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int,
 # ---------------------------------------------------------------------------
 
 NO_FSDP_MESH = (
-    "Fp8Config(fsdp_axis={axis!r}) gathers the float8 weight over the mesh "
+    "A recipe's fsdp_axis={axis!r} gathers the quantized (float8 or int8) "
+    "weight over the mesh "
     "axis {axis!r}, which it reads from the mesh set where the step is "
     "traced, but {found}. Trace the step under that mesh: "
     "`with jax.set_mesh(mesh): step(params, batch)`, with the weights "
@@ -187,7 +188,7 @@ NO_FSDP_MESH = (
     "to let XLA partition the matmul."
 )
 FSDP_UNDER_SHARD_MAP = (
-    "Fp8Config(fsdp_axis={axis!r}) is for jax.jit with weights sharded over "
+    "A recipe's fsdp_axis={axis!r} is for jax.jit with weights sharded over "
     "the mesh axis {axis!r} (FSDP): XLA's partitioner inserts the all-gather. "
     "Here {axis!r} is a manual axis (inside jax.shard_map), where each "
     "device holds its shard and nothing is partitioned: gather the weight "

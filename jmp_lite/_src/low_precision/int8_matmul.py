@@ -67,6 +67,7 @@ import numpy as np
 
 from jmp_lite._src import checks
 from jmp_lite._src import dtypes as dtypes_lib
+from jmp_lite._src.low_precision import collectives as collectives_lib
 from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
 from jmp_lite._src.low_precision import fp8_matmul as fp8_matmul_lib
 from jmp_lite._src.low_precision import recipes as recipes_lib
@@ -222,9 +223,15 @@ class _Static(NamedTuple):
 
 def _weight(b: jax.Array, config: Int8Config) -> tuple[jax.Array, jax.Array]:
   """The weight (an ``(B, Q, C)`` operand) quantized along C: per channel
-  (row) or per tensor."""
-  return quantize(b, per_tensor=config.weight_granularity == "tensor",
-                  axis_name=config.axis_name)
+  (row) or per tensor; with ``config.fsdp_axis``, all-gathered as its int8
+  bits and scales (quantize, then gather)."""
+  q, scale = quantize(b, per_tensor=config.weight_granularity == "tensor",
+                      axis_name=config.axis_name)
+  if config.fsdp_axis is None:
+    return q, scale
+  sharding = collectives_lib.fsdp_replicated(config.fsdp_axis)
+  return (collectives_lib.gathered(q, sharding),
+          collectives_lib.gathered(scale, sharding))
 
 
 def _forward(a: jax.Array, b: jax.Array, config: Int8Config) -> jax.Array:

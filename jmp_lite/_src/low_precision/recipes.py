@@ -400,17 +400,17 @@ FSDP_AXIS_HELP = (
 )
 
 
-def _canonical_fsdp_axis(axis: Any) -> Any:
+def _canonical_fsdp_axis(axis: Any, owner: str = "Fp8Config") -> Any:
   """None, a mesh axis name, or a tuple of them (a list becomes a tuple)."""
   if axis is None:
     return None
   names = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
   if not names or not all(isinstance(n, str) and n for n in names):
-    raise TypeError(f"{_OWNER}.fsdp_axis must be a mesh axis name or a tuple "
+    raise TypeError(f"{owner}.fsdp_axis must be a mesh axis name or a tuple "
                     f"of them, got {type(axis).__name__}: {axis!r}. "
                     f"{FSDP_AXIS_HELP}")
   if len(set(names)) != len(names):
-    raise ValueError(f"{_OWNER}.fsdp_axis={axis!r} names an axis twice. "
+    raise ValueError(f"{owner}.fsdp_axis={axis!r} names an axis twice. "
                      f"{FSDP_AXIS_HELP}")
   return names if isinstance(axis, (tuple, list)) else axis
 
@@ -745,6 +745,11 @@ class Int8Config:
     include_moe_gating: under ``autocast``/``with_policy``, also run a
       Mixture-of-Experts layer's router and combine matmuls in int8
       (default False: the compute dtype, as for float8).
+    fsdp_axis: under ``jax.jit`` with weights sharded over a mesh axis
+      (FSDP), that axis (a string or a tuple of strings): the weight is
+      quantized shard by shard with the scales every shard shares and its
+      int8 values and scales are all-gathered as their bits (1 byte per
+      element), as ``Fp8Config.fsdp_axis`` does (``docs/fp8.md``, FSDP).
 
   Raises:
     TypeError: for a non-string recipe or granularity, or a non-bool
@@ -773,6 +778,7 @@ class Int8Config:
   dim_multiple: int = 16
   axis_name: Any = None
   include_moe_gating: bool = False
+  fsdp_axis: Any = None
 
   def __post_init__(self):
     if not isinstance(self.recipe, str):
@@ -806,6 +812,8 @@ class Int8Config:
         self.dim_multiple, "dim_multiple", _INT8_OWNER, low=1))
     object.__setattr__(self, "axis_name",
                        _canonical_axis_name(self.axis_name))
+    object.__setattr__(self, "fsdp_axis",
+                       _canonical_fsdp_axis(self.fsdp_axis, _INT8_OWNER))
     for flag in _INT8_FLAGS:
       object.__setattr__(self, flag, bool(getattr(self, flag)))
 
@@ -833,7 +841,8 @@ class Int8Config:
   def check_policy_use(self) -> None:
     """Raises if the config cannot be a policy's recipe: an axis name the
     policy grammar cannot write."""
-    problem = _unwritable_axis_name(self.axis_name)
+    problem = (_unwritable_axis_name(self.axis_name) or
+               _unwritable_axis_name(self.fsdp_axis, "fsdp_axis"))
     if problem:
       raise ValueError(f"{self.spec()}: {problem}")
 
