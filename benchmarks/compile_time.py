@@ -18,7 +18,12 @@ in three families, each against the hand-cast step of its own family:
   ``plain_fp8`` (the same with a per-tensor e4m3/e5m2 float8 matmul written
   plainly with ``jax.custom_vjp``, ``plain_fp8_matmul`` below, no jmp_lite:
   what jmp_lite's float8 matmul costs beyond the float8 work itself, issue 36;
-  ``hand_fp8`` and the float8 routes get ``ratios_plain`` to it);
+  ``hand_fp8`` and the float8 routes get ``ratios_plain`` to it); and the int8
+  routes (issue 38): ``hand_int8`` (the hand-cast step with the blocks' dense
+  matmuls through ``jmp_lite.int8.int8_dot_general``), ``with_policy_int8``,
+  ``with_policy_int8_switchback`` and ``autocast_int8``, each against the
+  float8 route of the same door (``ratios_int8_fp8``: ``hand_fp8``,
+  ``with_policy_fp8``, ``autocast_fp8``; target <= 1.3);
 * linen (a linen twin of ``CharLM``): ``linen_hand`` (params cast to bfloat16
   by hand) and ``linen_policy`` (``jmp_lite.linen.apply_policy``);
 * NNX (``models/flax_models.py``'s ``CharLM``): ``nnx_hand`` and
@@ -409,6 +414,15 @@ def measure_all(args) -> dict[str, Any]:
         continue  # The control's deepest programs take XLA:CPU too long.
       rows.append(measure_one(route, size, layers, scan, args))
   add_ratios(rows)
+  by_route = {_key(r): r for r in rows}
+  for r in rows:  # an int8 row keeps the figures its ratios were taken to
+    if r["route"] in INT8_ROUTES:
+      r["baselines"] = {
+          b: {k: by_route[b, r["layers"], r["scan"]][k] for k in ("trace_lower_s", "compile_s")}
+          | {"hlo_instructions":
+             by_route[b, r["layers"], r["scan"]]["optimized_hlo"]["instructions"]}
+          for b in (HAND["jax"], INT8_ROUTES[r["route"]][1])
+          if (b, r["layers"], r["scan"]) in by_route}
   return {"results": rows}
 
 
@@ -418,8 +432,10 @@ def _key(row: dict[str, Any]) -> tuple[str, int, bool]:
 
 def merge_previous(report: dict[str, Any], out: pathlib.Path) -> dict[str, Any]:
   """With ``--merge``: this run's rows replace those of the same route, depth
-  and scan in ``out/compile_time.json``, the others are kept, each naming the
-  run that measured it (``row["run"]``, an index into ``report["runs"]``:
+  and scan in ``out/compile_time.json`` (a baseline the run added itself, a
+  route not named in ``--routes``, only where the file has no row for it: the
+  int8 rows keep their baselines' figures in ``row["baselines"]``), the
+  others are kept, each naming the run that measured it (``row["run"]``, an index into ``report["runs"]``:
   command, date, wall time and load average of every run still represented).
   Ratios stay those of each row's own run (a same-process comparison); a
   report of other sizes or repeats is replaced, never mixed in."""
@@ -437,9 +453,12 @@ def merge_previous(report: dict[str, Any], out: pathlib.Path) -> dict[str, Any]:
   if old is None:
     return dict(report, runs=[run], results=[dict(r, run=0) for r in report["results"]])
   runs = old.get("runs") or [{k: old[k] for k in run}]
-  new = {_key(r) for r in report["results"]}
+  named = set(report["config"].get("named_routes") or report["config"]["routes"])
+  old_keys = {_key(r) for r in old["results"]}
+  fresh = [r for r in report["results"] if r["route"] in named or _key(r) not in old_keys]
+  new = {_key(r) for r in fresh}
   rows = [dict(r, run=r.get("run", 0)) for r in old["results"] if _key(r) not in new]
-  rows += [dict(r, run=len(runs)) for r in report["results"]]
+  rows += [dict(r, run=len(runs)) for r in fresh]
   runs = runs + [run]
   used = sorted({r["run"] for r in rows})
   rows = [dict(r, run=used.index(r["run"])) for r in rows]
@@ -578,6 +597,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
   common.OUTPUTS.add_args(parser)
   args = parser.parse_args(argv)
   args.routes = runner.split_choices(parser, "--routes", args.routes, tuple(ROUTES))
+  args.named_routes = list(args.routes)  # before the baselines are added
   for family, hand in HAND.items():
     if any(ROUTES[r][0] == family for r in args.routes) and hand not in args.routes:
       args.routes.insert(0, hand)  # Ratios need the family's baseline.
@@ -611,6 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   size = SIZES[args.quick]
   config = {"quick": args.quick, "repeats": args.repeats, "seed": args.seed,
             "routes": {r: ROUTES[r][1] for r in args.routes}, "depths": args.depths,
+            "named_routes": args.named_routes,
             "scan": args.scan, "control_max_depth": args.control_max_depth, "size": {k: v for k, v in size.items() if k not in (
                 "depths", "scan_depth")},
             "scan_depth": size["scan_depth"],

@@ -421,6 +421,15 @@ def test_compile_time_merge_keeps_rows_it_did_not_measure(tmp_path):
   assert "Merged from 2 runs" in page and "* run 1: `run b`" in page
   other = compile_time.merge_previous(report("c", [("hand", 12)], repeats=1), tmp_path)
   assert [r["t"] for r in other["results"]] == ["c"] and len(other["runs"]) == 1
+  # The baselines a run added itself (routes not named in --routes) replace
+  # nothing: an int8 run leaves the committed float8 rows as they are, and
+  # adds a baseline only where the file has none.
+  int8 = compile_time.merge_previous(
+      report("d", [("hand", 12), ("hand_fp8", 12), ("hand_int8", 12), ("hand_fp8", 48)],
+             named_routes=["hand_int8"]), tmp_path)
+  got = {(r["route"], r["layers"]): r["t"] for r in int8["results"]}
+  assert got[("hand", 12)] == "a" and got[("hand", 24)] == "a"   # kept
+  assert got[("hand_int8", 12)] == "d" and got[("hand_fp8", 12)] == "d"   # none before
 
 
 def test_compile_time_study_refuses_bad_flags(capsys):

@@ -626,10 +626,11 @@ def _leaf_fp8_stats(x, scale, *, contract, role, formats, recipes,
         over = magnitude > limit
       elif name == INT8_FORMAT:
         values, per_entry = _int8_quantized(x32, recipe, role, scale)
-        # Rounding |x / scale| to 128 or more: the clip changed the value
-        # (half to even: 127.5 rounds to 128). Current absmax scaling puts
-        # each row's (tensor's) largest entry at 127: it never clips.
-        over = (magnitude / per_entry) >= _INT8_CLIP
+        # Rounding |x / scale| (as the quantizer computes it: times the
+        # reciprocal) to 128 or more: the clip changed the value (half to
+        # even: 127.5 rounds to 128). Current absmax scaling puts each row's
+        # (tensor's) largest entry at 127: it never clips.
+        over = (magnitude * (np.float32(1) / per_entry)) >= _INT8_CLIP
         dequantized = (values * per_entry) * inv
       else:
         fmt = fp8_formats.get_format(name)
