@@ -71,16 +71,17 @@ def test_train_step_exports_int8_dots(platform, recipe, wrap):
   other = [d for d in dots if not _is_int8_dot(d)]
   # Nothing else takes int8 (no s8 x bf16 or s8 -> f32 product).
   assert not any("i8>" in o or "i32>" in r for o, r in other), other
-  # Two quantized layers: their forwards, the second's input gradient
-  # (contracting N = 48; the first's is not needed), their weight
-  # gradients (contracting the 8 tokens), in the canonical (B, M, K) x
-  # (B, N, K) form.
+  # Two quantized layers: their forwards (the canonical (B, M, K) x
+  # (B, N, K)), the second's input gradient (g (B, M, N) x the weight
+  # (B, N, K), contracting N = 48 in place; the first's is not needed),
+  # their weight gradients (g x the activation, contracting the 8 tokens
+  # in place: no transposed copies).
   sig = lambda a, b, r: (f"(tensor<1x{a}xi8>, tensor<1x{b}xi8>)",
                          f"tensor<1x{r}xi32>")
   forward_and_dx = [sig("8x32", "64x32", "8x64"),     # layer 1 forward
                     sig("8x64", "48x64", "8x48"),     # layer 2 forward
-                    sig("8x48", "64x48", "8x64")]     # layer 2 dx
-  wgrads = [sig("64x8", "32x8", "64x32"), sig("48x8", "64x8", "48x64")]
+                    sig("8x48", "48x64", "8x64")]     # layer 2 dx
+  wgrads = [sig("8x64", "8x32", "64x32"), sig("8x48", "8x64", "48x64")]
   # The head stays bfloat16 (excluded by default): its forward, input
   # gradient and weight gradient, nothing int8.
   head = [(o, r) for o, r in other if "16xbf16>" in o]

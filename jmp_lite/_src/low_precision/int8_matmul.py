@@ -103,12 +103,14 @@ SECOND_ORDER_HELP = (
 # ---------------------------------------------------------------------------
 
 
-def quantize(x: jax.Array, *, per_tensor: bool = False, key: Any = None,
+def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
+             key: Any = None,
              axis_name: Any = None) -> tuple[jax.Array, jax.Array]:
-  """Symmetric int8 of ``x`` along its last axis (the contracted one).
+  """Symmetric int8 of ``x`` along ``axis`` (the contracted one).
 
   Args:
-    x: a floating array; its last axis is the one a product contracts.
+    x: a floating array.
+    axis: the axis a product contracts (default the last).
     per_tensor: one scale for the whole array (else one per row: every
       element of the other axes).
     key: a PRNG key for stochastic rounding (``floor(v + u)``), or None for
@@ -120,11 +122,11 @@ def quantize(x: jax.Array, *, per_tensor: bool = False, key: Any = None,
     ``(q, scale)``: int8 values in ``[-127, 127]`` shaped as ``x``, and the
     float32 scale (``amax * float32(1 / 127)``; 1 where that is below the
     smallest normal float32: :func:`scale_from_amax`) shaped as ``x``
-    with the last axis (and, per tensor, every axis) of size 1, so that
+    with ``axis`` (and, per tensor, every axis) of size 1, so that
     ``q * scale`` dequantizes.
   """
   x = x.astype(_F32)
-  axes = tuple(range(x.ndim)) if per_tensor else (x.ndim - 1,)
+  axes = tuple(range(x.ndim)) if per_tensor else (axis % x.ndim,)
   amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
   if per_tensor and axis_name is not None:
     amax = jax.lax.pmax(amax, axis_name)
@@ -166,37 +168,46 @@ def rounded(x: jax.Array, scale: jax.Array, key: Any = None) -> jax.Array:
   NaN product becomes 0 (its scale carries the NaN)."""
   v = x.astype(_F32) * (np.float32(1) / scale)
   if key is None:
-    v = jnp.round(v)   # half to even
+    v = jax.lax.round(v, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
   else:
     v = jnp.floor(v + jax.random.uniform(key, v.shape, _F32))
-  v = jnp.clip(v, -INT8_MAX, INT8_MAX)
-  return jnp.where(jnp.isnan(v), np.float32(0), v).astype(jnp.int8)
+  v = jax.lax.clamp(np.float32(-INT8_MAX), v, np.float32(INT8_MAX))
+  return jax.lax.select(jnp.isnan(v), jnp.zeros_like(v), v).astype(jnp.int8)
 
 
-def _product(qa: jax.Array, sa: jax.Array, qb: jax.Array,
-             sb: jax.Array) -> jax.Array:
-  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` float32: the int32 product of
-  the int8 operands, rescaled once (``acc * sa * sb^T``)."""
-  length = qa.shape[-1]
-  sbt = jnp.swapaxes(sb, 1, 2)
-  if length <= EXACT_INT32_LENGTH:
-    acc = jax.lax.dot_general(qa, qb, _DN, preferred_element_type=jnp.int32)
-    return acc.astype(_F32) * sa * sbt
-  # Chunks whose int32 sums are exact, summed in float32.
-  chunks = -(-length // CHUNK)
-  pad = chunks * CHUNK - length
+def _product(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
+             contract: tuple[int, int] = (2, 2)) -> jax.Array:
+  """``(B, P, .) x (B, ., Q) -> (B, P, Q)`` float32: the int32 product of
+  the int8 operands contracting axes ``contract`` (the lhs's free axis is
+  the other of 1 and 2, and likewise the rhs's), rescaled once:
+  ``acc * sa * sb`` with the scales laid out as ``(B, P, 1)`` and
+  ``(B, 1, Q)`` (reshapes of the quantizer's, whose contracted axis has
+  size 1)."""
+  (ca, cb) = contract
+  sa = sa.reshape(sa.shape[0], -1, 1)
+  sb = sb.reshape(sb.shape[0], 1, -1)
+  length = qa.shape[ca]
+  if length > EXACT_INT32_LENGTH:
+    # Chunks whose int32 sums are exact, summed in float32: the contracted
+    # axes moved last (a long contraction is rare; a copy is fine there).
+    qa, qb = jnp.moveaxis(qa, ca, 2), jnp.moveaxis(qb, cb, 2)
+    chunks = -(-length // CHUNK)
+    pad = chunks * CHUNK - length
 
-  def split(q):
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, pad)))
-    b, p = q.shape[:2]
-    return jnp.moveaxis(q.reshape(b, p, chunks, CHUNK), 2, 1).reshape(
-        b * chunks, p, CHUNK)
+    def split(q):
+      q = jnp.pad(q, ((0, 0), (0, 0), (0, pad)))
+      b, p = q.shape[:2]
+      return jnp.moveaxis(q.reshape(b, p, chunks, CHUNK), 2, 1).reshape(
+          b * chunks, p, CHUNK)
 
-  bsz, p, q = qa.shape[0], qa.shape[1], qb.shape[1]
-  acc = jax.lax.dot_general(split(qa), split(qb), _DN,
+    bsz, p, q = qa.shape[0], qa.shape[1], qb.shape[1]
+    acc = jax.lax.dot_general(split(qa), split(qb), _DN,
+                              preferred_element_type=jnp.int32)
+    acc = acc.reshape(bsz, chunks, p, q).astype(_F32)
+    return jnp.sum(acc * sa[:, None] * sb[:, None], axis=1)
+  acc = jax.lax.dot_general(qa, qb, (((ca,), (cb,)), ((0,), (0,))),
                             preferred_element_type=jnp.int32)
-  acc = acc.reshape(bsz, chunks, p, q).astype(_F32)
-  return jnp.sum(acc * sa[:, None] * sbt[:, None], axis=1)
+  return acc.astype(_F32) * sa * sb
 
 
 def _high(a: jax.Array, b: jax.Array, dn: Any) -> jax.Array:
@@ -221,11 +232,14 @@ class _Static(NamedTuple):
   rhs_dtype: np.dtype
 
 
-def _weight(b: jax.Array, config: Int8Config) -> tuple[jax.Array, jax.Array]:
-  """The weight (an ``(B, Q, C)`` operand) quantized along C: per channel
-  (row) or per tensor; with ``config.fsdp_axis``, all-gathered as its int8
-  bits and scales (quantize, then gather)."""
-  q, scale = quantize(b, per_tensor=config.weight_granularity == "tensor",
+def _weight(b: jax.Array, config: Int8Config,
+            axis: int = 2) -> tuple[jax.Array, jax.Array]:
+  """The weight ``(B, N, K)`` quantized along ``axis`` (K forward, N for
+  the input gradient): per channel (row) or per tensor; with
+  ``config.fsdp_axis``, all-gathered as its int8 bits and scales (quantize,
+  then gather)."""
+  q, scale = quantize(b, axis=axis,
+                      per_tensor=config.weight_granularity == "tensor",
                       axis_name=config.axis_name)
   if config.fsdp_axis is None:
     return q, scale
@@ -234,27 +248,37 @@ def _weight(b: jax.Array, config: Int8Config) -> tuple[jax.Array, jax.Array]:
           collectives_lib.gathered(scale, sharding))
 
 
-def _forward(a: jax.Array, b: jax.Array, config: Int8Config) -> jax.Array:
+def _forward(a: jax.Array, b: jax.Array, config: Int8Config):
+  """float32 ``(B, M, N)`` and the int8 weight with its scale (None where
+  the forward is not quantized)."""
   if not config.quantize_forward:
-    return _high(a, b, _DN)
+    return _high(a, b, _DN), None
   qa, sa = quantize(a)
   qb, sb = _weight(b, config)
-  return _product(qa, sa, qb, sb)
+  return _product(qa, sa, qb, sb), (qb, sb)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _int8_matmul(a, b, static):
   """``(B, M, K) x (B, N, K) -> (B, M, N)`` in int8, result in out_dtype."""
-  return _forward(a, b, static.config).astype(static.out_dtype)
+  return _forward(a, b, static.config)[0].astype(static.out_dtype)
 
 
 def _int8_matmul_fwd(a, b, static):
-  return _forward(a, b, static.config).astype(static.out_dtype), (a, b)
+  out, weight = _forward(a, b, static.config)
+  # A tensor-wise weight scale fits any contraction: the input gradient
+  # reuses the forward's int8 weight (the same values a requantization
+  # would give), a quarter of a float32 copy.
+  reuse = static.config.weight_granularity == "tensor"
+  return out.astype(static.out_dtype), (a, b, weight if reuse else None)
 
 
 def backward_products(a: jax.Array, b: jax.Array, g: jax.Array,
-                      config: Int8Config) -> tuple[jax.Array, jax.Array]:
-  """float32 ``(dlhs (B, M, K), drhs (B, N, K))`` for ``g`` ``(B, M, N)``."""
+                      config: Int8Config,
+                      weight: Any = None) -> tuple[jax.Array, jax.Array]:
+  """float32 ``(dlhs (B, M, K), drhs (B, N, K))`` for ``g`` ``(B, M, N)``;
+  ``weight``: the forward's int8 weight and scale, where they fit the
+  input gradient's contraction (per tensor)."""
   if config.stochastic_rounding:
     key = fp4_matmul_lib.data_key(g)
     dgrad_key, wgrad_key = (jax.random.fold_in(key, 0),
@@ -264,27 +288,27 @@ def backward_products(a: jax.Array, b: jax.Array, g: jax.Array,
   # dlhs = g @ W^T, contracting N: g per row along N, the weight per input
   # channel along N (or per tensor).
   if config.quantize_input_gradient:
-    qg, sg = quantize(g, key=dgrad_key)
-    qbt, sbt = _weight(jnp.swapaxes(b, 1, 2), config)
-    da = _product(qg, sg, qbt, sbt)
+    qg, sg = quantize(g, key=dgrad_key)                       # (B, M, 1)
+    qb, sb = weight if weight is not None else _weight(b, config, axis=1)
+    da = _product(qg, sg, qb, sb, contract=(2, 1))           # sb (B, 1, K)
   else:
     da = _high(g, b, (((2,), (1,)), ((0,), (0,))))
-  # drhs = g^T @ x, contracting the token axis M: both per row along M.
+  # drhs = g^T @ x, contracting the token axis M: both per column along M.
   if config.quantize_weight_gradient:
-    qgt, sgt = quantize(jnp.swapaxes(g, 1, 2), key=wgrad_key)
-    qat, sat = quantize(jnp.swapaxes(a, 1, 2))
-    db = _product(qgt, sgt, qat, sat)
+    qg, sg = quantize(g, axis=1, key=wgrad_key)               # (B, 1, N)
+    qa, sa = quantize(a, axis=1)                              # (B, 1, K)
+    db = _product(qg, sg, qa, sa, contract=(1, 1))
   else:
     db = _high(g, a, (((1,), (1,)), ((0,), (0,))))
   return da, db
 
 
 def _int8_matmul_bwd(static, residuals, g):
-  a, b = residuals
+  a, b, weight = residuals
   # Whatever would differentiate the backward pass (a second derivative)
   # meets the refusal.
   a, b, g = _first_order_only(a), _first_order_only(b), _first_order_only(g)
-  da, db = backward_products(a, b, g, static.config)
+  da, db = backward_products(a, b, g, static.config, weight)
   return da.astype(static.lhs_dtype), db.astype(static.rhs_dtype)
 
 
