@@ -529,6 +529,8 @@ def test_vmap_over_keys_and_operands():
     _same(y[i], product(x[i]))  # one program for the three slices
 
 
+# Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
+@pytest.mark.slow
 def test_finite_inputs_create_no_nan_or_inf_anywhere():
   """Op by op under jax_debug_nans/jax_debug_infs: zeros, an all-zero block
   and tiny magnitudes create no intermediate NaN or inf. (The matmul is one

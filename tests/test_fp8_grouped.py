@@ -386,6 +386,8 @@ def test_finite_run_passes_debug_nans_and_infs(name, debug_nans_and_infs):
              for v in jax.tree.leaves(out))
 
 
+# Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
+@pytest.mark.slow
 def test_no_intermediate_nan_or_inf_op_by_op(debug_nans_and_infs):
   """Op by op (jax.disable_jit): empty groups, an all-zero expert and rows
   of zeros create no intermediate NaN or inf, forward and backward, per

@@ -435,6 +435,8 @@ def test_repeated_matmuls_trace_forward_and_backward_once(monkeypatch):
   assert traced(4, 5) == traced(1, 7) <= 5, calls
 
 
+# Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["tensor", "row", "blockwise"])
 def test_finite_inputs_create_no_nan_or_inf_anywhere(granularity):
   """Op by op (jax.disable_jit) under jax_debug_nans/jax_debug_infs: typical

@@ -159,6 +159,8 @@ def debug_nans_and_infs():
     jax.config.update("jax_debug_infs", old[1])
 
 
+# Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_empty_experts_and_zero_rows_under_debug_nans(recipe,
                                                       debug_nans_and_infs):

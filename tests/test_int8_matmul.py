@@ -405,6 +405,8 @@ def debug_nans_and_infs():
     jax.config.update("jax_debug_infs", old[1])
 
 
+# Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_finite_inputs_create_no_nan_or_inf_op_by_op(recipe,
                                                      debug_nans_and_infs):
