@@ -48,6 +48,8 @@ import tempfile  # noqa: E402
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+import helpers  # noqa: E402
+
 # Set before any test module compiles (jax reads it at its first compile). One
 # folder per process: two xdist workers never write to the same file.
 _COMPILATION_CACHE = tempfile.mkdtemp(prefix="jmp_lite_tests_xla_cache_")
@@ -66,6 +68,15 @@ def pytest_collection_finish(session):
 def pytest_unconfigure(config):
   del config
   shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def debug_nans_and_infs():
+  """``jax_debug_nans`` and ``jax_debug_infs`` on for the test, restored
+  after (``helpers.debug_nans_and_infs``): with ``jax.disable_jit`` every
+  intermediate is checked."""
+  with helpers.debug_nans_and_infs(True):
+    yield
 
 
 @pytest.fixture(autouse=True)

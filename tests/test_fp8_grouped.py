@@ -362,19 +362,6 @@ def test_empty_groups_get_finite_unit_scales():
                                 _group_amax(x, (0, 3, 0, 5)))
 
 
-@pytest.fixture
-def debug_nans_and_infs():
-  """jax_debug_nans and jax_debug_infs on (jax.config.update), restored."""
-  old = (jax.config.jax_debug_nans, jax.config.jax_debug_infs)
-  jax.config.update("jax_debug_nans", True)
-  jax.config.update("jax_debug_infs", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_debug_nans", old[0])
-    jax.config.update("jax_debug_infs", old[1])
-
-
 @pytest.mark.parametrize("name", RECIPES)
 def test_finite_run_passes_debug_nans_and_infs(name, debug_nans_and_infs):
   del debug_nans_and_infs

@@ -147,18 +147,6 @@ def test_empty_expert_gets_zero_weight_gradient_and_no_nan():
     assert not np.signbit(np.asarray(dw[e])).any()
 
 
-@pytest.fixture
-def debug_nans_and_infs():
-  old = (jax.config.jax_debug_nans, jax.config.jax_debug_infs)
-  jax.config.update("jax_debug_nans", True)
-  jax.config.update("jax_debug_infs", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_debug_nans", old[0])
-    jax.config.update("jax_debug_infs", old[1])
-
-
 # Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)

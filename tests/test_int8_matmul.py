@@ -392,19 +392,6 @@ def test_a_non_finite_value_stays_in_its_row(recipe, bad, k):
                                 np.delete(rdx, 5, axis=0))
 
 
-@pytest.fixture
-def debug_nans_and_infs():
-  """jax_debug_nans and jax_debug_infs on (jax.config.update), restored."""
-  old = (jax.config.jax_debug_nans, jax.config.jax_debug_infs)
-  jax.config.update("jax_debug_nans", True)
-  jax.config.update("jax_debug_infs", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_debug_nans", old[0])
-    jax.config.update("jax_debug_infs", old[1])
-
-
 # Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -362,13 +362,7 @@ class Fp8Config:
     ``get_policy``'s ``m=``) reads it back to an equal config.
     """
     name = _base_name(self.granularity, self.scaling)
-    base = _named(name)
-    changed = [
-        f"{f.name}={_render(getattr(self, f.name))}"
-        for f in dataclasses.fields(self)
-        if getattr(self, f.name) != getattr(base, f.name)
-    ]
-    return f"{name}({';'.join(changed)})" if changed else name
+    return _named_spec(self, name, _named(name))
 
   def check_policy_use(self) -> None:
     """Raises if the config cannot be a policy's recipe: a compute dtype, or
@@ -644,13 +638,7 @@ class Fp4Config:
     recipe, in field order; ``from_spec`` (and ``get_policy``'s ``m=``)
     reads it back to an equal config.
     """
-    base = _named_fp4(self.recipe)
-    changed = [
-        f"{f.name}={_render(getattr(self, f.name))}"
-        for f in dataclasses.fields(self)
-        if getattr(self, f.name) != getattr(base, f.name)
-    ]
-    return f"{self.recipe}({';'.join(changed)})" if changed else self.recipe
+    return _named_spec(self, self.recipe, _named_fp4(self.recipe))
 
   def check_policy_use(self) -> None:
     """Raises if the config cannot be a policy's recipe: an axis name the
@@ -658,6 +646,18 @@ class Fp4Config:
     problem = _unwritable_axis_name(self.axis_name)
     if problem:
       raise ValueError(f"{self.spec()}: {problem}")
+
+
+def _named_spec(config: Any, name: str, base: Any) -> str:
+  """``name``, followed in parentheses by the fields in which ``config``
+  differs from the named recipe ``base``, in field order: a recipe's text
+  in the policy grammar."""
+  changed = [
+      f"{f.name}={_render(getattr(config, f.name))}"
+      for f in dataclasses.fields(config)
+      if getattr(config, f.name) != getattr(base, f.name)
+  ]
+  return f"{name}({';'.join(changed)})" if changed else name
 
 
 @functools.lru_cache(maxsize=None)
@@ -830,13 +830,7 @@ class Int8Config:
     recipe, in field order; ``from_spec`` (and ``get_policy``'s ``m=``)
     reads it back to an equal config.
     """
-    base = _named_int8(self.recipe)
-    changed = [
-        f"{f.name}={_render(getattr(self, f.name))}"
-        for f in dataclasses.fields(self)
-        if getattr(self, f.name) != getattr(base, f.name)
-    ]
-    return f"{self.recipe}({';'.join(changed)})" if changed else self.recipe
+    return _named_spec(self, self.recipe, _named_int8(self.recipe))
 
   def check_policy_use(self) -> None:
     """Raises if the config cannot be a policy's recipe: an axis name the
