@@ -175,3 +175,35 @@ def test_a_first_order_hi_operation_runs_as_traced(flag):
   fn = lambda x: jnp.frexp(x @ x)[0]
   x = jnp.full((16, 16), 3.0)
   np.testing.assert_array_equal(jmp_lite.autocast(fn, "bf16")(x), fn(x))
+
+
+def test_custom_vjp_with_an_integer_input_under_the_flag(flag):
+  """A custom_vjp whose bwd returns None (or JAX's symbolic zero) for an
+  integer input, called with that input traced (a MoE layer's group sizes,
+  ``jmp_lite.fp8.fp8_ragged_dot``): autocast's gradient is the plain one's
+  (under jax_custom_vjp3 the cotangents used to shift by one and fail)."""
+  if (flag == "jax_custom_vjp3"
+      and "custom_vjp" not in compat._HI_CLASSES):  # pylint: disable=protected-access
+    pytest.skip(f"jax {jax.__version__} refuses custom_vjp3 bodies (above)")
+
+  @jax.custom_vjp
+  def scaled(x, n):
+    return x * n.astype(x.dtype)
+
+  scaled.defvjp(lambda x, n: (scaled(x, n), n),
+                lambda n, ct: (ct * n.astype(ct.dtype), None))
+  loss = lambda x, n: jnp.sum(scaled(x, n) ** 2)
+  x, n = jnp.arange(3.0), jnp.array(2)
+  got = jax.jit(jax.grad(jmp_lite.autocast(loss, "bf16")))(x, n)
+  np.testing.assert_allclose(got, jax.grad(loss)(x, n), rtol=1e-2)
+  from jmp_lite import fp8  # pylint: disable=g-import-not-at-top
+  moe = lambda x, w, s: jnp.sum(fp8.fp8_ragged_dot(
+      x, w, s, config=fp8.Fp8Config(granularity="row")).astype(jnp.float32))
+  args = (jnp.ones((16, 32)), jnp.ones((4, 32, 32)) * 0.1,
+          jnp.array([4, 0, 8, 4], jnp.int32))
+  grads = jax.jit(jax.grad(jmp_lite.autocast(moe, "mixed_bfloat16"),
+                           argnums=(0, 1)))(*args)
+  want = jax.grad(moe, argnums=(0, 1))(*args)
+  for g, w in zip(grads, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32),
+                               np.asarray(w, np.float32), rtol=2e-2, atol=1e-2)

@@ -781,6 +781,21 @@ def _custom_jvp3(interp, ctx, args, params):
   return list(fn(*args))
 
 
+def _flat_cotangents(in_tree: Any, in_cts: Any) -> list[Any]:
+  """One cotangent per flat input after the closure's constants (None where
+  there is none), from a jax_custom_vjp3 bwd rule's cotangents per user
+  argument: an argument's cotangent may be None or JAX's symbolic zero (an
+  integer input's), which have no leaves and would be dropped by
+  ``jax.tree.leaves``, shifting every later cotangent."""
+  out: list[Any] = []
+  for tree, ct in zip(in_tree.children()[2:], in_cts):
+    if not jax.tree.leaves(ct):   # None, a symbolic zero: zeros
+      out += [None] * tree.num_leaves
+    else:
+      out += tree.flatten_up_to(ct)
+  return out
+
+
 def _custom_vjp3(interp, ctx, args, params):
   """``jax.custom_vjp`` under jax_custom_vjp3, as :func:`_custom_vjp`.
 
@@ -823,7 +838,7 @@ def _custom_vjp3(interp, ctx, args, params):
   def bwd(res_leaves, cts):
     res = jax.tree.unflatten(res_tree[0], res_leaves)
     in_cts, _ = bwd_rule(res, jax.tree.unflatten(out_tree[0], list(cts)))
-    flat_cts = jax.tree.leaves(in_cts)
+    flat_cts = _flat_cotangents(in_tree, in_cts)
     out = []
     for i, (x, aval) in enumerate(zip(args, ctx.in_avals)):
       ct = flat_cts[i - n_leading] if i >= n_leading else None
