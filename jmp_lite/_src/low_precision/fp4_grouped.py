@@ -440,7 +440,7 @@ def fp4_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
   lhs, rhs, sizes = grouped_lib.check_operands(lhs, rhs, group_sizes,
                                                "fp4_ragged_dot")
   fp8_matmul_lib.check_axis_bound(config)
-  out_dtype = grouped_lib.result_dtype(lhs, rhs, preferred_element_type)
+  out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, np.dtype(out_dtype), np.dtype(lhs.dtype),
                    np.dtype(rhs.dtype))
   return grouped_lib.grouped_product(lhs, rhs, sizes, key, matmul=_grouped_fp4,

@@ -381,13 +381,6 @@ def _operand(x: Any, what: str) -> jax.Array:
   return x
 
 
-def _result_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
-  if preferred_element_type is not None:
-    return dtypes_lib.canonical_dtype(preferred_element_type,
-                                      "preferred_element_type")
-  return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
-
-
 def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
                     precision: Any = None, preferred_element_type: Any = None,
                     *, out_sharding: Any = None,
@@ -453,7 +446,7 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   fp8_matmul_lib.check_axis_bound(config)
   dimension_numbers = checks.dimension_numbers(
       dimension_numbers, lhs.shape, rhs.shape, "fp4_dot_general")
-  out_dtype = _result_dtype(lhs, rhs, preferred_element_type)
+  out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # Canonical forms, shard_map's varying types, explicit sharding: as float8's.
   return fp8_matmul_lib.as_dot_general(

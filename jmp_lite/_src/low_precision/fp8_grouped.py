@@ -68,7 +68,6 @@ import numpy as np
 
 from jmp_lite._src import checks
 from jmp_lite._src import compat
-from jmp_lite._src import dtypes as dtypes_lib
 from jmp_lite._src.low_precision import recipes as config_lib
 from jmp_lite._src.low_precision import fp8_matmul as matmul_lib
 from jmp_lite._src.low_precision import scaling as scaling_lib
@@ -583,15 +582,6 @@ def check_operands(lhs: Any, rhs: Any, group_sizes: Any, owner: str
   return lhs, rhs, sizes.astype(_I32)
 
 
-def result_dtype(lhs, rhs, preferred_element_type, compute_dtype=None):
-  if preferred_element_type is not None:
-    return dtypes_lib.canonical_dtype(preferred_element_type,
-                                      "preferred_element_type")
-  if compute_dtype is not None:
-    return compute_dtype
-  return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
-
-
 def _check_scales(scales, config, g):
   """Delayed scaling's per-group scales, float32 ``[G]`` (a scalar is
   broadcast), checked as the dense recipe's."""
@@ -695,7 +685,7 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
   scales = _check_scales(scales, config, rhs.shape[0])
   config = _bound_axes(config, scales)
   matmul_lib.check_axis_bound(config)
-  out_dtype = result_dtype(lhs, rhs, preferred_element_type,
+  out_dtype = matmul_lib.result_dtype(lhs, rhs, preferred_element_type,
                            config.compute_dtype)
   static = _Static(config, per_group, np.dtype(out_dtype),
                    np.dtype(lhs.dtype), np.dtype(rhs.dtype))

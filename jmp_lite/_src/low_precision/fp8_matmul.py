@@ -228,12 +228,16 @@ def check_axis_bound(config: Any) -> None:
     checks.bound_axis(config.axis_name, type(config).__name__)
 
 
-def _result_dtype(lhs, rhs, preferred_element_type, config):
+def result_dtype(lhs: Any, rhs: Any, preferred_element_type: Any,
+                 compute_dtype: Any = None) -> np.dtype:
+  """A quantized matmul's result dtype (every recipe's, dense and grouped):
+  ``preferred_element_type`` if given, else ``compute_dtype`` (a float8
+  recipe's) if set, else the operands' promoted floating dtype."""
   if preferred_element_type is not None:
     return dtypes_lib.canonical_dtype(preferred_element_type,
                                       "preferred_element_type")
-  if config.compute_dtype is not None:
-    return config.compute_dtype
+  if compute_dtype is not None:
+    return compute_dtype
   return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
 
 
@@ -745,7 +749,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   # Delayed amaxes are global under pmap/shard_map by default.
   config = scaling_lib.with_bound_axes(config)
   check_axis_bound(config)
-  out_dtype = _result_dtype(lhs, rhs, preferred_element_type, config)
+  out_dtype = result_dtype(lhs, rhs, preferred_element_type,
+                           config.compute_dtype)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return as_dot_general(_fp8_matmul, static, lhs, rhs, dimension_numbers,
                         out_dtype, out_sharding, "fp8_dot_general", scales,

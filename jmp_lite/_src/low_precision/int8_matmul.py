@@ -332,15 +332,6 @@ def _operand(x: Any, what: str) -> jax.Array:
   return x
 
 
-def result_dtype(lhs: Any, rhs: Any, preferred_element_type: Any) -> np.dtype:
-  """``preferred_element_type`` if given, else the operands' promoted
-  floating dtype."""
-  if preferred_element_type is not None:
-    return dtypes_lib.canonical_dtype(preferred_element_type,
-                                      "preferred_element_type")
-  return dtypes_lib.promote_floats(lhs.dtype, rhs.dtype)
-
-
 def int8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
                      precision: Any = None, preferred_element_type: Any = None,
                      *, out_sharding: Any = None,
@@ -396,7 +387,7 @@ def int8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   fp8_matmul_lib.check_axis_bound(config)
   dimension_numbers = checks.dimension_numbers(
       dimension_numbers, lhs.shape, rhs.shape, "int8_dot_general")
-  out_dtype = result_dtype(lhs, rhs, preferred_element_type)
+  out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return fp8_matmul_lib.as_dot_general(
       _int8_matmul, static, lhs, rhs, dimension_numbers, out_dtype,
