@@ -48,7 +48,9 @@ How it computes (every platform):
    their own (compute) dtype with float32 accumulation.
 
 **Non-finite values stay visible**: a NaN or inf makes its row's (or the
-tensor's) scale NaN or inf, and the rescale carries it into every output
+tensor's) scale NaN or inf (the amax is the maximum of the magnitudes'
+float32 bit patterns as int32 (:func:`amax_of`), which no compiler can
+skip a NaN in, as XLA:CPU's float maximum can), and the rescale carries it into every output
 element that row feeds (a NaN element itself is quantized to 0 first, so
 that no undefined float-to-int conversion happens).
 
@@ -127,21 +129,38 @@ def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
   """
   x = x.astype(_F32)
   axes = tuple(range(x.ndim)) if per_tensor else (axis % x.ndim,)
-  amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
-  if per_tensor and axis_name is not None:
-    amax = jax.lax.pmax(amax, axis_name)
-  scale = scale_from_amax(amax + nan_term(x, axes))
+  amax = amax_of(x, axes, axis_name if per_tensor else None)
+  scale = scale_from_amax(amax)
   return rounded(x, scale, key), scale
 
 
-def nan_term(x: jax.Array, axes: Any) -> jax.Array:
-  """0, or NaN where the reduction of ``x`` over ``axes`` meets a NaN: added
-  to an amax so that a NaN element reaches its scale (its quantized value is
-  0). XLA:CPU's maximum can skip a NaN (a row reduction of 64 or more
-  elements, and ``lax.pmax`` across replicas); a sum cannot."""
-  x = x.astype(_F32)
-  return jnp.sum(jnp.where(jnp.isnan(x), x, np.float32(0)), axis=axes,
-                 keepdims=True)
+def magnitude_bits(x: jax.Array) -> jax.Array:
+  """int32 bit patterns of ``|x|`` in float32. A non-negative float's bits
+  order as the float does, and a NaN's above inf's: their integer maximum
+  is the amax, NaN wherever a NaN is met. XLA:CPU's float maximum can skip
+  a NaN (a row reduction of 64 or more elements, and ``lax.pmax`` across
+  replicas); an integer maximum cannot."""
+  x = jax.lax.convert_element_type(x, _F32)
+  return jax.lax.bitcast_convert_type(jax.lax.abs(x), jnp.int32)
+
+
+def amax_from_bits(bits: jax.Array) -> jax.Array:
+  """float32 from :func:`magnitude_bits`' patterns (after a maximum)."""
+  return jax.lax.bitcast_convert_type(bits, _F32)
+
+
+def amax_of(x: jax.Array, axes: Any, axis_name: Any = None) -> jax.Array:
+  """float32 ``max |x|`` over ``axes`` (kept as size 1), and over the mapped
+  axis ``axis_name`` when given; 0 for no elements; NaN where a NaN is met,
+  inf where an inf is (:func:`magnitude_bits`)."""
+  kept = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
+  if all(x.shape[i] for i in axes):
+    bits = jax.lax.reduce_max(magnitude_bits(x), axes).reshape(kept)
+  else:                                     # nothing to reduce: amax 0
+    bits = jnp.zeros(kept, jnp.int32)
+  if axis_name is not None:
+    bits = jax.lax.pmax(bits, axis_name)
+  return amax_from_bits(bits)
 
 
 #: float32 ``1 / 127``: a scale is ``amax * INV_INT8_MAX`` (what XLA makes
@@ -158,7 +177,7 @@ def scale_from_amax(amax: jax.Array) -> jax.Array:
   reciprocal scale could overflow; its values all quantize to 0); NaN and
   inf stay as they are."""
   scale = amax.astype(_F32) * INV_INT8_MAX
-  return jnp.where(scale < _TINY, np.float32(1), scale)
+  return jax.lax.select(scale < _TINY, jnp.ones_like(scale), scale)
 
 
 def rounded(x: jax.Array, scale: jax.Array, key: Any = None) -> jax.Array:
@@ -166,13 +185,14 @@ def rounded(x: jax.Array, scale: jax.Array, key: Any = None) -> jax.Array:
   broadcasting against ``x``; its float32 reciprocal taken first, one per
   scale): half to even, or ``floor(x * (1 / scale) + u)`` with ``key``; a
   NaN product becomes 0 (its scale carries the NaN)."""
-  v = x.astype(_F32) * (np.float32(1) / scale)
+  v = jax.lax.convert_element_type(x, _F32) * (np.float32(1) / scale)
   if key is None:
     v = jax.lax.round(v, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
   else:
     v = jnp.floor(v + jax.random.uniform(key, v.shape, _F32))
   v = jax.lax.clamp(np.float32(-INT8_MAX), v, np.float32(INT8_MAX))
-  return jax.lax.select(jnp.isnan(v), jnp.zeros_like(v), v).astype(jnp.int8)
+  v = jax.lax.select(jax.lax.ne(v, v), jnp.zeros_like(v), v)   # NaN -> 0
+  return jax.lax.convert_element_type(v, jnp.int8)
 
 
 def _product(qa: jax.Array, sa: jax.Array, qb: jax.Array, sb: jax.Array,
