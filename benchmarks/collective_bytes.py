@@ -13,7 +13,7 @@ with its element type and size. Three settings:
 * **MoE dispatch**: the tokens' all-to-all to the experts' devices,
   ``jax.lax.all_to_all`` of bfloat16 tokens (plain; and moved as its
   ``uint16`` bits, bfloat16's own width) against
-  ``jmp_lite.fp8.fp8_all_to_all`` per recipe (values and scales); and the
+  ``jmp_lite.fp8.all_to_all`` per recipe (values and scales); and the
   gradient of a loss of it (``jax.grad``: the cotangent's all-to-all);
 * **FSDP** (weights sharded over the 8 devices, ``jax.jit``): the weight
   all-gathers of a two-layer step in bfloat16 against the float8 policy
@@ -140,7 +140,7 @@ def gradient_programs(size) -> dict[str, str]:
 
 def dispatch_programs(size, gradient: bool) -> dict[str, str]:
   """An MoE dispatch, its forward (``gradient=False``) or the gradient of
-  a loss of it: plain bf16 all_to_all and fp8_all_to_all per recipe."""
+  a loss of it: plain bf16 all_to_all and fp8.all_to_all per recipe."""
   tokens = jnp.ones((size["tokens"], size["model"]), jnp.bfloat16)
   weights = jnp.arange(size["model"], dtype=jnp.float32)
   plain = lambda t: jax.lax.all_to_all(t, "d", 0, 0, tiled=True)
@@ -151,8 +151,8 @@ def dispatch_programs(size, gradient: bool) -> dict[str, str]:
         lambda t: jmp_lite._src.parallel.moved_as_bits(t, plain))  # pylint: disable=protected-access
   for recipe in ("fp8_blockwise", "mxfp8", "fp8_rowwise"):
     config = recipes.from_spec(recipe)
-    moves[f"fp8_all_to_all({recipe})"] = (
-        lambda t, c=config: fp8.fp8_all_to_all(t, "d", 0, 0, tiled=True,
+    moves[f"fp8.all_to_all({recipe})"] = (
+        lambda t, c=config: fp8.all_to_all(t, "d", 0, 0, tiled=True,
                                                config=c))
   out = {}
   for name, move in moves.items():

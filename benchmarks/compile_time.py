@@ -13,14 +13,14 @@ in three families, each against the hand-cast step of its own family:
   (no cast at all: the control for what XLA does with a float32 program),
   ``with_policy`` and ``autocast`` with ``mixed_bfloat16``, ``with_policy_fp8``
   and ``autocast_fp8`` with ``mixed_fp8``, and ``hand_fp8`` (the hand-cast
-  step with the blocks' dense matmuls through ``jmp_lite.fp8.fp8_dot_general``:
+  step with the blocks' dense matmuls through ``jmp_lite.fp8.dot_general``:
   the float8 step written by hand, the float8 routes' second baseline), and
   ``plain_fp8`` (the same with a per-tensor e4m3/e5m2 float8 matmul written
   plainly with ``jax.custom_vjp``, ``plain_fp8_matmul`` below, no jmp_lite:
   what jmp_lite's float8 matmul costs beyond the float8 work itself, issue 36;
   ``hand_fp8`` and the float8 routes get ``ratios_plain`` to it); and the int8
   routes (issue 38): ``hand_int8`` (the hand-cast step with the blocks' dense
-  matmuls through ``jmp_lite.int8.int8_dot_general``), ``with_policy_int8``,
+  matmuls through ``jmp_lite.int8.dot_general``), ``with_policy_int8``,
   ``with_policy_int8_switchback`` and ``autocast_int8``, each against the
   float8 route of the same door (``ratios_int8_fp8``: ``hand_fp8``,
   ``with_policy_fp8``, ``autocast_fp8``; target <= 1.3);
@@ -76,14 +76,14 @@ ROUTES = {
     "with_policy": ("jax", "with_policy(apply_lm, 'mixed_bfloat16')"),
     "autocast": ("jax", "autocast(loss, 'mixed_bfloat16')"),
     "hand_fp8": ("jax", "hand, with the blocks' dense matmuls through "
-                 "jmp_lite.fp8.fp8_dot_general (mixed_fp8's recipe)"),
+                 "jmp_lite.fp8.dot_general (mixed_fp8's recipe)"),
     "plain_fp8": ("jax", "hand, with the blocks' dense matmuls through a per-tensor "
                   "e4m3/e5m2 float8 matmul written plainly with jax.custom_vjp "
                   "(plain_fp8_matmul, not jmp_lite)"),
     "with_policy_fp8": ("jax", "with_policy(apply_lm, 'mixed_fp8')"),
     "autocast_fp8": ("jax", "autocast(loss, 'mixed_fp8')"),
     "hand_int8": ("jax", "hand, with the blocks' dense matmuls through "
-                  "jmp_lite.int8.int8_dot_general (mixed_int8's recipe)"),
+                  "jmp_lite.int8.dot_general (mixed_int8's recipe)"),
     "with_policy_int8": ("jax", "with_policy(apply_lm, 'mixed_int8')"),
     "with_policy_int8_switchback": ("jax", "with_policy(apply_lm, "
                                     "'p=f32,c=bf16,o=f32,m=int8_switchback')"),
@@ -203,14 +203,14 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
     int8_recipe = wl.policy("bf16", "int8").fp8_recipe
 
     def matmul(x, w):  # what with_policy's int8 rule binds for a Dense matmul
-      return jmp_lite.int8.int8_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+      return jmp_lite.int8.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                             preferred_element_type=x.dtype,
                                             config=int8_recipe)
   elif route == HAND_FP8:
     recipe = wl.policy("bf16", "fp8").fp8_recipe
 
     def matmul(x, w):  # what with_policy's float8 rule binds for a Dense matmul
-      return jmp_lite.fp8.fp8_dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+      return jmp_lite.fp8.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                           preferred_element_type=x.dtype, config=recipe)
   elif route == PLAIN_FP8:
     matmul = plain_fp8_matmul
@@ -526,7 +526,7 @@ def table(report: dict[str, Any]) -> list[str]:
   fp8_rows = [r for r in rows if r.get("ratios_fp8")]
   if fp8_rows:
     lines += ["", f"The float8 routes against the float8 step written by hand ({HAND_FP8}: "
-              "the same matmuls through `jmp_lite.fp8.fp8_dot_general`), same run:", "",
+              "the same matmuls through `jmp_lite.fp8.dot_general`), same run:", "",
               "| route | blocks | trace+lower / hand fp8 | compile / hand fp8 | HLO / hand fp8 |",
               "|---|---|---:|---:|---:|"]
     for r in fp8_rows:

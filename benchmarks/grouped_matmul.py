@@ -6,10 +6,10 @@ one Mixture-of-Experts MLP (tokens sorted by expert, 8 experts, up and down
 projections, GELU between): per recipe,
 
 * ``grouped``: both projections through the recipe's grouped matmul
-  (``jmp_lite.fp8.fp8_ragged_dot`` / ``jmp_lite.fp4.fp4_ragged_dot``), the
+  (``jmp_lite.fp8.ragged_dot`` / ``jmp_lite.fp4.ragged_dot``), the
   group sizes an argument (traced, as in a real step);
 * ``loop``: the same step with a Python loop over the experts, each a dense
-  recipe matmul (``fp8_dot_general`` / ``fp4_dot_general``) on a static slice
+  recipe matmul (``fp8.dot_general`` / ``fp4.dot_general``) on a static slice
   of the tokens: what one would write by hand without a grouped matmul (the
   group sizes baked into the program);
 
@@ -64,14 +64,14 @@ DENSE = (((1,), (0,)), ((), ()))
 
 def _grouped(config):
   if isinstance(config, recipes.Fp4Config):
-    return lambda x, w, s: fp4.fp4_ragged_dot(x, w, s, config=config)
-  return lambda x, w, s: fp8.fp8_ragged_dot(x, w, s, config=config)
+    return lambda x, w, s: fp4.ragged_dot(x, w, s, config=config)
+  return lambda x, w, s: fp8.ragged_dot(x, w, s, config=config)
 
 
 def _dense(config):
   if isinstance(config, recipes.Fp4Config):
-    return lambda x, w: fp4.fp4_dot_general(x, w, DENSE, config=config)
-  return lambda x, w: fp8.fp8_dot_general(x, w, DENSE, config=config)
+    return lambda x, w: fp4.dot_general(x, w, DENSE, config=config)
+  return lambda x, w: fp8.dot_general(x, w, DENSE, config=config)
 
 
 def _loop_matmul(config, sizes):

@@ -16,6 +16,7 @@ Example:
   ('f32', 'lower')
 """
 
+from jmp_lite._src import checks as _checks
 from jmp_lite._src.autocast.default_rules import DEFAULT_OP_RULES
 from jmp_lite._src.autocast.rules import OpRuleContext
 
@@ -30,8 +31,4 @@ _REMOVED = {
         "values of jmp_lite.autocast_rules.DEFAULT_OP_RULES."),
 }
 
-
-def __getattr__(name: str):
-  if name in _REMOVED:
-    raise AttributeError(_REMOVED[name])
-  raise AttributeError(f"module 'jmp_lite.autocast_rules' has no attribute {name!r}")
+__getattr__ = _checks.old_names("jmp_lite.autocast_rules", removed=_REMOVED)

@@ -12,26 +12,33 @@ training) or ``m=int8_switchback`` (SwitchBack: a tensor-wise weight scale,
 the weight gradient in the compute dtype), with fields in parentheses
 (``m=int8(stochastic_rounding=true)``; the preset ``mixed_int8``), and every
 route (``with_policy``, ``autocast``, linen, NNX) then runs the policy's
-matmuls through :func:`int8_dot_general` and its Mixture-of-Experts
-``ragged_dot``s through :func:`int8_ragged_dot`, with float8's exclusions.
+matmuls through :func:`dot_general` and its Mixture-of-Experts
+``ragged_dot``s through :func:`ragged_dot` (named as in ``jax.lax``, the
+module saying the format), with float8's exclusions.
 Guide: ``docs/int8.md``.
 
 Example:
   >>> import jax.numpy as jnp, jmp_lite
   >>> from jmp_lite import int8
-  >>> int8.int8_dot_general(jnp.ones((2, 16)), jnp.ones((16, 4)),
-  ...                       (((1,), (0,)), ((), ())))[0, 0]
+  >>> int8.dot_general(jnp.ones((2, 16)), jnp.ones((16, 4)),
+  ...                  (((1,), (0,)), ((), ())))[0, 0]
   Array(16., dtype=float32)
   >>> jmp_lite.get_policy("mixed_int8").fp8_recipe == int8.Int8Config()
   True
 """
 
-from jmp_lite._src.low_precision.int8_grouped import int8_ragged_dot
-from jmp_lite._src.low_precision.int8_matmul import int8_dot_general
+from jmp_lite._src import checks as _checks
+from jmp_lite._src.low_precision.int8_grouped import int8_ragged_dot as ragged_dot
+from jmp_lite._src.low_precision.int8_matmul import int8_dot_general as dot_general
 from jmp_lite._src.low_precision.recipes import Int8Config
 
 __all__ = (
     "Int8Config",
-    "int8_dot_general",
-    "int8_ragged_dot",
+    "dot_general",
+    "ragged_dot",
 )
+
+# The names before 0.2 (for one release): int8.int8_dot_general etc.
+__getattr__ = _checks.old_names("jmp_lite.int8", renamed={
+    f"int8_{name}": (f"jmp_lite.int8.{name} (same function)", globals()[name])
+    for name in ("dot_general", "ragged_dot")})

@@ -62,8 +62,8 @@ def _auto_mesh():
 
 
 def _dot(config):
-  fn = fp4.fp4_dot_general if isinstance(config, fp4.Fp4Config) else (
-      fp8.fp8_dot_general)
+  fn = fp4.dot_general if isinstance(config, fp4.Fp4Config) else (
+      fp8.dot_general)
   return lambda x, w, **kw: fn(x, w, DENSE, config=config, **kw)
 
 

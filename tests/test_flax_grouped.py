@@ -118,10 +118,10 @@ def _by_hand(spec):
                                  history_length=None, margin=0.0,
                                  amax_algorithm=None)
   if isinstance(config, jmp_lite.fp4.Fp4Config):
-    return lambda x, w, s: jmp_lite.fp4.fp4_ragged_dot(x, w, s, config=config)
+    return lambda x, w, s: jmp_lite.fp4.ragged_dot(x, w, s, config=config)
   if isinstance(config, int8.Int8Config):
-    return lambda x, w, s: int8.int8_ragged_dot(x, w, s, config=config)
-  return lambda x, w, s: jmp_lite.fp8.fp8_ragged_dot(x, w, s, config=config)
+    return lambda x, w, s: int8.ragged_dot(x, w, s, config=config)
+  return lambda x, w, s: jmp_lite.fp8.ragged_dot(x, w, s, config=config)
 
 
 def _ragged_operands(closed):

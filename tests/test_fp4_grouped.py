@@ -1,5 +1,5 @@
-"""fp4_ragged_dot: the grouped (Mixture-of-Experts) FP4 matmul equals the
-per-group loop of fp4_dot_general (forward, input gradient, weight gradient)
+"""fp4.ragged_dot: the grouped (Mixture-of-Experts) FP4 matmul equals the
+per-group loop of fp4.dot_general (forward, input gradient, weight gradient)
 for jagged group sizes; per-expert isolation, empty experts, NaN per group,
 stochastic rounding, SQNR, dtypes, the CUDA program, errors."""
 
@@ -46,26 +46,26 @@ def _data(seed=0, kind=_ints, g=len(JAGGED)):
 
 @functools.partial(jax.jit, static_argnames="config")
 def _grouped(x, w, sizes, dy, key=None, *, config):
-  y, vjp = jax.vjp(lambda x, w: fp4.fp4_ragged_dot(
+  y, vjp = jax.vjp(lambda x, w: fp4.ragged_dot(
       x, w, sizes, config=config, key=key), x, w)
   return (y,) + vjp(dy)
 
 
 def grouped(config, x, w, sizes, dy, key=None):
-  """(y, dx, dw) of fp4_ragged_dot with cotangent dy, jitted."""
+  """(y, dx, dw) of fp4.ragged_dot with cotangent dy, jitted."""
   out = _grouped(x, w, jnp.asarray(sizes, jnp.int32), dy, key, config=config)
   return [np.asarray(v) for v in out]
 
 
 @functools.partial(jax.jit, static_argnames="config")
 def _dense(x, w, dy, key=None, *, config):
-  y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
+  y, vjp = jax.vjp(lambda x, w: fp4.dot_general(
       x, w, MATMUL, config=config, key=key), x, w)
   return (y,) + vjp(dy)
 
 
 def per_group_loop(config, x, w, sizes, dy, keys=None):
-  """The reference: fp4_dot_general on each group's rows and its expert's
+  """The reference: fp4.dot_general on each group's rows and its expert's
   weight (empty groups: no rows, a zero weight gradient)."""
   ys, dxs, dws = [], [], []
   start = 0
@@ -159,16 +159,16 @@ def test_partial_blocks_and_unaligned_dimensions():
 
 
 def test_recipe_ragged_dot_picks_the_grouped_matmul_by_recipe():
-  """The routes' one entry: an Fp4Config runs fp4_ragged_dot, an Fp8Config
-  fp8_ragged_dot."""
+  """The routes' one entry: an Fp4Config runs fp4.ragged_dot, an Fp8Config
+  fp8.ragged_dot."""
   x, w, _ = _data(12)
   sizes = jnp.asarray(JAGGED, jnp.int32)
   for config in RTN.values():
     got = recipe_matmuls.recipe_ragged_dot(x, w, sizes, config=config)
-    _same(got, fp4.fp4_ragged_dot(x, w, sizes, config=config))
+    _same(got, fp4.ragged_dot(x, w, sizes, config=config))
   config = fp8.Fp8Config(granularity="row")
   _same(recipe_matmuls.recipe_ragged_dot(x, w, sizes, config=config),
-        fp8.fp8_ragged_dot(x, w, sizes, config=config))
+        fp8.ragged_dot(x, w, sizes, config=config))
 
 
 # ---------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def test_empty_experts_create_no_nan_or_inf_anywhere():
   with jax.debug_nans(True), jax.debug_infs(True), jax.disable_jit():
     for recipe in ("nvfp4", "mxfp4"):
       config = fp4.Fp4Config(recipe)
-      _, vjp = jax.vjp(lambda x, w: fp4.fp4_ragged_dot(
+      _, vjp = jax.vjp(lambda x, w: fp4.ragged_dot(
           x, w, sizes, config=config), x, w)
       vjp(dy)
 
@@ -401,7 +401,7 @@ def test_jit_and_eager_agree():
   x, w, dy = _data(39, _normal)
   sizes = jnp.asarray(JAGGED, jnp.int32)
   key = jax.random.key(4)
-  eager_y, vjp = jax.vjp(lambda x, w: fp4.fp4_ragged_dot(
+  eager_y, vjp = jax.vjp(lambda x, w: fp4.ragged_dot(
       x, w, sizes, config=config, key=key), x, w)
   _all_same([eager_y, *vjp(dy)], grouped(config, x, w, JAGGED, dy, key))
 
@@ -432,7 +432,7 @@ def test_half_operands(dtype):
                  np.asarray(dyh, F32))
   for a, b in zip(got, wide):
     _same(np.asarray(a, F32), np.asarray(jnp.asarray(b).astype(dtype), F32))
-  y = fp4.fp4_ragged_dot(xh, wh, jnp.asarray(JAGGED, jnp.int32),
+  y = fp4.ragged_dot(xh, wh, jnp.asarray(JAGGED, jnp.int32),
                          preferred_element_type=jnp.float32, config=config)
   assert y.dtype == jnp.float32
   _same(y, wide[0])
@@ -461,7 +461,7 @@ def _ragged_dots(jaxpr):
 def test_every_product_is_a_float32_ragged_dot_at_highest_precision():
   x, w = jnp.ones((64, 32), jnp.bfloat16), jnp.ones((4, 32, 16), jnp.bfloat16)
   sizes = jnp.asarray((10, 0, 50, 4), jnp.int32)
-  jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fp4.fp4_ragged_dot(
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fp4.ragged_dot(
       x, w, sizes).astype(jnp.float32).sum(), (0, 1)))(x, w)
   dots = _ragged_dots(jaxpr)
   assert len(dots) == 3, dots    # forward, input gradient, weight gradient
@@ -482,7 +482,7 @@ def test_cuda_program_lowers_the_grouped_step(recipe):
   sizes = jnp.asarray((40, 0, 60, 28), jnp.int32)
 
   def step(x, w, key):
-    return jax.value_and_grad(lambda x, w: fp4.fp4_ragged_dot(
+    return jax.value_and_grad(lambda x, w: fp4.ragged_dot(
         x, w, sizes, config=config, key=key).sum(), (0, 1))(x, w)
 
   exported = jax.export.export(jax.jit(step), platforms=["cuda"])(
@@ -515,7 +515,7 @@ def test_axis_name_makes_per_group_tensor_scales_global():
 
   def run(config):
     def replica(x, sizes, dy):
-      y, vjp = jax.vjp(lambda x, w: fp4.fp4_ragged_dot(
+      y, vjp = jax.vjp(lambda x, w: fp4.ragged_dot(
           x, w, sizes[0], config=config), x, w)
       return (y,) + vjp(dy)   # dw of the replicated w: summed over replicas
     return jax.jit(jax.shard_map(
@@ -548,13 +548,13 @@ def test_axis_name_makes_per_group_tensor_scales_global():
 def test_second_derivatives_are_refused():
   x, w = jnp.ones((32, 32)), jnp.ones((2, 32, 16))
   sizes = jnp.asarray((16, 16), jnp.int32)
-  loss = lambda x, w: fp4.fp4_ragged_dot(x, w, sizes).sum()
+  loss = lambda x, w: fp4.ragged_dot(x, w, sizes).sum()
   with pytest.raises(ValueError, match="no second derivative"):
     jax.grad(lambda x: jax.grad(loss, 1)(x, w).sum())(x)
 
 
 # ---------------------------------------------------------------------------
-# Errors: grouped.check_operands' contract reaches fp4_ragged_dot.
+# Errors: grouped.check_operands' contract reaches fp4.ragged_dot.
 # ---------------------------------------------------------------------------
 
 
@@ -563,28 +563,28 @@ def test_errors_name_the_value():
   sizes = jnp.asarray((4, 0, 2), jnp.int32)
   with pytest.raises(TypeError, match="fp4_ragged_dot: group_sizes must be "
                      "an integer array, got dtype float32"):
-    fp4.fp4_ragged_dot(x, w, jnp.asarray((4.0, 0.0, 2.0)))
+    fp4.ragged_dot(x, w, jnp.asarray((4.0, 0.0, 2.0)))
   with pytest.raises(ValueError, match=r"group_sizes \[4, 0, 1\] sum to 5, "
                      r"but lhs has 6 rows"):
-    fp4.fp4_ragged_dot(x, w, jnp.asarray((4, 0, 1), jnp.int32))
+    fp4.ragged_dot(x, w, jnp.asarray((4, 0, 1), jnp.int32))
   with pytest.raises(ValueError, match=r"non-negative, got \[7, -1, 0\]"):
-    fp4.fp4_ragged_dot(x, w, jnp.asarray((7, -1, 0), jnp.int32))
+    fp4.ragged_dot(x, w, jnp.asarray((7, -1, 0), jnp.int32))
   with pytest.raises(ValueError, match=r"group_sizes has shape \(2,\), but "
                      r"rhs holds 3 groups"):
-    fp4.fp4_ragged_dot(x, w, jnp.asarray((4, 2), jnp.int32))
+    fp4.ragged_dot(x, w, jnp.asarray((4, 2), jnp.int32))
   with pytest.raises(ValueError, match=r"lhs of shape \(6, 32, 1\) and rhs "
                      r"of shape \(3, 32, 16\)"):
-    fp4.fp4_ragged_dot(x[..., None], w, sizes)
+    fp4.ragged_dot(x[..., None], w, sizes)
   with pytest.raises(ValueError, match=r"different K \(32 != 16\)"):
-    fp4.fp4_ragged_dot(x, w[:, :16], sizes)
+    fp4.ragged_dot(x, w[:, :16], sizes)
   with pytest.raises(TypeError, match="lhs is already float8"):
-    fp4.fp4_ragged_dot(x.astype(jnp.float8_e4m3fn), w, sizes)
+    fp4.ragged_dot(x.astype(jnp.float8_e4m3fn), w, sizes)
   with pytest.raises(TypeError, match="rhs must be a floating array, got "
                      "dtype int32"):
-    fp4.fp4_ragged_dot(x, w.astype(jnp.int32), sizes)
+    fp4.ragged_dot(x, w.astype(jnp.int32), sizes)
   with pytest.raises(TypeError, match="config must be an Fp4Config, got str"):
-    fp4.fp4_ragged_dot(x, w, sizes, config="nvfp4")
+    fp4.ragged_dot(x, w, sizes, config="nvfp4")
   with pytest.raises(ValueError, match="preferred_element_type"):
-    fp4.fp4_ragged_dot(x, w, sizes, preferred_element_type=jnp.int8)
+    fp4.ragged_dot(x, w, sizes, preferred_element_type=jnp.int8)
   with pytest.raises(ValueError, match="axis_name"):
-    fp4.fp4_ragged_dot(x, w, sizes, config=fp4.Fp4Config(axis_name="data"))
+    fp4.ragged_dot(x, w, sizes, config=fp4.Fp4Config(axis_name="data"))

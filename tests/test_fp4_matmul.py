@@ -1,4 +1,4 @@
-"""fp4_dot_general: forward and both gradients against the NumPy reference
+"""fp4.dot_general: forward and both gradients against the NumPy reference
 (tests/fp4_reference.py), NaN visibility, padding, stochastic rounding's
 gradient bias, the CUDA program, errors."""
 
@@ -27,13 +27,13 @@ def _random(shape, seed, scale=1.0):
 
 @functools.partial(jax.jit, static_argnames="config")
 def _jitted_value_and_grads(x, w, g, key, *, config):
-  y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
+  y, vjp = jax.vjp(lambda x, w: fp4.dot_general(
       x, w, MATMUL, config=config, key=key), x, w)
   return (y,) + vjp(g)
 
 
 def _value_and_grads(config, x, w, g, key=None):
-  """(y, dx, dw) of fp4_dot_general with cotangent g, jitted (one program
+  """(y, dx, dw) of fp4.dot_general with cotangent g, jitted (one program
   per config, shapes and key-or-None, shared by the tests)."""
   return [np.asarray(v)
           for v in _jitted_value_and_grads(x, w, g, key, config=config)]
@@ -185,10 +185,10 @@ def test_batch_dimensions_and_result_dtypes():
 
   @jax.jit  # one program (the eager path: test_finite_inputs_create_...)
   def run(x, w):
-    y = fp4.fp4_dot_general(x, w, dn, config=config)
-    y32 = fp4.fp4_dot_general(x, w, dn, preferred_element_type=jnp.float32,
+    y = fp4.dot_general(x, w, dn, config=config)
+    y32 = fp4.dot_general(x, w, dn, preferred_element_type=jnp.float32,
                               config=config)
-    grads = jax.grad(lambda x, w: fp4.fp4_dot_general(
+    grads = jax.grad(lambda x, w: fp4.dot_general(
         x, w, dn, config=config).astype(jnp.float32).sum(), (0, 1))(x, w)
     return y, y32, grads
 
@@ -306,7 +306,7 @@ def test_mxfp8_smallest_scales_reach_the_product():
 
   @jax.jit
   def value_and_grads(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(
+    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(
         x, w, MATMUL, config=config), x, w)
     return (y,) + vjp(g)
 
@@ -366,7 +366,7 @@ def test_wgrad_bias_of_stochastic_rounding_vs_round_to_nearest():
   sr, rtn = fp4.Fp4Config(), fp4.Fp4Config(stochastic_rounding=False)
 
   def wgrad(config, key):
-    _, vjp = jax.vjp(lambda w: fp4.fp4_dot_general(
+    _, vjp = jax.vjp(lambda w: fp4.dot_general(
         x, w, MATMUL, config=config, key=key), w)
     return vjp(g)[0]
 
@@ -421,7 +421,7 @@ def _dot_operand_types(jaxpr):
 def test_every_dot_accumulates_in_float32():
   config = fp4.Fp4Config(native=False)
   x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
-  jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fp4.fp4_dot_general(
+  jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: fp4.dot_general(
       x, w, MATMUL, config=config).astype(jnp.float32).sum(), (0, 1)))(x, w)
   dots = _dot_operand_types(jaxpr)
   assert len(dots) >= 3, dots
@@ -435,7 +435,7 @@ def test_cuda_program_runs_fp4_operands_through_the_block_scaled_dot(
   config = fp4.Fp4Config(recipe)
 
   def step(x, w, key):
-    return jax.value_and_grad(lambda x, w: fp4.fp4_dot_general(
+    return jax.value_and_grad(lambda x, w: fp4.dot_general(
         x, w, MATMUL, config=config, key=key).sum(), (0, 1))(x, w)
 
   # Distinct shapes per product, so that no two calls share one function.
@@ -495,26 +495,26 @@ def test_matmul_errors():
   x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
   with pytest.raises(ValueError, match="lhs must be one of float32.*got "
                      "float4_e2m1fn.*quantize their operands"):
-    fp4.fp4_dot_general(x.astype(jnp.float4_e2m1fn), w, MATMUL)
+    fp4.dot_general(x.astype(jnp.float4_e2m1fn), w, MATMUL)
   with pytest.raises(ValueError, match="rhs must be.*got float8_e4m3fn"):
-    fp4.fp4_dot_general(x, w.astype(jnp.float8_e4m3fn), MATMUL)
+    fp4.dot_general(x, w.astype(jnp.float8_e4m3fn), MATMUL)
   with pytest.raises(ValueError, match="lhs must be.*got int32"):
-    fp4.fp4_dot_general(x.astype(jnp.int32), w, MATMUL)
+    fp4.dot_general(x.astype(jnp.int32), w, MATMUL)
   with pytest.raises(ValueError, match="preferred_element_type must be.*got "
                      "float4_e2m1fn"):
-    fp4.fp4_dot_general(x, w, MATMUL, preferred_element_type=jnp.float4_e2m1fn)
+    fp4.dot_general(x, w, MATMUL, preferred_element_type=jnp.float4_e2m1fn)
   with pytest.raises(TypeError, match="config must be an Fp4Config"):
-    fp4.fp4_dot_general(x, w, MATMUL, config="nvfp4")
+    fp4.dot_general(x, w, MATMUL, config="nvfp4")
   with pytest.raises(TypeError, match="contracting (dimensions to have the "
                      "same|axes have sizes)"):
-    fp4.fp4_dot_general(x, w, (((0,), (0,)), ((), ())))
+    fp4.dot_general(x, w, (((0,), (0,)), ((), ())))
   with pytest.raises(TypeError, match="PRNG key"):
-    jax.grad(lambda w: fp4.fp4_dot_general(x, w, MATMUL, key=0).sum())(w)
+    jax.grad(lambda w: fp4.dot_general(x, w, MATMUL, key=0).sum())(w)
 
 
 def test_second_derivatives_are_refused():
   x, w = jnp.ones((16, 32)), jnp.ones((32, 16))
-  loss = lambda x, w: fp4.fp4_dot_general(x, w, MATMUL).sum()
+  loss = lambda x, w: fp4.dot_general(x, w, MATMUL).sum()
   with pytest.raises(ValueError, match="no second derivative"):
     jax.grad(lambda x: jax.grad(loss, 1)(x, w).sum())(x)
 
@@ -523,7 +523,7 @@ def test_vmap_over_keys_and_operands():
   config = fp4.Fp4Config()
   x, w = jnp.asarray(_random((3, 16, 32), 24)), jnp.asarray(_random((32, 16),
                                                                     25))
-  product = jax.jit(lambda x: fp4.fp4_dot_general(x, w, MATMUL, config=config))
+  product = jax.jit(lambda x: fp4.dot_general(x, w, MATMUL, config=config))
   y = jax.jit(jax.vmap(product))(x)
   for i in range(3):
     _same(y[i], product(x[i]))  # one program for the three slices
@@ -541,10 +541,10 @@ def test_finite_inputs_create_no_nan_or_inf_anywhere():
   w, g = _random((32, 16), 27), _random((16, 16), 28)
   with jax.debug_nans(True), jax.debug_infs(True), jax.disable_jit():
     for config in (fp4.Fp4Config(), fp4.Fp4Config("mxfp4")):
-      y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
+      y, vjp = jax.vjp(lambda x, w: fp4.dot_general(
           x, w, MATMUL, config=config), x, w)
       vjp(g)
-      fp4.fp4_dot_general(np.zeros_like(x), w, MATMUL, config=config)
+      fp4.dot_general(np.zeros_like(x), w, MATMUL, config=config)
     fp4_lib.quantize_nvfp4(np.zeros((16, 16), F32), two_d=True)
     fp4_lib.dequantize_fp4(fp4_lib.quantize_mxfp4(np.zeros((32,), F32)))
 
@@ -583,7 +583,7 @@ def test_axis_name_makes_nvfp4_tensor_scales_global():
 
   def run(config):
     def fn(x, w, g):
-      y, vjp = jax.vjp(lambda x, w: fp4.fp4_dot_general(
+      y, vjp = jax.vjp(lambda x, w: fp4.dot_general(
           x, w, MATMUL, config=config), x, w)
       scale = fp4_matmul._quantize(x[None], config).tensor_scale  # pylint: disable=protected-access
       return (y,) + vjp(g) + (scale,)
@@ -612,7 +612,7 @@ def test_axis_name_shares_a_nan_with_every_replica(recipe):
   x, w, g = _sharded_data()
   x[5 * 16, 0] = np.nan
   config = fp4.Fp4Config(recipe, axis_name="data", **_EXACT)
-  y = _per_replica(lambda x, w, g: fp4.fp4_dot_general(
+  y = _per_replica(lambda x, w, g: fp4.dot_general(
       x, w, MATMUL, config=config), x, w, g)
   assert np.isnan(np.asarray(y)).all()
 
@@ -621,7 +621,7 @@ def test_unbound_axis_name_teaches():
   config = fp4.Fp4Config(axis_name="data")
   with pytest.raises(ValueError, match=r"Fp4Config\(axis_name='data'\).*"
                      r"jax.pmap or jax.shard_map.*jax.jit with sharded arrays"):
-    fp4.fp4_dot_general(jnp.ones((16, 32)), jnp.ones((32, 16)), MATMUL,
+    fp4.dot_general(jnp.ones((16, 32)), jnp.ones((32, 16)), MATMUL,
                         config=config)
   with pytest.raises(TypeError, match="axis_name"):
     fp4.Fp4Config(axis_name=0)

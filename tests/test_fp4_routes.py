@@ -1,6 +1,6 @@
 """FP4 recipes through every route (issue 29 items 1-3): ``with_policy``,
 ``autocast``, linen and NNX run a policy's ``m=nvfp4`` / ``m=mxfp4`` matmuls
-as :func:`jmp_lite.fp4.fp4_dot_general`, bit for bit, with float8's
+as :func:`jmp_lite.fp4.dot_general`, bit for bit, with float8's
 exclusions (the head, batched products, dimensions not multiples of the block
 size), the late forward switch, the bf16 keep-list through ``ModuleRules``,
 and the CUDA program's block-scaled dot on E2M1 operands."""
@@ -44,7 +44,7 @@ def _reference(params, x, config):
   """The policy's program written by hand: bf16 operands, the hidden matmul
   in FP4 (key=None, as the routes pass), the head as written."""
   p = jax.tree.map(lambda a: a.astype(_BF16), params)
-  h = jnp.tanh(fp4.fp4_dot_general(x.astype(_BF16), p["w1"], _DN,
+  h = jnp.tanh(fp4.dot_general(x.astype(_BF16), p["w1"], _DN,
                                    config=config))
   return (h @ p["w2"]).astype(jnp.float32)
 
@@ -101,7 +101,7 @@ def test_autocast_runs_fp4():
     # MXFP4 blocks are 32 elements: K = N = 16 stays out.
     ("mxfp4", ((8, 16), (16, 16)), "dims not multiple of 32: K=16, N=16"),
     (None, ((8, 32), (32, 32)), None),
-    # dim_multiple=1 admits every shape (fp4_dot_general pads K).
+    # dim_multiple=1 admits every shape (fp4.dot_general pads K).
     ("nvfp4(dim_multiple=1)", ((8, 24), (24, 32)), None),
 ])
 def test_dimension_rule(spec, shapes, reason):
@@ -192,7 +192,7 @@ def test_linen_keeps_the_last_blocks_in_bf16_by_path():
     h = x.astype(_BF16)
     for i in range(4):
       w, b = p[f"blocks_{i}"]["kernel"], p[f"blocks_{i}"]["bias"]
-      d = fp4.fp4_dot_general(h, w, _DN) if i < 2 else h @ w
+      d = fp4.dot_general(h, w, _DN) if i < 2 else h @ w
       h = h + (d + b)
     return (h @ p["head"]["kernel"] + p["head"]["bias"]).astype(jnp.float32)
 
@@ -241,7 +241,7 @@ def test_nnx_runs_mxfp4():
   l0, l1 = module.layers
   k0, b0 = l0.kernel[...].astype(_BF16), l0.bias[...].astype(_BF16)
   k1, b1 = l1.kernel[...].astype(_BF16), l1.bias[...].astype(_BF16)
-  h = fp4.fp4_dot_general(x.astype(_BF16), k0, _DN,
+  h = fp4.dot_general(x.astype(_BF16), k0, _DN,
                           config=fp4.Fp4Config("mxfp4")) + b0
   want = (h @ k1 + b1).astype(jnp.float32)   # the head stays as written
   np.testing.assert_array_equal(y, want)
@@ -324,7 +324,7 @@ def test_fp4_inside_scan_and_remat(upgrade_flags):
   def ref(ws, x):
     h = x.astype(_BF16)
     for i in range(3):
-      h = jnp.tanh(fp4.fp4_dot_general(h, ws[i].astype(_BF16), _DN))
+      h = jnp.tanh(fp4.dot_general(h, ws[i].astype(_BF16), _DN))
     return (h @ head.astype(_BF16)).astype(jnp.float32)
 
   fn = jmp_lite.with_policy(f, "p=f32,c=bf16,o=f32,m=nvfp4")

@@ -1,4 +1,4 @@
-"""fp8_all_to_all: an MoE dispatch whose payload travels as float8 rows and
+"""fp8.all_to_all: an MoE dispatch whose payload travels as float8 rows and
 their scales, bit for bit the quantized plain all-to-all, 1 byte per element
 in the compiled and the exported programs."""
 
@@ -56,7 +56,7 @@ def test_quantize_then_dispatch_equals_dispatch_then_quantize(recipe, axes,
   x = _tokens()
   if not tiled:    # [local rows, N, features]: one slice per peer
     x = x.reshape(N * 4, N, 256)
-  dispatch = _mapped(lambda v: fp8.fp8_all_to_all(
+  dispatch = _mapped(lambda v: fp8.all_to_all(
       v, "e", split, concat, tiled=tiled, config=config))
   plain = _mapped(lambda v: jax.lax.all_to_all(v, "e", split, concat,
                                                tiled=tiled))
@@ -72,7 +72,7 @@ def test_the_gradient_travels_back_in_float8(recipe):
   config = recipes.from_spec(recipe)
   x = _tokens(dtype=jnp.float32)
   cot = _tokens(seed=1, dtype=jnp.float32)
-  dispatch = _mapped(lambda v: fp8.fp8_all_to_all(v, "e", 0, 0, tiled=True,
+  dispatch = _mapped(lambda v: fp8.all_to_all(v, "e", 0, 0, tiled=True,
                                                   config=config))
   back = _mapped(lambda v: jax.lax.all_to_all(v, "e", 0, 0, tiled=True))
   _, vjp = jax.vjp(dispatch, x)
@@ -91,7 +91,7 @@ def test_sqnr_of_the_dispatched_tokens(recipe):
   # scale; the blocks differ only near e4m3's subnormals, rare here).
   config = recipes.from_spec(recipe)
   x = _tokens(dtype=jnp.float32)
-  got = _mapped(lambda v: fp8.fp8_all_to_all(v, "e", 0, 0, tiled=True,
+  got = _mapped(lambda v: fp8.all_to_all(v, "e", 0, 0, tiled=True,
                                              config=config))(x)
   ref = _mapped(lambda v: jax.lax.all_to_all(v, "e", 0, 0, tiled=True))(x)
   assert _sqnr(ref, got) > 30.0
@@ -116,7 +116,7 @@ def _all_to_alls(text):
 def test_the_compiled_program_moves_one_byte_per_element(recipe, scale):
   config = recipes.from_spec(recipe)
   x = _tokens()
-  text = _mapped(lambda v: fp8.fp8_all_to_all(
+  text = _mapped(lambda v: fp8.all_to_all(
       v, "e", 0, 0, tiled=True, config=config)).lower(x).compile().as_text()
   moved = _all_to_alls(text)
   rows = x.shape[0] // N // N          # per peer
@@ -132,7 +132,7 @@ def test_the_compiled_program_moves_one_byte_per_element(recipe, scale):
 
 def test_the_cuda_program_moves_ui8_rows_and_their_scales():
   x = _tokens()
-  step = jax.shard_map(lambda v: fp8.fp8_all_to_all(v, "e", 0, 0, tiled=True),
+  step = jax.shard_map(lambda v: fp8.all_to_all(v, "e", 0, 0, tiled=True),
                        mesh=_mesh(), in_specs=P("e"), out_specs=P("e"))
   text = jax.export.export(jax.jit(step), platforms=["cuda"])(
       jax.ShapeDtypeStruct(x.shape, x.dtype)).mlir_module()
@@ -144,9 +144,9 @@ def test_the_cuda_program_moves_ui8_rows_and_their_scales():
 
 def test_a_non_finite_row_stays_in_its_row():
   x = _tokens(dtype=jnp.float32).at[3, 7].set(jnp.nan).at[20, 0].set(jnp.inf)
-  got = np.asarray(_mapped(lambda v: fp8.fp8_all_to_all(
+  got = np.asarray(_mapped(lambda v: fp8.all_to_all(
       v, "e", 0, 0, tiled=True))(x))
-  ref = np.asarray(_mapped(lambda v: fp8.fp8_all_to_all(
+  ref = np.asarray(_mapped(lambda v: fp8.all_to_all(
       v, "e", 0, 0, tiled=True))(
           jnp.where(jnp.isfinite(x), x, 0.0)))
   bad_rows = ~np.all(np.isfinite(got), axis=1)
@@ -157,13 +157,13 @@ def test_a_non_finite_row_stays_in_its_row():
 def test_bad_arguments_teach():
   x = _tokens()
   with pytest.raises(ValueError, match="last axis"):
-    _mapped(lambda v: fp8.fp8_all_to_all(v, "e", 1, 1, tiled=True))(x)
+    _mapped(lambda v: fp8.all_to_all(v, "e", 1, 1, tiled=True))(x)
   with pytest.raises(ValueError, match="granularity"):
-    fp8.fp8_all_to_all(x, "e", 0, 0, config=fp8.Fp8Config())
+    fp8.all_to_all(x, "e", 0, 0, config=fp8.Fp8Config())
   with pytest.raises(ValueError, match="delayed"):
-    fp8.fp8_all_to_all(x, "e", 0, 0,
+    fp8.all_to_all(x, "e", 0, 0,
                        config=fp8.Fp8Config(scaling="delayed"))
   with pytest.raises(TypeError, match="Fp8Config"):
-    fp8.fp8_all_to_all(x, "e", 0, 0, config="fp8_blockwise")
+    fp8.all_to_all(x, "e", 0, 0, config="fp8_blockwise")
   with pytest.raises((TypeError, ValueError), match="x"):
-    fp8.fp8_all_to_all(jnp.ones((4, 8), jnp.int32), "e", 0, 0)
+    fp8.all_to_all(jnp.ones((4, 8), jnp.int32), "e", 0, 0)

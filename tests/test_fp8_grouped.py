@@ -1,4 +1,4 @@
-"""The float8 grouped matmul (fp8_ragged_dot): the per-group loop of the dense
+"""The float8 grouped matmul (fp8.ragged_dot): the per-group loop of the dense
 recipe, per-expert scales, group-aligned blocks, empty experts, accuracy,
 delayed scaling, expert parallelism, errors and the compiled programs.
 
@@ -99,7 +99,7 @@ def _grouped_fn(name, per_group=True):
   config = _named(name)
 
   def run(x, w, dy, sizes, scales):
-    f = lambda x, w, s: fp8.fp8_ragged_dot(x, w, sizes, config=config,
+    f = lambda x, w, s: fp8.ragged_dot(x, w, sizes, config=config,
                                            scales=s,
                                            per_group_scales=per_group)
     y, vjp = jax.vjp(f, x, w, scales)
@@ -109,12 +109,12 @@ def _grouped_fn(name, per_group=True):
 
 @functools.lru_cache(maxsize=None)
 def _dense_fn(name):
-  """jit((x, w, dy, scales) -> (y, dx, dw)) of fp8_dot_general: one group
+  """jit((x, w, dy, scales) -> (y, dx, dw)) of fp8.dot_general: one group
   (compiled once per recipe and row count, shared by every split)."""
   config = _named(name)
 
   def run(x, w, dy, scales):
-    f = lambda a, b: fp8.fp8_dot_general(a, b, DENSE, config=config,
+    f = lambda a, b: fp8.dot_general(a, b, DENSE, config=config,
                                          scales=scales)
     y, vjp = jax.vjp(f, x, w)
     return (y,) + vjp(dy)
@@ -123,7 +123,7 @@ def _dense_fn(name):
 
 def _loop_fn(name, sizes):
   """(x, w, dy, scales) -> (y, dx, dw): the per-group loop of
-  fp8_dot_general (group g's scales ``scales[g]``)."""
+  fp8.dot_general (group g's scales ``scales[g]``)."""
   def run(x, w, dy, scales):
     parts = []
     for g, (s, e) in enumerate(_bounds(sizes)):
@@ -184,7 +184,7 @@ def test_eager_call_equals_the_jitted_one():
   x, w, dy = _operands("normal")
   sizes = jnp.asarray(JAGGED, jnp.int32)
   config = _named("fp8_rowwise")
-  y, vjp = jax.vjp(lambda x, w: fp8.fp8_ragged_dot(x, w, sizes,
+  y, vjp = jax.vjp(lambda x, w: fp8.ragged_dot(x, w, sizes,
                                                    config=config), x, w)
   dx, dw = vjp(dy)
   jy, jdx, jdw, _ = _grouped_fn("fp8_rowwise")(x, w, dy, sizes, None)
@@ -391,7 +391,7 @@ def test_no_intermediate_nan_or_inf_op_by_op(debug_nans_and_infs):
   w = _normal((4, 32, 32), 1)
   w[2] = 0.0
   with jax.disable_jit():
-    _, vjp = jax.vjp(lambda a, b: fp8.fp8_ragged_dot(a, b, sizes), x, w)
+    _, vjp = jax.vjp(lambda a, b: fp8.ragged_dot(a, b, sizes), x, w)
     vjp(np.ones((64, 32), np.float32))
     groups = grouped.groups_of(sizes, 64)
     grouped.segment_amax(x, groups)
@@ -518,7 +518,7 @@ def test_delayed_amaxes_are_global_over_the_data_axis(axis_name):
   config = fp8.Fp8Config(scaling="delayed", axis_name=axis_name)
 
   def body(x, w, dy, sizes, scales):
-    f = lambda x, w, s: fp8.fp8_ragged_dot(x, w, sizes[0], config=config,
+    f = lambda x, w, s: fp8.ragged_dot(x, w, sizes[0], config=config,
                                            scales=s)
     _, vjp = jax.vjp(f, x, w, scales)
     return jax.tree.map(lambda v: v[None], vjp(dy)[2])
@@ -561,7 +561,7 @@ def test_experts_sharded_under_shard_map_equal_the_unsharded_call(name):
   config = _named(name)
 
   def run(x, w, dy, sizes, scales):
-    f = lambda x, w, s: fp8.fp8_ragged_dot(x, w, sizes, config=config,
+    f = lambda x, w, s: fp8.ragged_dot(x, w, sizes, config=config,
                                            scales=s)
     y, vjp = jax.vjp(f, x, w, scales)
     return (y,) + vjp(dy)
@@ -602,7 +602,7 @@ def test_delayed_amaxes_with_data_and_expert_axes():
   config = fp8.Fp8Config(scaling="delayed")
 
   def body(x, w, dy, sizes, scales):
-    f = lambda x, w, s: fp8.fp8_ragged_dot(x, w, sizes[0], config=config,
+    f = lambda x, w, s: fp8.ragged_dot(x, w, sizes[0], config=config,
                                            scales=s)
     _, vjp = jax.vjp(f, x, w, scales)
     return vjp(dy)[2]
@@ -680,15 +680,15 @@ _ONES = np.ones(2, np.float32)
         "per_group_flag"])
 def test_bad_input_is_a_clear_error(args, kwargs, error, match):
   with pytest.raises(error, match=match):
-    fp8.fp8_ragged_dot(*args, **kwargs)
+    fp8.ragged_dot(*args, **kwargs)
 
 
 def test_traced_group_sizes_are_not_read():
   """Traced sizes cannot be checked without a host sync: no error under jit
   (rows past their sum get zeros, below); a float dtype is still refused."""
-  jax.jit(lambda s: fp8.fp8_ragged_dot(_X, _W, s))(np.array([1, 2], np.int32))
+  jax.jit(lambda s: fp8.ragged_dot(_X, _W, s))(np.array([1, 2], np.int32))
   with pytest.raises(TypeError, match="got dtype float32"):
-    jax.jit(lambda s: fp8.fp8_ragged_dot(_X, _W, s))(np.array([3.0, 5.0],
+    jax.jit(lambda s: fp8.ragged_dot(_X, _W, s))(np.array([3.0, 5.0],
                                                               np.float32))
 
 
@@ -699,7 +699,7 @@ def test_traced_group_sizes_are_not_read():
 
 def test_no_recompilation_on_a_second_call():
   fn = jax.jit(jax.value_and_grad(
-      lambda x, w, s: fp8.fp8_ragged_dot(x, w, s).sum(), argnums=(0, 1)))
+      lambda x, w, s: fp8.ragged_dot(x, w, s).sum(), argnums=(0, 1)))
   x, w, _ = _operands("normal")
   fn(x, w, jnp.asarray(JAGGED, jnp.int32))
   before = fn._cache_size()  # pylint: disable=protected-access
@@ -714,7 +714,7 @@ def test_half_operands_give_half_results(name, dtype):
   x, w, dy = (v.astype(dtype) for v in _operands("normal", seed=3))
   sizes = jnp.asarray(JAGGED, jnp.int32)
   config = _named(name)
-  y, vjp = jax.vjp(lambda x, w: fp8.fp8_ragged_dot(x, w, sizes,
+  y, vjp = jax.vjp(lambda x, w: fp8.ragged_dot(x, w, sizes,
                                                    config=config), x, w)
   dx, dw = vjp(dy)
   assert y.dtype == dx.dtype == dw.dtype == dtype
@@ -722,14 +722,14 @@ def test_half_operands_give_half_results(name, dtype):
   assert _max_rel(y.astype(np.float32), ref) < 0.1
   # preferred_element_type sets the result dtype; gradients keep the
   # operands'.
-  y32, vjp = jax.vjp(lambda x, w: fp8.fp8_ragged_dot(
+  y32, vjp = jax.vjp(lambda x, w: fp8.ragged_dot(
       x, w, sizes, preferred_element_type=jnp.float32, config=config), x, w)
   assert y32.dtype == np.float32
   dx, dw = vjp(dy.astype(np.float32))
   assert dx.dtype == dw.dtype == dtype
   if dtype == jnp.float32:
     # float32 operands, a bfloat16 result: the float32 result rounded once.
-    y16 = fp8.fp8_ragged_dot(x, w, sizes, preferred_element_type=jnp.bfloat16,
+    y16 = fp8.ragged_dot(x, w, sizes, preferred_element_type=jnp.bfloat16,
                              config=config)
     assert y16.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(y16),
@@ -738,11 +738,11 @@ def test_half_operands_give_half_results(name, dtype):
 
 def test_mixed_operand_dtypes_promote():
   x, w, _ = _operands("normal")
-  y = fp8.fp8_ragged_dot(x.astype(jnp.bfloat16), w,
+  y = fp8.ragged_dot(x.astype(jnp.bfloat16), w,
                          jnp.asarray(JAGGED, jnp.int32))
   assert y.dtype == np.float32
   config = fp8.Fp8Config(compute_dtype=jnp.bfloat16)
-  y = fp8.fp8_ragged_dot(x, w, jnp.asarray(JAGGED, jnp.int32), config=config)
+  y = fp8.ragged_dot(x, w, jnp.asarray(JAGGED, jnp.int32), config=config)
   assert y.dtype == jnp.bfloat16
 
 
@@ -752,7 +752,7 @@ def test_second_derivative_is_refused():
   config = _named("fp8_rowwise")
   x, w, _ = _operands("normal", seed=4)
   sizes = jnp.asarray(JAGGED, jnp.int32)
-  loss = lambda x: jnp.sum(fp8.fp8_ragged_dot(x, w, sizes, config=config)**2)
+  loss = lambda x: jnp.sum(fp8.ragged_dot(x, w, sizes, config=config)**2)
   help_text = re.escape(grouped.SECOND_ORDER_HELP[:60])
   with pytest.raises(ValueError, match=help_text):
     jax.grad(lambda x: jnp.sum(jax.grad(loss)(x)))(x)
@@ -813,7 +813,7 @@ def test_exported_cuda_program_has_float8_ragged_dots(name, fwd, grad):
   config = _named(name)
   x, w, _ = _operands("normal")
   text = jax.export.export(
-      jax.jit(_step(lambda x, w, s: fp8.fp8_ragged_dot(x, w, s,
+      jax.jit(_step(lambda x, w, s: fp8.ragged_dot(x, w, s,
                                                        config=config))),
       platforms=["cuda"])(x, w, jnp.asarray(JAGGED, jnp.int32)).mlir_module()
   ops = sorted(_RAGGED_OP.findall(text))
@@ -865,7 +865,7 @@ def test_compiled_cpu_program_has_no_more_group_by_token_buffers():
   assert sum(base.values()) >= 3, base
   for name in ("fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"):
     config = _named(name)
-    got = buffers(lambda x, w, s: fp8.fp8_ragged_dot(x, w, s, config=config))
+    got = buffers(lambda x, w, s: fp8.ragged_dot(x, w, s, config=config))
     print(name, dict(got), "plain:", dict(base))
     assert sum(got.values()) <= sum(base.values()), (name, got, base)
 
@@ -893,7 +893,7 @@ def test_a_non_finite_weight_stays_in_its_expert(recipe, bad):
   x = jnp.asarray(rng.integers(-3, 4, size=(256, 64)), jnp.float32)
   w = np.asarray(rng.integers(-3, 4, size=(5, 64, 48)), np.float32)
   config = config_lib._named(recipe)  # pylint: disable=protected-access
-  f = lambda x, w: fp8.fp8_ragged_dot(x, w, jnp.asarray(sizes, jnp.int32),
+  f = lambda x, w: fp8.ragged_dot(x, w, jnp.asarray(sizes, jnp.int32),
                                       config=config)
   dy = jnp.ones((256, 48))
   clean_y, vjp = jax.vjp(f, x, jnp.asarray(w))

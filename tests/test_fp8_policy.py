@@ -344,7 +344,7 @@ def test_axis_names_keep_their_case_and_tuples_round_trip():
 
 @pytest.mark.parametrize("axis", ["a b", "a,b", "x;y", "none", "1x", ("ok", "")])
 def test_axis_names_the_grammar_cannot_write_are_refused_in_a_policy(axis):
-  config = fp8.Fp8Config(axis_name=axis)  # fine for fp8_dot_general
+  config = fp8.Fp8Config(axis_name=axis)  # fine for fp8.dot_general
   with pytest.raises(ValueError, match="cannot be written in the policy "
                      "grammar.*axis_name=\\(data\\|fsdp\\)"):
     jmp_lite.get_policy("mixed_bfloat16").with_matmul_precision(config)
@@ -777,22 +777,22 @@ def test_every_current_recipe_gives_gradients_close_to_f32(recipe):
 # ---------------------------------------------------------------------------
 
 
-def test_fp8_dot_general_bad_operands_name_the_value():
+def test_fp8_matmul_bad_operands_name_the_value():
   dn = (((1,), (0,)), ((), ()))
   with pytest.raises(TypeError, match="lhs must be a floating array.*int32"):
-    fp8.fp8_dot_general(jnp.ones((2, 16), jnp.int32), jnp.ones((16, 2)), dn)
+    fp8.dot_general(jnp.ones((2, 16), jnp.int32), jnp.ones((16, 2)), dn)
   with pytest.raises(TypeError, match="rhs is already float8.*float8_e4m3fn"):
-    fp8.fp8_dot_general(jnp.ones((2, 16)),
+    fp8.dot_general(jnp.ones((2, 16)),
                         jnp.ones((16, 2), jnp.float8_e4m3fn), dn)
   with pytest.raises(TypeError, match="Missing or malformed scales"):
-    fp8.fp8_dot_general(jnp.ones((2, 16)), jnp.ones((16, 2)), dn,
+    fp8.dot_general(jnp.ones((2, 16)), jnp.ones((16, 2)), dn,
                         config=fp8.Fp8Config(scaling="delayed"))
   # Delayed scaling with a current-scaled gradient (what the policies use).
   config = fp8.Fp8Config(scaling="delayed")
   scales = fp8.DelayedScales(jnp.float32(2.0**-6), jnp.float32(2.0**-6))
 
   def loss(x, w, s):
-    return fp8.fp8_dot_general(x, w, dn, config=config, scales=s).sum()
+    return fp8.dot_general(x, w, dn, config=config, scales=s).sum()
   grads = jax.grad(loss, argnums=(0, 1, 2))(jnp.ones((2, 16)),
                                            jnp.ones((16, 2)), scales)
   assert grads[2].grad is None and float(grads[2].lhs) == 1.0

@@ -1,5 +1,5 @@
 """The programs exported for the hardware (TPU and CUDA): every quantized
-matmul is an s8 x s8 -> s32 dot_general (a ragged dot for int8_ragged_dot)."""
+matmul is an s8 x s8 -> s32 dot_general (a ragged dot for int8.ragged_dot)."""
 
 import re
 
@@ -126,7 +126,7 @@ def test_ragged_dot_exports_int8(platform, recipe):
   x, w = _data((12, 32), 5), _data((3, 32, 16), 6)
 
   def loss(x, w):
-    return jnp.sum(int8.int8_ragged_dot(x, w, sizes, config=config) ** 2)
+    return jnp.sum(int8.ragged_dot(x, w, sizes, config=config) ** 2)
 
   text = _exported(jax.value_and_grad(loss, argnums=(0, 1)), (x, w),
                    platform)

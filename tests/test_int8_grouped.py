@@ -1,4 +1,4 @@
-"""int8_ragged_dot: bit for bit a loop over the experts of int8_dot_general,
+"""int8.ragged_dot: bit for bit a loop over the experts of int8.dot_general,
 per-expert isolation, empty experts, non-finite values, SQNR."""
 
 import functools
@@ -31,7 +31,7 @@ def _config(recipe, **kwargs):
 @functools.lru_cache(maxsize=None)
 def _grouped_fn(config):
   def run(x, w, sizes, dy):
-    y, vjp = jax.vjp(lambda x, w: int8.int8_ragged_dot(
+    y, vjp = jax.vjp(lambda x, w: int8.ragged_dot(
         x, w, sizes, config=config), x, w)
     return (y,) + vjp(dy)
   return jax.jit(run)
@@ -40,14 +40,14 @@ def _grouped_fn(config):
 @functools.lru_cache(maxsize=None)
 def _dense_fn(config):
   def run(x, w, dy):
-    y, vjp = jax.vjp(lambda x, w: int8.int8_dot_general(
+    y, vjp = jax.vjp(lambda x, w: int8.dot_general(
         x, w, DENSE, config=config), x, w)
     return (y,) + vjp(dy)
   return jax.jit(run)
 
 
 def _loop(x, w, sizes, dy, config):
-  """The per-expert loop of int8_dot_general: (y, dx, dw) as numpy."""
+  """The per-expert loop of int8.dot_general: (y, dx, dw) as numpy."""
   y, dx = np.zeros((x.shape[0], w.shape[2]), x.dtype), np.zeros_like(x)
   dw = np.zeros_like(w)
   start = 0
@@ -163,7 +163,7 @@ def test_empty_experts_and_zero_rows_under_debug_nans(recipe,
   w[1] = 0.0
   sizes = jnp.asarray((10, 0, 14, 0), jnp.int32)
   with jax.disable_jit():
-    _, vjp = jax.vjp(lambda a, b: int8.int8_ragged_dot(a, b, sizes,
+    _, vjp = jax.vjp(lambda a, b: int8.ragged_dot(a, b, sizes,
                                                        config=config), x, w)
     _, dw = vjp(dy)
   np.testing.assert_array_equal(np.asarray(dw)[[1, 3]], 0.0)
@@ -273,15 +273,15 @@ def test_errors():
   x, w = np.ones((8, 16), np.float32), np.ones((2, 16, 4), np.float32)
   sizes = jnp.asarray((4, 4), jnp.int32)
   with pytest.raises(TypeError, match="Int8Config"):
-    int8.int8_ragged_dot(x, w, sizes, config="int8")
+    int8.ragged_dot(x, w, sizes, config="int8")
   with pytest.raises((TypeError, ValueError)):
-    int8.int8_ragged_dot(x.astype(np.int8), w, sizes)
+    int8.ragged_dot(x.astype(np.int8), w, sizes)
   with pytest.raises(ValueError, match="axis_name"):
-    int8.int8_ragged_dot(x, w, sizes,
+    int8.ragged_dot(x, w, sizes,
                          config=int8.Int8Config(axis_name="data"))
 
   def loss(w):
-    return jnp.sum(jnp.tanh(int8.int8_ragged_dot(x, w, sizes)))
+    return jnp.sum(jnp.tanh(int8.ragged_dot(x, w, sizes)))
 
   jax.grad(loss)(w)
   with pytest.raises(ValueError) as info:

@@ -1,11 +1,11 @@
 """int8 recipes through every route (issue 38): ``with_policy``, ``autocast``,
 linen and NNX run a policy's ``m=int8`` / ``m=int8_switchback`` matmuls as
-:func:`jmp_lite.int8.int8_dot_general` (``s8 x s8 -> s32`` products, forward
+:func:`jmp_lite.int8.dot_general` (``s8 x s8 -> s32`` products, forward
 and backward), bit for bit against the hand-written call, with float8's
 exclusions (the output head, K or N not multiples of ``dim_multiple``,
 batched products, a Mixture-of-Experts layer's router and combine), each
 fallback visible in ``op_dtypes`` and named "int8" in the debug record; the
-grouped matmul (``jax.lax.ragged_dot``) as :func:`int8_ragged_dot`; and the
+grouped matmul (``jax.lax.ragged_dot``) as :func:`int8.ragged_dot`; and the
 policy grammar of the int8 recipes, with its errors."""
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def _params():
 
 def _reference(params, x, config):
   """The policy's program written by hand: bf16 operands, the hidden matmul
-  through int8_dot_general, the head as written."""
+  through int8.dot_general, the head as written."""
   p = jax.tree.map(lambda a: a.astype(_BF16), params)
-  h = jnp.tanh(int8.int8_dot_general(x.astype(_BF16), p["w1"], _DN,
+  h = jnp.tanh(int8.dot_general(x.astype(_BF16), p["w1"], _DN,
                                      config=config))
   return (h @ p["w2"]).astype(jnp.float32)
 
@@ -98,10 +98,10 @@ def test_functional_routes_run_int8_bit_for_bit(route, recipe):
                                   x)))(params)
     jax.tree.map(np.testing.assert_array_equal, got, want)
   # One product (autocast runs the rest of a program by its own op rules):
-  # int8_dot_general on the bf16 operands, forward and backward.
+  # int8.dot_general on the bf16 operands, forward and backward.
   one = route(lambda w, x: x @ w,
               _spec(f"{recipe}(include_output_head=true)"))
-  hand = lambda w, x: int8.int8_dot_general(
+  hand = lambda w, x: int8.dot_general(
       x.astype(_BF16), w.astype(_BF16), _DN,
       config=int8.Int8Config(recipe, include_output_head=True)
   ).astype(jnp.float32)
@@ -142,9 +142,9 @@ class _NnxMlp(nnx.Module):
 
 def _dense_reference(layers, x, config):
   """A Dense/Linear MLP by hand: bf16 parameters, the hidden layer's
-  product through int8_dot_general (the hook keeps the bf16 result)."""
+  product through int8.dot_general (the hook keeps the bf16 result)."""
   (k0, b0), (k1, b1) = [(k.astype(_BF16), b.astype(_BF16)) for k, b in layers]
-  h = int8.int8_dot_general(x.astype(_BF16), k0, _DN,
+  h = int8.dot_general(x.astype(_BF16), k0, _DN,
                             preferred_element_type=_BF16, config=config) + b0
   return (jnp.tanh(h) @ k1 + b1).astype(jnp.float32)
 
@@ -191,10 +191,10 @@ def test_nnx_runs_int8_through_the_dot_general_hook(recipe):
 
 
 def test_a_hand_called_int8_product_is_no_fallback():
-  """A product int8_dot_general made already (s8 x s8) runs as written
+  """A product int8.dot_general made already (s8 x s8) runs as written
   under a policy: no fallback note, and it counts for the head rule."""
   w, x = _normal(1, (32, 32), 0.2), _normal(0, (8, 32))
-  f = lambda w, x: int8.int8_dot_general(x, w, _DN) @ w
+  f = lambda w, x: int8.dot_general(x, w, _DN) @ w
   for route in (jmp_lite.with_policy, jmp_lite.autocast):
     ops = _dots(route(f, "mixed_int8"), w, x)
     assert [(o[1], o.note) for o in ops] == [(I8, None), (BF, HEAD)]
@@ -258,8 +258,8 @@ def test_batched_products_stay_out_unless_included():
           q, k, w, head)
   dn = (((2,), (2,)), ((0,), (0,)))
   bf = lambda a: a.astype(_BF16)
-  want = jax.jit(lambda q, k, w, head: int8.int8_dot_general(
-      int8.int8_dot_general(int8.int8_dot_general(bf(q), bf(w), (((2,), (0,)), ((), ()))),
+  want = jax.jit(lambda q, k, w, head: int8.dot_general(
+      int8.dot_general(int8.dot_general(bf(q), bf(w), (((2,), (0,)), ((), ()))),
                             bf(k), dn),
       bf(head), (((2,), (0,)), ((), ()))).astype(jnp.float32))(q, k, w, head)
   np.testing.assert_array_equal(got, want)
@@ -295,7 +295,7 @@ SIZES = jnp.array([4, 4, 0, 8], jnp.int32)
 
 
 @RECIPES
-def test_autocast_runs_ragged_dot_as_int8_ragged_dot(recipe):
+def test_autocast_runs_ragged_dot_in_int8(recipe):
   x, w = _normal(0, (16, D)), _normal(1, (E, D, F), 0.2)
   f = lambda x, w: jax.lax.ragged_dot(x, w, SIZES)
   config = int8.Int8Config(recipe)
@@ -304,7 +304,7 @@ def test_autocast_runs_ragged_dot_as_int8_ragged_dot(recipe):
     ops = [o for o in jmp_lite.op_dtypes(fn, x, w)
            if o[0] == "ragged_dot_general"]
     assert [(o[1], o.note) for o in ops] == [(I8, None)]
-    hand = lambda x, w: int8.int8_ragged_dot(
+    hand = lambda x, w: int8.ragged_dot(
         x.astype(_BF16), w.astype(_BF16), SIZES,
         config=config).astype(jnp.float32)
     np.testing.assert_array_equal(jax.jit(fn)(x, w), jax.jit(hand)(x, w))
@@ -332,7 +332,7 @@ def test_linen_runs_a_module_s_ragged_dot_in_int8(recipe):
   assert [(o[1], o.note) for o in ops] == [(I8, None)]
   out = jax.jit(model.apply)(variables, x, SIZES)
   p = jax.tree.map(lambda a: a.astype(_BF16), variables["params"])
-  hand = int8.int8_ragged_dot(x.astype(_BF16), p["w"], SIZES,
+  hand = int8.ragged_dot(x.astype(_BF16), p["w"], SIZES,
                               config=int8.Int8Config(recipe))
   want = hand @ p["Dense_0"]["kernel"] + p["Dense_0"]["bias"]
   np.testing.assert_array_equal(out, jax.jit(lambda: want)().astype(jnp.float32))

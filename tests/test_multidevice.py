@@ -536,7 +536,7 @@ def test_delayed_fp8_named_vmap_and_explicit_axis_name():
   def amax_lhs(config):
     def fn(x):
       scales = fp8.DelayedScales(jnp.float32(1.0), jnp.float32(1.0))
-      _, vjp = jax.vjp(lambda s: fp8.fp8_dot_general(
+      _, vjp = jax.vjp(lambda s: fp8.dot_general(
           x, w, dims, config=config, scales=s), scales)
       return vjp(jnp.ones((4, 16), jnp.float32))[0].lhs
     return fn

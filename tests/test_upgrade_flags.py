@@ -180,7 +180,7 @@ def test_a_first_order_hi_operation_runs_as_traced(flag):
 def test_custom_vjp_with_an_integer_input_under_the_flag(flag):
   """A custom_vjp whose bwd returns None (or JAX's symbolic zero) for an
   integer input, called with that input traced (a MoE layer's group sizes,
-  ``jmp_lite.fp8.fp8_ragged_dot``): autocast's gradient is the plain one's
+  ``jmp_lite.fp8.ragged_dot``): autocast's gradient is the plain one's
   (under jax_custom_vjp3 the cotangents used to shift by one and fail)."""
   if (flag == "jax_custom_vjp3"
       and "custom_vjp" not in compat._HI_CLASSES):  # pylint: disable=protected-access
@@ -197,7 +197,7 @@ def test_custom_vjp_with_an_integer_input_under_the_flag(flag):
   got = jax.jit(jax.grad(jmp_lite.autocast(loss, "bf16")))(x, n)
   np.testing.assert_allclose(got, jax.grad(loss)(x, n), rtol=1e-2)
   from jmp_lite import fp8  # pylint: disable=g-import-not-at-top
-  moe = lambda x, w, s: jnp.sum(fp8.fp8_ragged_dot(
+  moe = lambda x, w, s: jnp.sum(fp8.ragged_dot(
       x, w, s, config=fp8.Fp8Config(granularity="row")).astype(jnp.float32))
   args = (jnp.ones((16, 32)), jnp.ones((4, 32, 32)) * 0.1,
           jnp.array([4, 0, 8, 4], jnp.int32))

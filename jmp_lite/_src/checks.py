@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+import warnings
 
 import jax
 from jax import lax
@@ -43,8 +44,9 @@ SCALE_RANGE = (
 UNBOUND_AXIS = (
     "must run inside jax.pmap or jax.shard_map over that axis (pass the same "
     "axis_name there); here no such axis is bound. Under jax.jit with sharded "
-    "arrays, no axis_name is needed (jmp_lite.grouped_value_and_grad makes "
-    "the gradient reduction float32 there)"
+    "arrays, no axis_name is needed (jmp_lite.pmean_value_and_grad with "
+    "num_groups= instead of axis_name makes the gradient reduction float32 "
+    "there)"
 )
 
 
@@ -451,3 +453,39 @@ def path(value: Any, what: str, owner: str) -> None:
   if not isinstance(value, (str, os.PathLike)):
     raise TypeError(f"{owner}: {what} must be a file path (a str or "
                     f"os.PathLike such as 'grads.png'), got {_shown(value)}.")
+
+
+# -- public names that went ------------------------------------------------------------
+
+
+#: What a renamed public name says when it is used (for one release).
+RENAMED = ("{old} is now {new}; the old name will be removed in a later "
+           "release.")
+
+
+def old_names(module: str, renamed: Mapping[str, tuple[str, Any]] | None = None,
+              removed: Mapping[str, str] | None = None
+              ) -> Callable[[str], Any]:
+  """A public module's ``__getattr__`` (PEP 562) for the names that went.
+
+  ``renamed`` maps an old name to ``(new, obj)``: the old name still gives
+  ``obj``, with a ``DeprecationWarning`` saying ``"{module}.{old} is now
+  {new}; ..."`` (``new`` is the new spelling, and what changed if anything
+  did). ``removed`` maps an old name to the ``AttributeError`` message that
+  names its replacement. Any other name is an ``AttributeError`` as usual.
+  Neither kind is in the module's ``__all__``.
+  """
+  renamed = dict(renamed or {})
+  removed = dict(removed or {})
+
+  def __getattr__(name: str) -> Any:  # pylint: disable=invalid-name
+    if name in renamed:
+      new, obj = renamed[name]
+      warnings.warn(RENAMED.format(old=f"{module}.{name}", new=new),
+                    DeprecationWarning, stacklevel=2)
+      return obj
+    if name in removed:
+      raise AttributeError(removed[name])
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+
+  return __getattr__

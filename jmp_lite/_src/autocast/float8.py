@@ -79,7 +79,7 @@ def _quantizable(aval: Any) -> bool:
 
 def quantized_already(avals: tuple[Any, ...]) -> bool:
   """A matmul a recipe made already (a nested float8, FP4 or int8 route, or
-  a hand call of ``fp8_dot_general``/``int8_dot_general``): an operand in a
+  a hand call of ``fp8.dot_general``/``int8.dot_general``): an operand in a
   one-byte float format, or two int8 operands (``s8 x s8 -> s32``). It runs
   as written, no fallback."""
   if any(tree_lib.is_float(a) and np.dtype(a.dtype).itemsize == 1
