@@ -23,7 +23,7 @@ block matmuls changes:
 The last 25% of the blocks, the attention scores and softmax, the embeddings,
 the output head and the norms stay in bf16/f32 in every run (the paper keeps
 the last blocks in bf16). Each FP4 layer is an unmodified ``nn.Dense`` with
-Flax's own hook, ``dot_general=functools.partial(fp4.fp4_dot_general,
+Flax's own hook, ``dot_general=functools.partial(fp4.dot_general,
 config=..., key=...)``; the stochastic-rounding key of each matmul is
 ``self.make_rng("fp4")``, from a per-step key ``fold_in(base, step)``.
 
@@ -120,7 +120,7 @@ class Block(nn.Module):
     self.sow("inputs", f"{name}_in", x)
     hook = None
     if self.config is not None:
-      hook = functools.partial(fp4.fp4_dot_general, config=self.config,
+      hook = functools.partial(fp4.dot_general, config=self.config,
                                key=self.make_rng("fp4"))
     y = nn.Dense(features, dtype=jnp.bfloat16, dot_general=hook,
                  name=name)(x)
@@ -314,7 +314,7 @@ def block_diagnostics(s: dict, params, data) -> dict:
     return stats
 
   stats = measure(params, perturbations)
-  advice = diagnostics.advise_fp8(stats, by=lambda path: path.split("/")[0])
+  advice = diagnostics.advise(stats, by=lambda path: path.split("/")[0])
   keep = max(1, round(KEEP_SHARE * s["blocks"]))
   final = [f"block_{i}" for i in range(s["blocks"] - keep, s["blocks"])]
   picked = list(advice.ranking[:keep])
@@ -409,7 +409,7 @@ def format_report(s, results, rows, diag, wall_s, lr) -> list[str]:
         "The bf16-trained model of seed "
         f"{seeds[0]}, one training batch: every projection's activations, "
         "weights and gradients measured with `diagnostics.fp8_stats(..., "
-        "fmt=\"e2m1\")` and grouped per block by `diagnostics.advise_fp8` "
+        "fmt=\"e2m1\")` and grouped per block by `diagnostics.advise` "
         "(largest mean row error under NVFP4 first). Ranking: "
         f"{ranking}. The final blocks ({', '.join(diag['final_blocks'])}) "
         + ("**are** the ones with the largest error: the metric picks the "

@@ -1,6 +1,6 @@
 """FP4 diagnostics: diagnostics.fp8_stats(..., fmt="e2m1") measures what
 NVFP4 and MXFP4 do to each role's values (against the independent NumPy
-reference in tests/fp4_reference.py), and advise_fp8 turns FP4 statistics
+reference in tests/fp4_reference.py), and advise turns FP4 statistics
 into a keep-list and a ranking."""
 
 import jax
@@ -52,7 +52,7 @@ def test_activation_error_matches_the_reference_quantizers(jit):
 
 def test_weights_are_measured_in_16x16_tiles_and_padded():
   # A Dense kernel (in=40, out=24): contracting over `in`, rows are `out`;
-  # neither is a multiple of 16: zero-padded as fp4_dot_general pads.
+  # neither is a multiple of 16: zero-padded as fp4.dot_general pads.
   w = _random((40, 24), 1)
   s = _stats(w, "weight")
   rows = np.zeros((32, 48), np.float32)
@@ -117,13 +117,13 @@ def _fp4_layers():
 
 def test_advice_keeps_layers_in_bf16_by_measurement_and_ranks_them():
   stats = _fp4_layers()
-  advice = diagnostics.advise_fp8(stats)
+  advice = diagnostics.advise(stats)
   assert advice.granularity == {"normal": "nvfp4", "heavy_tailed": "mxfp4",
                                 "gaussian_acts": "nvfp4"}
   assert advice.ranking[0] == "heavy_tailed"
   assert advice.max_error == {"e2m1": 0.25}
   assert advice.max_clipped == 1.0 and advice.max_flushed == 1.0
-  only_nvfp4 = diagnostics.advise_fp8(stats, granularities=("nvfp4",))
+  only_nvfp4 = diagnostics.advise(stats, granularities=("nvfp4",))
   assert only_nvfp4.keep_out == ("heavy_tailed",)
   text = str(only_nvfp4)
   assert "| layer | FP4 recipe |" in text
@@ -131,13 +131,13 @@ def test_advice_keeps_layers_in_bf16_by_measurement_and_ranks_them():
   assert "Keep heavy_tailed out of FP4" in text
   assert "e4m3" not in text and "Largest error first: heavy_tailed" in text
   # Explicit limits apply to FP4 too.
-  strict = diagnostics.advise_fp8(stats, max_error=0.05)
+  strict = diagnostics.advise(stats, max_error=0.05)
   assert set(strict.keep_out) == set(stats)
 
 
 def test_float8_advice_keeps_its_defaults_and_gets_a_ranking():
   x = jnp.ones((4, 64)).at[0].set(1e6)
-  advice = diagnostics.advise_fp8(
+  advice = diagnostics.advise(
       {"dense": diagnostics.fp8_stats(x, "activation"),
        "flat": diagnostics.fp8_stats(jnp.ones((4, 64)), "activation")})
   assert advice.granularity == {"dense": "row", "flat": "tensor"}
@@ -148,10 +148,10 @@ def test_float8_advice_keeps_its_defaults_and_gets_a_ranking():
 def test_advice_errors_for_fp4():
   stats = _fp4_layers()
   with pytest.raises(ValueError, match="mix FP4"):
-    diagnostics.advise_fp8(
+    diagnostics.advise(
         {"a": stats["normal"],
          "b": diagnostics.fp8_stats(jnp.ones((4, 16)), "weight")})
   with pytest.raises(ValueError, match="unknown FP4 recipe 'tensor'"):
-    diagnostics.advise_fp8(stats, granularities=("nvfp4", "tensor"))
+    diagnostics.advise(stats, granularities=("nvfp4", "tensor"))
   with pytest.raises(ValueError, match="each once"):
-    diagnostics.advise_fp8(stats, granularities=("mxfp4", "mxfp4"))
+    diagnostics.advise(stats, granularities=("mxfp4", "mxfp4"))

@@ -1,5 +1,5 @@
 """Tests of the float8 diagnostics: ``fp8_stats`` / ``Fp8Stats`` and
-``advise_fp8`` / ``Fp8Advice``.
+``advise`` / ``Fp8Advice``.
 
 The counts are checked against a reference written here in NumPy float64 —
 its own scales (powers of two rounded up from ``amax / max``), its own
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from jmp_lite import diagnostics
+from jmp_lite._src.diagnostics import fp8_advice
 from jmp_lite._src.diagnostics import fp8_stats as fp8_stats_lib
 
 import helpers
@@ -439,30 +440,41 @@ def test_groups_of_different_kinds_or_roles_are_refused():
   with pytest.raises(TypeError, match="mixes half-precision statistics"):
     diagnostics.group_stats(kinds, by=lambda path: "all")
   fp8 = diagnostics.fp8_stats(x, "weight")
-  with pytest.raises(TypeError, match="give them to diagnostics.advise_fp8"):
-    diagnostics.advise(fp8)
-  with pytest.raises(TypeError, match="give them to diagnostics.advise_fp8"):
+  assert isinstance(diagnostics.advise(fp8), diagnostics.Fp8Advice)
+  with pytest.raises(TypeError, match="give them to diagnostics.advise as its "
+                     "first argument"):
+    diagnostics.advise(x, fp8)          # float8 activation statistics
+  with pytest.raises(TypeError, match="give them to diagnostics.advise as its "
+                     "first argument"):
     diagnostics.report(fp8, file=io.StringIO())
 
 
-def test_advise_fp8_refuses_other_statistics_and_traced_values():
+def test_fp8_advice_refuses_other_statistics_and_traced_values():
   x = {"a": jnp.ones((2, 8))}
+  fp8 = diagnostics.fp8_stats(x, "weight")
+  with pytest.raises(TypeError, match="mix float8, FP4 or int8 statistics.*"
+                     "with half-precision statistics"):
+    diagnostics.advise({"f": fp8, "h": diagnostics.tensor_stats(x)})
+  with pytest.raises(TypeError, match="with a float32 array at 'h/a'.*"
+                     r"advise\(fp8_stats_tree\)"):
+    diagnostics.advise({"f": fp8, "h": x})
+  # The implementation refuses them too (it is called with Fp8Stats only).
   with pytest.raises(TypeError, match="got half-precision statistics"):
-    diagnostics.advise_fp8(diagnostics.tensor_stats(x))
+    fp8_advice.advise_fp8(diagnostics.tensor_stats(x))
   with pytest.raises(TypeError, match="got a float32 array at 'a'"):
-    diagnostics.advise_fp8(x)
+    fp8_advice.advise_fp8(x)
   with pytest.raises(TypeError, match="outside jax.jit"):
-    jax.jit(lambda s: diagnostics.advise_fp8(s).keep_out)(
+    jax.jit(lambda s: diagnostics.advise(s).keep_out)(
         diagnostics.fp8_stats(x, "weight"))
   stats = diagnostics.fp8_stats(x, "weight")
   with pytest.raises(ValueError, match="max_flushed is a share"):
-    diagnostics.advise_fp8(stats, max_flushed=2)
+    diagnostics.advise(stats, max_flushed=2)
   with pytest.raises(TypeError, match="max_clipped must be a number"):
-    diagnostics.advise_fp8(stats, max_clipped="none")
+    diagnostics.advise(stats, max_clipped="none")
   with pytest.raises(ValueError, match="max_error must be a finite number"):
-    diagnostics.advise_fp8(stats, max_error=-1)
+    diagnostics.advise(stats, max_error=-1)
   with pytest.raises(TypeError, match="must return a string"):
-    diagnostics.advise_fp8(stats, by=lambda path: 3)
+    diagnostics.advise(stats, by=lambda path: 3)
 
 
 # -- the advice -------------------------------------------------------------------
@@ -486,7 +498,7 @@ BY_LAYER = {"by": lambda path: path.split("/")[1]}
 def test_a_well_scaled_layer_is_advised_per_tensor():
   stats = layer(gaussian((64, 32), 0) * 0.05, gaussian((16, 64), 1),
                 gaussian((16, 32), 2) * 1e-4)
-  advice = diagnostics.advise_fp8(stats, **BY_LAYER)
+  advice = diagnostics.advise(stats, **BY_LAYER)
   assert advice.granularity == {"dense": "tensor"}
   assert advice.keep_out == () and advice.delayed == {}
   assert advice.reasons == ()
@@ -500,7 +512,7 @@ def test_a_well_scaled_layer_is_advised_per_tensor():
 def test_outlier_rows_are_advised_per_row():
   acts = gaussian((16, 64), 1).at[0].multiply(1e6)   # one massive token
   stats = layer(gaussian((64, 32), 0) * 0.05, acts, gaussian((16, 32), 2))
-  advice = diagnostics.advise_fp8(stats, **BY_LAYER)
+  advice = diagnostics.advise(stats, **BY_LAYER)
   assert advice.granularity == {"dense": "row"}
   (reason,) = advice.reasons
   assert reason.startswith("dense: row, because per tensor, its activations "
@@ -511,12 +523,12 @@ def test_outlier_features_need_mxfp8_or_stay_out():
   # One outlier feature per row: 1 x 128 tiles flush the other 127 entries
   # of its tile (3.1% of 4096), MX blocks only 31 (0.76%).
   acts = gaussian((8, 4096), 1).at[:, 0].set(1e7)
-  advice = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+  advice = diagnostics.advise({"x": diagnostics.fp8_stats(
       acts, "activation")})
   assert advice.granularity == {"x": "mxfp8"}
   # One in every 32: MX flushes 97% too. Keep the layer out.
   acts = gaussian((8, 256), 1).at[:, ::32].set(1e7)
-  advice = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+  advice = diagnostics.advise({"x": diagnostics.fp8_stats(
       acts, "activation")})
   assert advice.granularity == {"x": None} and advice.keep_out == ("x",)
   assert advice.reasons[0].startswith(
@@ -527,15 +539,15 @@ def test_outlier_features_need_mxfp8_or_stay_out():
 
 def test_limits_change_the_advice():
   stats = {"x": diagnostics.fp8_stats(gaussian((16, 64), 0), "activation")}
-  assert diagnostics.advise_fp8(stats).granularity == {"x": "tensor"}
+  assert diagnostics.advise(stats).granularity == {"x": "tensor"}
   # Gaussian rows lose 2-3% to e4m3 rounding, whatever the scales.
-  strict = diagnostics.advise_fp8(stats, max_error=0.01)
+  strict = diagnostics.advise(stats, max_error=0.01)
   assert strict.granularity == {"x": None}
   assert re.search(r"lose 2\.\d% of each row on average \(limit 1%\)",
                    strict.reasons[0]), strict.reasons
   acts = gaussian((8, 4096), 1).at[:, 0].set(1e7)
   stats = {"x": diagnostics.fp8_stats(acts, "activation")}
-  assert diagnostics.advise_fp8(stats, max_flushed=0.05).granularity == {
+  assert diagnostics.advise(stats, max_flushed=0.05).granularity == {
       "x": "blockwise"}
 
 
@@ -543,10 +555,10 @@ def test_delayed_scales_that_clip_do_not_fit():
   acts = gaussian((16, 64), 1)
   amax = float(jnp.max(jnp.abs(acts)))
   fresh = float(fp8_stats_lib.fp8_scaling.scale_from_amax(jnp.float32(amax)))
-  fits = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+  fits = diagnostics.advise({"x": diagnostics.fp8_stats(
       acts, "activation", scale=fresh)})
   assert fits.delayed == {"x": True} and fits.granularity == {"x": "tensor"}
-  stale = diagnostics.advise_fp8({"x": diagnostics.fp8_stats(
+  stale = diagnostics.advise({"x": diagnostics.fp8_stats(
       acts * 8, "activation", scale=fresh)})
   assert stale.delayed == {"x": False}
   assert stale.granularity == {"x": "tensor"}   # current scaling still fits
@@ -565,23 +577,25 @@ def test_layers_group_across_roles_and_report_non_finite_entries():
       "activation": diagnostics.fp8_stats(
           {"a": {"input": gaussian((4, 32), 2).at[0, 0].set(jnp.nan)},
            "b": {"input": gaussian((4, 16), 3)}}, "activation")}
-  advice = diagnostics.advise_fp8(stats, **BY_LAYER)
+  advice = diagnostics.advise(stats, **BY_LAYER)
   assert list(advice.granularity) == ["a", "b"]
   assert list(advice.stats["a"]) == ["activation", "weight"]
   assert advice.reasons == (
       "a: 1 of its activations are inf/NaN (measured as zeros): fix those "
       "first; in a float8 matmul they make the result non-finite whatever "
       "the granularity.",)
-  per_leaf = diagnostics.advise_fp8(stats)
+  per_leaf = diagnostics.advise(stats)
   assert list(per_leaf.granularity) == [   # dicts flatten in key order
       "activation/a/input", "activation/b/input", "weight/a/kernel",
       "weight/b/kernel"]
-  empty = diagnostics.advise_fp8({"n": None})
+  empty = fp8_advice.advise_fp8({"n": None})
   assert empty.granularity == {} and "nothing to advise" in str(empty)
+  # No leaf says which kind: the public advise gives half-precision advice.
+  assert "nothing to advise" in str(diagnostics.advise({"n": None}))
 
 
 def test_the_public_names_have_examples():
-  for name in ("fp8_stats", "Fp8Stats", "advise_fp8", "Fp8Advice"):
+  for name in ("fp8_stats", "Fp8Stats", "advise", "Fp8Advice"):
     assert name in diagnostics.__all__
     doc = getattr(diagnostics, name).__doc__
     assert ">>>" in doc and "docs/diagnostics.md" in doc, name
@@ -614,7 +628,73 @@ def test_the_guide_shows_what_its_float8_example_prints():
 @pytest.mark.parametrize("ladder,error", [
     ("row", TypeError), (None, TypeError), ((), ValueError),
     (("row", "row"), ValueError)])
-def test_advise_fp8_granularities_are_a_tuple_of_distinct_names(ladder, error):
+def test_fp8_advice_granularities_are_a_tuple_of_distinct_names(ladder, error):
   stats = {"x": diagnostics.fp8_stats(jnp.ones((2, 16)), "activation")}
   with pytest.raises(error, match="granularities must be a tuple.*each once"):
-    diagnostics.advise_fp8(stats, granularities=ladder)
+    diagnostics.advise(stats, granularities=ladder)
+
+
+# -- one advise for every format -----------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [None, "e2m1", "int8"],
+                         ids=["float8", "fp4", "int8"])
+def test_advise_on_low_precision_statistics_is_the_fp8_advice(fmt):
+  """diagnostics.advise on Fp8Stats gives what advise_fp8 gave (the
+  implementation it calls), with the same options."""
+  rng = np.random.default_rng(0)
+  acts = {"a": jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+               .at[0].set(1e4),
+          "b": jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)}
+  stats = {"activation": diagnostics.fp8_stats(acts, "activation", fmt=fmt),
+           "weight": diagnostics.fp8_stats(acts, "weight", fmt=fmt)}
+  options = {"by": lambda path: path.split("/")[1], "max_error": 0.05}
+  got = diagnostics.advise(stats, **options)
+  want = fp8_advice.advise_fp8(stats, **options)
+  assert isinstance(got, diagnostics.Fp8Advice)
+  assert str(got) == str(want)
+  for field in ("granularity", "keep_out", "delayed", "max_clipped",
+                "max_flushed", "max_error", "reasons", "ranking"):
+    assert getattr(got, field) == getattr(want, field), field
+  assert str(diagnostics.advise(stats)) == str(fp8_advice.advise_fp8(stats))
+
+
+@pytest.mark.parametrize("option,value", [
+    ("headroom", 4.0), ("max_underflow", 0.1), ("keep_f32_underflow", 0.9)])
+def test_advise_refuses_half_precision_options_with_fp8_statistics(option,
+                                                                   value):
+  stats = diagnostics.fp8_stats(jnp.ones((2, 16)), "weight")
+  with pytest.raises(TypeError, match=rf"advise: {option}= is an option for "
+                     "half-precision statistics.*these are float8, FP4 or "
+                     "int8 statistics"):
+    diagnostics.advise(stats, **{option: value})
+
+
+@pytest.mark.parametrize("option,value", [
+    ("max_clipped", 0.0), ("max_flushed", 0.1), ("max_error", 0.1),
+    ("granularities", ("row",)), ("max_error", None)])
+def test_advise_refuses_fp8_options_with_half_precision_statistics(option,
+                                                                   value):
+  grads = {"w": jnp.array([1e-6, 2.0**-10, 0.5])}
+  for given in (grads, diagnostics.tensor_stats(grads)):
+    with pytest.raises(TypeError, match=rf"advise: {option}= is an option for "
+                       "float8, FP4 or int8 statistics.*these are "
+                       "half-precision statistics"):
+      diagnostics.advise(given, **{option: value})
+
+
+def test_advise_refuses_activation_stats_with_fp8_statistics():
+  stats = diagnostics.fp8_stats(jnp.ones((2, 16)), "weight")
+  acts = diagnostics.fp8_stats(jnp.ones((2, 16)), "activation")
+  with pytest.raises(TypeError, match="activation_stats is for half-precision "
+                     "statistics.*put every role in the first argument"):
+    diagnostics.advise(stats, acts)
+
+
+def test_advise_refuses_statistics_mixing_float8_and_fp4():
+  x = jnp.ones((2, 32))
+  mixed = {"f": diagnostics.fp8_stats(x, "weight"),
+           "q": diagnostics.fp8_stats(x, "weight", fmt="e2m1")}
+  with pytest.raises(ValueError, match=r"mix FP4 \('q'\) and float8 \('f'\).*"
+                     r"advise\(fp4_stats\), advise\(float8_stats\)"):
+    diagnostics.advise(mixed)

@@ -1,6 +1,6 @@
 """int8 diagnostics: diagnostics.fp8_stats(..., fmt="int8") counts what the
 int8 matmul's quantizer does to each role's values (exact counts on small
-hand-built arrays, a NumPy reference for the error), and advise_fp8 turns
+hand-built arrays, a NumPy reference for the error), and advise turns
 int8 statistics into the layers to keep in 16 bits."""
 
 import jax
@@ -144,7 +144,7 @@ def _int8_layers():
 
 def test_advice_keeps_outlier_layers_in_16_bits():
   stats = _int8_layers()
-  advice = diagnostics.advise_fp8(stats, by=1)
+  advice = diagnostics.advise(stats, by=1)
   assert advice.granularity == {"dense_0": "int8", "dense_1": None}
   assert advice.keep_out == ("dense_1",)
   assert advice.ranking == ("dense_1", "dense_0")
@@ -157,10 +157,10 @@ def test_advice_keeps_outlier_layers_in_16_bits():
   assert "int8_switchback: flushed / error %" in text
   assert "e4m3" not in text
   # Explicit limits apply to int8 too.
-  lax_limits = diagnostics.advise_fp8(stats, by=1, max_flushed=1.0,
+  lax_limits = diagnostics.advise(stats, by=1, max_flushed=1.0,
                                       max_error=1.0)
   assert lax_limits.keep_out == ()
-  only_switchback = diagnostics.advise_fp8(
+  only_switchback = diagnostics.advise(
       stats, by=1, granularities=("int8_switchback",))
   assert only_switchback.granularity["dense_0"] == "int8_switchback"
 
@@ -169,20 +169,20 @@ def test_advice_with_a_given_scale_says_whether_it_fits():
   x = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
   fits = _stats(x, "activation", scale=10.0 / 127)
   clips = _stats(x, "activation", scale=1.0 / 127)
-  advice = diagnostics.advise_fp8({"a": fits, "b": clips})
+  advice = diagnostics.advise({"a": fits, "b": clips})
   assert advice.delayed == {"a": True, "b": False}
 
 
 def test_advice_errors_for_int8():
   stats = _int8_layers()
   with pytest.raises(ValueError, match="mix int8"):
-    diagnostics.advise_fp8(
+    diagnostics.advise(
         {"a": stats["dense_0"]["weight"],
          "b": diagnostics.fp8_stats(jnp.ones((4, 16)), "weight")})
   with pytest.raises(ValueError, match="mix FP4"):
-    diagnostics.advise_fp8(
+    diagnostics.advise(
         {"a": stats["dense_0"]["weight"],
          "b": diagnostics.fp8_stats(jnp.ones((16, 16)), "weight",
                                     fmt="e2m1")})
   with pytest.raises(ValueError, match="unknown int8 recipe 'tensor'"):
-    diagnostics.advise_fp8(stats, granularities=("int8", "tensor"))
+    diagnostics.advise(stats, granularities=("int8", "tensor"))

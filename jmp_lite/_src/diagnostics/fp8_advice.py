@@ -3,7 +3,8 @@
 the layer out of float8 (FP4, int8: in 16 bits), with the layers ranked by
 their error.
 
-:class:`Fp8Advice` and :func:`advise_fp8`. They read the statistics of
+:class:`Fp8Advice` and :func:`advise_fp8` (what the public ``advise`` does
+with float8, FP4 and int8 statistics). They read the statistics of
 :mod:`jmp_lite._src.diagnostics.fp8_stats` on the host. Guide:
 ``docs/diagnostics.md`` (Float8).
 """
@@ -35,10 +36,10 @@ from jmp_lite._src.low_precision import recipes as fp8_config
 from jmp_lite._src.low_precision import formats as fp8_formats
 from jmp_lite._src.low_precision import scaling as fp8_scaling
 
-#: The default share of entries :func:`advise_fp8` lets a granularity flush
-#: to zero: 1%, the share of float16 underflow :func:`advise` accepts.
+#: The default share of entries :func:`advise` lets a float8 granularity flush
+#: to zero: 1%, the share of float16 underflow it accepts by default.
 DEFAULT_MAX_FLUSHED = 0.01
-#: The default share of entries :func:`advise_fp8` lets a recipe clip: none.
+#: The default share of entries :func:`advise` lets a float8 recipe clip: none.
 DEFAULT_MAX_CLIPPED = 0.0
 #: The default limits for FP4 statistics: no limit on clipping and flushing
 #: (NVFP4 clips a block's largest entry whenever its E4M3 scale rounds
@@ -70,7 +71,8 @@ _PLURAL = {"activation": "activations", "weight": "weights",
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Advice:
-  """What :func:`advise_fp8` recommends per layer, with the figures behind it.
+  """What :func:`advise` recommends per layer from float8 (FP4, int8)
+  statistics, with the figures behind it.
 
   ``str(advice)`` is the verdict per layer, a table of the measurements and
   the reasons. ``docs/diagnostics.md`` (Float8) explains the rule.
@@ -103,7 +105,7 @@ class Fp8Advice:
     >>> import jax.numpy as jnp
     >>> from jmp_lite import diagnostics
     >>> stats = {"w": diagnostics.fp8_stats(jnp.ones((64, 64)), "weight")}
-    >>> diagnostics.advise_fp8(stats).granularity
+    >>> diagnostics.advise(stats).granularity
     {'w': 'tensor'}
   """
 
@@ -245,10 +247,10 @@ def _named(stats: Any) -> list[tuple[str, Fp8Stats]]:
     else:
       got = type(leaf).__name__
     raise TypeError(
-        f"advise_fp8 expects float8 statistics (a tree of Fp8Stats from "
+        f"advise expects float8 statistics (a tree of Fp8Stats from "
         f"diagnostics.fp8_stats), got {got} at {_path_name(path)!r}. Measure "
         "the values first, e.g. diagnostics.fp8_stats(params, 'weight'); "
-        "half-precision statistics go to diagnostics.advise.")
+        "half-precision statistics go to diagnostics.advise on their own.")
   return out
 
 
@@ -281,13 +283,13 @@ def _granularities(granularities: Any, kind: str) -> tuple[str, ...]:
       "int8": ("int8 recipe", INT8_LADDER_HELP),
   }.get(kind, ("granularity", fp8_config.MATMUL_GRANULARITY_HELP))
   names = tuple(
-      checks.choice(g, what, "advise_fp8", recipes, help_text)
+      checks.choice(g, what, "advise", recipes, help_text)
       if recipes else
       fp8_scaling.check_granularity(g, GRANULARITIES, help_text)
       for g in ladder or ())
   if not names or len(set(names)) != len(names):
     raise (TypeError if ladder is None else ValueError)(
-        f"advise_fp8: granularities must be a tuple naming at least one "
+        f"advise: granularities must be a tuple naming at least one "
         f"{what}, each once, cheapest first, got {granularities!r}; e.g. "
         f"('tensor', 'row', 'blockwise'). {help_text}")
   return names
@@ -302,7 +304,7 @@ def _max_error(max_error: Any, kind: str) -> dict[str, float]:
     return {name: fp8_formats.get_format(name).unit_roundoff
             for name in fp8_formats.FORMAT_NAMES}
   value = checks.at_least(
-      max_error, "max_error", "advise_fp8", 0,
+      max_error, "max_error", "advise", 0,
       "it is the largest mean relative row error allowed, e.g. 0.0625 "
       "(None: each format's unit roundoff, 2**-4 for e4m3, 2**-3 for e5m2, "
       "2**-2 for FP4's e2m1; 2**-5 for int8)")
@@ -317,6 +319,10 @@ def advise_fp8(stats: Any, *, by: Any = None,
                max_error: float | None = None,
                granularities: Sequence[str] = GRANULARITIES) -> Fp8Advice:
   """Per layer: the cheapest float8 granularity (or FP4 recipe), or keep it out.
+
+  What the public ``jmp_lite.diagnostics.advise`` does with float8, FP4 and
+  int8 statistics (the deprecated ``jmp_lite.diagnostics.advise_fp8`` is
+  that ``advise``).
 
   The leaves are grouped into layers (``by``, as in :func:`group_stats`),
   each role's statistics combined within a layer. A granularity *fits* a
@@ -378,15 +384,15 @@ ranking`), the largest first: the candidates for a keep-list.
     >>> from jmp_lite import diagnostics
     >>> x = jnp.ones((4, 64)).at[0].set(1e6)     # one row of outliers
     >>> stats = {"dense": diagnostics.fp8_stats(x, "activation")}
-    >>> diagnostics.advise_fp8(stats).granularity
+    >>> diagnostics.advise(stats).granularity
     {'dense': 'row'}
 
   See ``docs/diagnostics.md`` (Float8) for the limits, the cost order and
   how to capture each role.
   """
-  key = _group_key(by, "advise_fp8")
+  key = _group_key(by, "advise")
   named = _named(stats)
-  host_stats([leaf for _, leaf in named], "advise_fp8")
+  host_stats([leaf for _, leaf in named], "advise")
   first = {}
   for name, leaf in named:
     first.setdefault(_leaf_kind(leaf), name)
@@ -395,20 +401,20 @@ ranking`), the largest first: the candidates for a keep-list.
         first.items(), key=lambda item: ("fp4", "int8", "float8").index(
             item[0]))[:2]
     raise ValueError(
-        f"advise_fp8: these statistics mix {_KIND_NAMES[kind_a]} "
+        f"advise: these statistics mix {_KIND_NAMES[kind_a]} "
         f"({name_a!r}) and {_KIND_NAMES[kind_b]} ({name_b!r}) measurements, "
         "whose recipes differ. Advise each on its own: "
-        f"advise_fp8({kind_a}_stats), advise_fp8({kind_b}_stats).")
+        f"advise({kind_a}_stats), advise({kind_b}_stats).")
   kind = next(iter(first), "float8")
   default_clipped, default_flushed = {
       "fp4": FP4_DEFAULT_LIMITS[:2], "int8": INT8_DEFAULT_LIMITS[:2]}.get(
           kind, (DEFAULT_MAX_CLIPPED, DEFAULT_MAX_FLUSHED))
   max_clipped = checks.share(
       default_clipped if max_clipped is None else max_clipped,
-      "max_clipped", "advise_fp8", zero_allowed=True)
+      "max_clipped", "advise", zero_allowed=True)
   max_flushed = checks.share(
       default_flushed if max_flushed is None else max_flushed,
-      "max_flushed", "advise_fp8", zero_allowed=True)
+      "max_flushed", "advise", zero_allowed=True)
   errors = _max_error(max_error, kind)
   ladder = _granularities(granularities, kind)
   family = _KIND_NAMES[kind]

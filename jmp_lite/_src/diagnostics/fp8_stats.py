@@ -39,7 +39,7 @@ ROLES: tuple[str, ...] = ("activation", "weight", "gradient")
 _ROLE_FORMAT = {"activation": "e4m3", "weight": "e4m3", "gradient": "e5m2"}
 
 #: The float8 matmul's granularities, cheapest first: the order in which
-#: :func:`advise_fp8` tries them.
+#: :func:`advise` tries them.
 GRANULARITIES: tuple[str, ...] = fp8_config.MATMUL_GRANULARITIES
 #: Every recipe :func:`fp8_stats` measures: ``"cast"`` (no scaling), the
 #: matmul granularities with current scaling, and ``"delayed"`` (a given
@@ -69,7 +69,7 @@ INT8_STAT_RECIPES: tuple[str, ...] = fp8_config.INT8_RECIPES
 INT8_FORMAT_HELP = (
     "fmt='int8' measures the int8 recipes ('int8', 'int8_switchback': "
     "symmetric int8 with float32 scales, amax / 127 per row along the "
-    "contracting axes, as int8_dot_general quantizes each operand; "
+    "contracting axes, as int8.dot_general quantizes each operand; "
     "SwitchBack scales the weight per tensor), and 'delayed' with scale=; "
     "measure them in a call of their own (e.g. fp8_stats(x, role, "
     "fmt='int8'))."
@@ -78,7 +78,7 @@ INT8_FORMAT_HELP = (
 #: Why FP4 is measured on its own.
 FP4_FORMAT_HELP = (
     "fmt='e2m1' measures the FP4 recipes ('nvfp4', 'mxfp4': E2M1 elements "
-    "with their block scales, as fp4_dot_general quantizes each operand), "
+    "with their block scales, as fp4.dot_general quantizes each operand), "
     "whose recipes differ from float8's; measure float8 formats and FP4 in "
     "separate calls (e.g. fp8_stats(x, role) and fp8_stats(x, role, "
     "fmt='e2m1')). FP4 has no delayed scaling: leave scale=None."
@@ -348,7 +348,7 @@ def combine_fp8_stats(stats: Sequence[Fp8Stats], group: str) -> Fp8Stats:
           f"group {group!r} combines float8 statistics that measure different"
           f" things: (role, formats, recipes, block_size) {key} and {other}."
           " Group each role's statistics on their own (or by= a function that"
-          " keeps them apart); advise_fp8 keeps roles apart itself.")
+          " keeps them apart); advise keeps roles apart itself.")
   if len(stats) == 1:
     return first
 
@@ -518,7 +518,7 @@ def _quantized(x, fmt, recipe, role, block_size, scale):
 
 def _fp4_quantized(x: jax.Array, recipe: str, role: str,
                    norm: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """FP4 of a float32 ``(rows, K)`` matrix as ``fp4_dot_general`` quantizes
+  """FP4 of a float32 ``(rows, K)`` matrix as ``fp4.dot_general`` quantizes
   an operand of ``role`` by default (weights: NVFP4's 16x16 tiles;
   gradients: stochastic rounding with a key derived from the values, as
   ``key=None`` does): float32 ``(values, dequantized * 2**norm, limit)`` of
@@ -564,7 +564,7 @@ _INT8_CLIP = np.float32(fp8_config.INT8_MAX + 0.5)
 
 def _int8_quantized(x: jax.Array, recipe: str, role: str,
                     scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """int8 of a float32 ``(rows, K)`` matrix as ``int8_dot_general``
+  """int8 of a float32 ``(rows, K)`` matrix as ``int8.dot_general``
   quantizes an operand of ``role`` (round half to even): float32 ``(values,
   scale per entry)``. ``"int8"``: a scale per row (a weight's rows are its
   output channels); ``"int8_switchback"``: the weight per tensor;
@@ -680,11 +680,11 @@ def fp8_stats(tree: Any, role: str, *, fmt: Any = None, axis: Any = None,
   clipped at the format's max, the nonzero entries flushed to zero and each
   row's relative error are counted. With ``fmt="e2m1"`` the recipes are
   FP4's instead, ``"nvfp4"`` and ``"mxfp4"``, each quantizing the leaf as
-  :func:`jmp_lite.fp4.fp4_dot_general` quantizes an operand of that role
+  :func:`jmp_lite.fp4.dot_general` quantizes an operand of that role
   (weights in NVFP4's 16x16 tiles, gradients rounded stochastically). With
   ``fmt="int8"`` the recipes are int8's, ``"int8"`` and
   ``"int8_switchback"`` (and ``"delayed"`` with ``scale``), each quantizing
-  the leaf as :func:`jmp_lite.int8.int8_dot_general` quantizes an operand of
+  the leaf as :func:`jmp_lite.int8.dot_general` quantizes an operand of
   that role: symmetric int8, round half to even, ``amax / 127`` per row
   along the contracting axes (SwitchBack: the weight per tensor). No
   host sync: call it inside a jitted step and return the result.

@@ -1,7 +1,8 @@
 """Host-side diagnostics: advice, table, histogram plot and report.
 
-:class:`Advice` and :func:`advise` (a static loss scale, float16 or bfloat16,
-what to keep in float32) and :func:`report`, the one call that prints the
+:class:`Advice` and :func:`advise_half` (a static loss scale, float16 or
+bfloat16, what to keep in float32: what the public ``advise`` does with
+half-precision statistics) and :func:`report`, the one call that prints the
 tables and the advice and writes the plot. They read statistics from
 :mod:`jmp_lite._src.diagnostics.stats` on the host; matplotlib is imported
 only when a plot is drawn. Guide: ``docs/diagnostics.md``.
@@ -37,10 +38,11 @@ _EXPONENTS = TensorStats.HISTOGRAM_EXPONENTS
 
 #: What to do with float8 statistics given to the half-precision advice.
 FP8_STATS_GIVEN = (
-    "advise, report, format_table and plot_histograms read half-precision "
-    "statistics (diagnostics.tensor_stats); these are float8 statistics "
-    "(diagnostics.fp8_stats): give them to diagnostics.advise_fp8, whose "
-    "result prints its own table.")
+    "report, format_table, plot_histograms and advise's activation_stats "
+    "read half-precision statistics (diagnostics.tensor_stats); these are "
+    "float8 statistics (diagnostics.fp8_stats): give them to "
+    "diagnostics.advise as its first argument (every role in one tree), "
+    "whose result prints its own table.")
 
 
 def _as_stats(tree: Any) -> Any:
@@ -234,7 +236,7 @@ def _f16_scale(max_abs: float, headroom: float) -> float:
   return 2.0**min(max(exponent, -126), 126)
 
 
-def advise(
+def advise_half(
     grad_stats: Any,
     activation_stats: Any = None,
     *,
@@ -591,7 +593,7 @@ def report(
   grad_stats = _as_stats(grad_stats)
   if activation_stats is not None:
     activation_stats = _as_stats(activation_stats)
-  advice = advise(grad_stats, activation_stats, by=by, headroom=headroom,
+  advice = advise_half(grad_stats, activation_stats, by=by, headroom=headroom,
                   max_underflow=max_underflow,
                   keep_f32_underflow=keep_f32_underflow)
   parts = []
