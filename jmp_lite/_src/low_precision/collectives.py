@@ -187,14 +187,125 @@ NO_FSDP_MESH = (
     "(e.g. NamedSharding(mesh, P({axis!r}, None))); or leave fsdp_axis None "
     "to let XLA partition the matmul."
 )
-FSDP_UNDER_SHARD_MAP = (
-    "A recipe's fsdp_axis={axis!r} is for jax.jit with weights sharded over "
-    "the mesh axis {axis!r} (FSDP): XLA's partitioner inserts the all-gather. "
-    "Here {axis!r} is a manual axis (inside jax.shard_map), where each "
-    "device holds its shard and nothing is partitioned: gather the weight "
-    "yourself (jax.lax.all_gather) before the matmul, or run the step under "
-    "jax.jit instead of shard_map."
+FSDP_PARTLY_MANUAL = (
+    "A recipe's fsdp_axis={axis!r} names mesh axes of which some are manual "
+    "here (inside jax.shard_map) and some are not. Name only the shard_map "
+    "axes the weight is sharded over (the weight then arrives as this "
+    "device's shard), or only axes of the jax.jit mesh."
 )
+FSDP_SHARD_MAP_SHARD = (
+    "{owner}: under jax.shard_map, fsdp_axis={axis!r} ({n} shards) takes the "
+    "rhs as this device's shard of the weight, split along its one "
+    "contracting dimension (FSDP's in_specs=P({axis!r}, None) for a (K, N) "
+    "kernel), but {found}. Pass the shard (shape[contracting] * {n} == the "
+    "lhs's contracting size), or leave fsdp_axis None and gather the weight "
+    "yourself (jax.lax.all_gather)."
+)
+FSDP_SHARD_MAP_BLOCKS = (
+    "{owner}: under jax.shard_map, fsdp_axis={axis!r} gathers the quantized "
+    "shards of the weight, each {local} long along the contracting "
+    "dimension, which the recipe {recipe!r} splits into blocks of {block}: "
+    "a block would straddle two shards. Use a shard length that is a "
+    "multiple of {block}, or the 'fp8', 'fp8_rowwise', 'int8' or "
+    "'int8_switchback' recipe (no blocks along it)."
+)
+FSDP_SHARD_MAP_DELAYED = (
+    "{owner}: fsdp_axis={axis!r} under jax.shard_map takes current scaling "
+    "(every shard's amax is max-reduced where it is quantized); a delayed "
+    "recipe's scales would need the gathered weight's history. Use a "
+    "current-scaling recipe here, or run the step under jax.jit."
+)
+
+
+def _axis_names(axis: Any) -> tuple[Any, ...]:
+  return axis if isinstance(axis, tuple) else (axis,)
+
+
+def manual_fsdp_axis(config: Any) -> Any:
+  """``config.fsdp_axis`` where it names manual axes here (inside
+  ``jax.shard_map``: the weight arrives as this device's shard and the
+  matmul gathers it with ``jax.lax.all_gather``), else None (under
+  ``jax.jit`` the partitioner gathers: :func:`fsdp_replicated`).
+
+  Raises:
+    ValueError: for axes of which only some are manual.
+  """
+  axis = getattr(config, "fsdp_axis", None)
+  if axis is None:
+    return None
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  names = set(_axis_names(axis))
+  if not names & manual:
+    return None
+  if not names <= manual:
+    raise ValueError(FSDP_PARTLY_MANUAL.format(axis=axis))
+  return axis
+
+
+def fsdp_shards(axis: Any) -> int:
+  """The number of shards over the mesh axes ``axis`` (the mesh set here)."""
+  shape = jax.sharding.get_abstract_mesh().shape
+  return int(np.prod([shape[n] for n in _axis_names(axis)]))
+
+
+def fsdp_weight_shape(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                      config: Any, owner: str) -> tuple[int, ...]:
+  """The shape of the whole weight whose shard ``rhs`` is, under
+  ``jax.shard_map`` with ``config.fsdp_axis`` (:func:`manual_fsdp_axis`):
+  ``rhs.shape`` with its one contracting dimension times the shard count;
+  elsewhere ``rhs.shape``. Dimension numbers that do not parse are left to
+  the caller's check.
+
+  Raises:
+    ValueError: for a rhs that is not such a shard, a delayed recipe, or
+      shards that split the recipe's blocks (each message says how to fix
+      it).
+  """
+  axis = manual_fsdp_axis(config)
+  if axis is None:
+    return tuple(rhs.shape)
+  if getattr(config, "scaling", "current") != "current":
+    raise ValueError(FSDP_SHARD_MAP_DELAYED.format(owner=owner, axis=axis))
+  n = fsdp_shards(axis)
+  try:
+    (lc, rc), _ = dimension_numbers
+    lc, rc = tuple(lc), tuple(rc)
+    lc = tuple(int(d) % lhs.ndim for d in lc)
+    rc = tuple(int(d) % rhs.ndim for d in rc)
+  except (TypeError, ValueError):
+    return tuple(rhs.shape)
+  found = None
+  if len(rc) != 1 or len(lc) != 1:
+    found = f"the dimension numbers contract {len(rc)} dimensions"
+  elif rhs.shape[rc[0]] * n != lhs.shape[lc[0]]:
+    found = (f"the lhs contracts {lhs.shape[lc[0]]} elements and the rhs "
+             f"(shape {tuple(rhs.shape)}) {rhs.shape[rc[0]]}")
+  if found:
+    raise ValueError(FSDP_SHARD_MAP_SHARD.format(owner=owner, axis=axis, n=n,
+                                                 found=found))
+  block = {"blockwise": getattr(config, "block_size", None),
+           "mxfp8": 32}.get(getattr(config, "granularity", None))
+  if block and rhs.shape[rc[0]] % block:
+    raise ValueError(FSDP_SHARD_MAP_BLOCKS.format(
+        owner=owner, axis=axis, local=rhs.shape[rc[0]], block=block,
+        recipe=config.spec()))
+  shape = list(rhs.shape)
+  shape[rc[0]] *= n
+  return tuple(shape)
+
+
+def manual_gathered(x: jax.Array, axis: Any, dim: int) -> jax.Array:
+  """``x`` all-gathered (tiled) over the manual axes ``axis`` along ``dim``,
+  as its bits (1 byte per float8 or int8 element)."""
+  return parallel_lib.moved_as_bits(x, lambda bits: jax.lax.all_gather(
+      bits, axis, axis=dim, tiled=True))
+
+
+def manual_scattered(x: jax.Array, axis: Any, dim: int) -> jax.Array:
+  """The weight gradient of a gathered weight: ``x`` summed over the manual
+  axes ``axis`` and scattered (tiled) along ``dim``, as the derivative of
+  ``jax.lax.all_gather`` is (in ``x``'s dtype: float32)."""
+  return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
 
 
 def fsdp_replicated(axis: Any) -> jax.sharding.NamedSharding:
@@ -206,8 +317,8 @@ def fsdp_replicated(axis: Any) -> jax.sharding.NamedSharding:
   mesh axis (tensor parallelism) is gathered over that one too.
 
   Raises:
-    ValueError: no mesh is set, it lacks ``axis``, or ``axis`` is manual
-      (inside ``jax.shard_map``); each message says how to fix it.
+    ValueError: no mesh is set, or it lacks ``axis``; each message says how
+      to fix it.
   """
   mesh = jax.sharding.get_abstract_mesh()
   names = axis if isinstance(axis, tuple) else (axis,)
@@ -219,8 +330,8 @@ def fsdp_replicated(axis: Any) -> jax.sharding.NamedSharding:
         axis=axis, found=f"the mesh set has no axis {missing[0]!r} (its axes: "
         f"{', '.join(map(repr, mesh.axis_names))})"))
   manual = set(getattr(mesh, "manual_axes", ()))
-  if manual & set(names):
-    raise ValueError(FSDP_UNDER_SHARD_MAP.format(axis=axis))
+  if manual & set(names):   # (callers check manual_fsdp_axis first)
+    raise ValueError(FSDP_PARTLY_MANUAL.format(axis=axis))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 

@@ -62,7 +62,13 @@ partitioner all-gathers 1-byte values, and an optimization barrier keeps
 it from moving the gather back onto the float8 array (which XLA:CPU
 widens). Per tensor the backward reuses the gathered weight; the other
 granularities gather their requantized transposed weight the same way, so
-no high-precision copy of the weight is gathered.
+no high-precision copy of the weight is gathered. Under ``jax.shard_map``
+(``fsdp_axis`` a manual axis) the rhs is this device's shard along its one
+contracting dimension: per-tensor and per-row amaxes along K are
+max-reduced over the shards, the quantized shard is all-gathered as its
+bits along K, and the backward pass returns the shard's gradient, the
+whole-weight gradients summed and scattered in float32
+(:func:`~jmp_lite._src.low_precision.collectives.manual_scattered`).
 
 Contracting dimensions that do not divide into the block size (blockwise,
 MX) are zero-padded: exact for a dot product, since the padding contributes
@@ -287,30 +293,38 @@ def _pad_contracting(x, multiple):
   return x
 
 
-def _quantize_operand(x, fmt, kind, config, scale=None):
+def _quantize_operand(x, fmt, kind, config, scale=None, shared_over=None):
   """Quantizes a ``(B, P, C)`` array for a product over C.
 
   ``kind``: "tensor", "row", "tile" (1 x T along C), "block" (T x T over P
   and C) or "mx". Returns the ``_Operand`` and the observed amax (per tensor:
-  the maximum over ``config.axis_name`` if set).
+  the maximum over ``config.axis_name`` if set). ``shared_over``: mapped
+  axes over which the per-tensor or per-row amaxes are also max-reduced
+  (the shards of an FSDP weight along C, under ``shard_map``).
 
   The operand has no derivative (its gradient is stopped): the derivatives
   of the products are defined by ``_straight_through``.
   """
-  op, amax = _quantize_operand_values(x, fmt, kind, config, scale)
+  op, amax = _quantize_operand_values(x, fmt, kind, config, scale,
+                                     shared_over)
   return jax.lax.stop_gradient(op), amax
 
 
-def _quantize_operand_values(x, fmt, kind, config, scale):
+def _quantize_operand_values(x, fmt, kind, config, scale, shared_over):
   b, p, c = x.shape
   pow2 = config.power_of_two_scales
   if kind == "tensor":
-    q = scaling_lib.quantize_blocks(x, fmt, (b, p, c), scale, pow2,
-                                    scalar_scale=True,
-                                    axis_name=config.axis_name)
+    names = tuple(n for part in (config.axis_name, shared_over)
+                  if part is not None
+                  for n in (part if isinstance(part, tuple) else (part,)))
+    q = scaling_lib.quantize_blocks(
+        x, fmt, (b, p, c), scale, pow2, scalar_scale=True,
+        axis_name=(tuple(dict.fromkeys(names)) if len(set(names)) > 1
+                   else names[0] if names else None))
     return _Operand(q.values, q.scale, "row"), q.amax
   if kind == "row":
-    q = scaling_lib.quantize_blocks(x, fmt, (1, 1, c), None, pow2)
+    q = scaling_lib.quantize_blocks(x, fmt, (1, 1, c), None, pow2,
+                                    axis_name=shared_over)
     return _Operand(q.values, q.scale, "row"), q.amax
   if kind == "mx":
     q = scaling_lib.quantize_mx_last(
@@ -511,12 +525,22 @@ _FORWARD_KINDS = {"tensor": ("tensor", "tensor"), "row": ("row", "row"),
 _BACKWARD_KINDS = {"row": ("row", "row"), "mxfp8": ("mx", "mx")}
 
 
-def _gathered_weight(op: _Operand, config: Fp8Config) -> _Operand:
+def _gathered_weight(op: _Operand, config: Fp8Config, dim: int,
+                     scale_along: bool) -> _Operand:
   """The quantized rhs (the weight), with ``config.fsdp_axis``
   all-gathered as float8 bits and scales (quantize, then gather: each shard
-  quantized with the scales every shard shares); else as it is."""
+  quantized with the scales every shard shares); else as it is. Under
+  ``jax.shard_map`` the shard is gathered along ``dim`` (its contracting
+  axis K), and so is the scale where it varies along K (``scale_along``);
+  under ``jax.jit`` the partitioner gathers it."""
   if config.fsdp_axis is None:
     return op
+  axis = collectives_lib.manual_fsdp_axis(config)
+  if axis is not None:
+    scale = (collectives_lib.manual_gathered(op.scale, axis, dim)
+             if scale_along else op.scale)
+    return _Operand(collectives_lib.manual_gathered(op.values, axis, dim),
+                    scale, op.kind)
   sharding = collectives_lib.fsdp_replicated(config.fsdp_axis)
   return _Operand(collectives_lib.gathered(op.values, sharding),
                   collectives_lib.gathered(op.scale, sharding), op.kind)
@@ -527,9 +551,15 @@ def _forward(a, b, scales, config):
   fmt = config.forward
   qa, amax_a = _quantize_operand(a, fmt, lhs_kind, config,
                                  None if scales is None else scales.lhs)
+  # Under shard_map FSDP the weight is this device's shard along K: a
+  # per-tensor or per-row (along K) amax is max-reduced over the shards.
+  shared = (collectives_lib.manual_fsdp_axis(config)
+            if rhs_kind in ("tensor", "row") else None)
   qb, amax_b = _quantize_operand(b, fmt, rhs_kind, config,
-                                 None if scales is None else scales.rhs)
-  qb = _gathered_weight(qb, config)
+                                 None if scales is None else scales.rhs,
+                                 shared)
+  qb = _gathered_weight(qb, config, 1 if rhs_kind == "tensor" else 2,
+                        scale_along=rhs_kind in ("block", "mx"))
   return (_product(qa, qb, config.native_mx, _forward_dn(config)), qa, qb,
           amax_a, amax_b)
 
@@ -597,6 +627,7 @@ def _backward(residuals, g, *, static):
     db = jnp.swapaxes(_straight_through(
         (config, (grad_fmt, "tensor"), (fwd_fmt, "tensor"), _DN_WGRAD),
         db, g, a, sg, sa), 1, 2)
+    wgrad_k = 1                     # db (B, K, N)
   else:
     gt = jnp.swapaxes(g, 1, 2)  # (B, N, M): the gradient contracting over M
     at, bt = jnp.swapaxes(a, 1, 2), jnp.swapaxes(b, 1, 2)
@@ -609,7 +640,7 @@ def _backward(residuals, g, *, static):
       dgrad_kinds = wgrad_kinds = _BACKWARD_KINDS[config.granularity]
     g_n, _ = _quantize_operand(g, grad_fmt, dgrad_kinds[0], config)
     bt_op, _ = _quantize_operand(bt, fwd_fmt, dgrad_kinds[1], config)
-    bt_op = _gathered_weight(bt_op, config)
+    bt_op = _gathered_weight(bt_op, config, 1, scale_along=True)
     da = _product(g_n, bt_op, config.native_mx)
     g_m, _ = _quantize_operand(gt, grad_fmt, wgrad_kinds[0], config)
     at_op, _ = _quantize_operand(at, fwd_fmt, wgrad_kinds[1], config)
@@ -624,6 +655,13 @@ def _backward(residuals, g, *, static):
     db = _straight_through(
         (config, (grad_fmt, wgrad_kinds[0]), (fwd_fmt, wgrad_kinds[1]), _DN),
         db, gt, at, None, None)
+    wgrad_k = 2                     # db (B, N, K)
+  fsdp = collectives_lib.manual_fsdp_axis(config)
+  if fsdp is not None:
+    # The gradient of this device's shard: the sum over the shards of
+    # their whole-weight gradients, scattered along K (all_gather's
+    # derivative), in float32.
+    db = collectives_lib.manual_scattered(db, fsdp, wgrad_k)
   da = da.astype(static.lhs_dtype)
   db = db.astype(static.rhs_dtype)
   if scales is None:
@@ -720,7 +758,9 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     ValueError: for scales given to current scaling, a Python/NumPy scale that is zero, negative,
       subnormal or not finite, a ``config.axis_name`` that is not bound
       here, a ``config.fsdp_axis`` that the mesh set here lacks (or no mesh
-      set, or a manual ``shard_map`` axis), or an out_sharding for operands
+      set; under ``shard_map``, a rhs that is not this device's shard along
+      its one contracting dimension, a delayed recipe, or shards that split
+      blocks), or an out_sharding for operands
       on no mesh with Explicit axes.
 
   Example:
@@ -743,8 +783,10 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   lhs = checks.float_array(lhs, "lhs")
   rhs = checks.float_array(rhs, "rhs")
   del precision
-  dimension_numbers = checks.dimension_numbers(dimension_numbers, lhs.shape,
-                                              rhs.shape, "fp8_dot_general")
+  dimension_numbers = checks.dimension_numbers(
+      dimension_numbers, lhs.shape, collectives_lib.fsdp_weight_shape(
+          lhs, rhs, dimension_numbers, config, "fp8_dot_general"),
+      "fp8_dot_general")
   scales = check_scales(scales, config)
   # Delayed amaxes are global under pmap/shard_map by default.
   config = scaling_lib.with_bound_axes(config)

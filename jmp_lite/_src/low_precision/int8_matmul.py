@@ -106,8 +106,8 @@ SECOND_ORDER_HELP = (
 
 
 def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
-             key: Any = None,
-             axis_name: Any = None) -> tuple[jax.Array, jax.Array]:
+             key: Any = None, axis_name: Any = None,
+             shared_over: Any = None) -> tuple[jax.Array, jax.Array]:
   """Symmetric int8 of ``x`` along ``axis`` (the contracted one).
 
   Args:
@@ -119,6 +119,9 @@ def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
       round half to even.
     axis_name: with ``per_tensor``, the mapped axis over which the amax is
       reduced (``lax.pmax``), or None.
+    shared_over: mapped axes over which every amax (per tensor or per row)
+      is also reduced: the shards of an FSDP weight along ``axis``, under
+      ``shard_map``.
 
   Returns:
     ``(q, scale)``: int8 values in ``[-127, 127]`` shaped as ``x``, and the
@@ -129,7 +132,11 @@ def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
   """
   x = x.astype(_F32)
   axes = tuple(range(x.ndim)) if per_tensor else (axis % x.ndim,)
-  amax = amax_of(x, axes, axis_name if per_tensor else None)
+  names = tuple(n for part in (axis_name if per_tensor else None, shared_over)
+                if part is not None
+                for n in (part if isinstance(part, tuple) else (part,)))
+  names = tuple(dict.fromkeys(names))
+  amax = amax_of(x, axes, names[0] if len(names) == 1 else names or None)
   scale = scale_from_amax(amax)
   return rounded(x, scale, key), scale
 
@@ -257,22 +264,41 @@ def _weight(b: jax.Array, config: Int8Config,
   """The weight ``(B, N, K)`` quantized along ``axis`` (K forward, N for
   the input gradient): per channel (row) or per tensor; with
   ``config.fsdp_axis``, all-gathered as its int8 bits and scales (quantize,
-  then gather)."""
-  q, scale = quantize(b, axis=axis,
-                      per_tensor=config.weight_granularity == "tensor",
-                      axis_name=config.axis_name)
+  then gather). Under ``jax.shard_map`` ``b`` is this device's shard along
+  K: amaxes along K are max-reduced over the shards, and the shard (with
+  its per-K scales) is gathered along K; under ``jax.jit`` the partitioner
+  gathers it."""
+  fsdp = collectives_lib.manual_fsdp_axis(config)
+  per_tensor = config.weight_granularity == "tensor"
+  q, scale = quantize(b, axis=axis, per_tensor=per_tensor,
+                      axis_name=config.axis_name,
+                      shared_over=fsdp if axis == 2 or per_tensor else None)
   if config.fsdp_axis is None:
     return q, scale
+  if fsdp is not None:
+    scale_along = axis != 2 and not per_tensor    # (B, 1, K): one per k
+    return (collectives_lib.manual_gathered(q, fsdp, 2),
+            collectives_lib.manual_gathered(scale, fsdp, 2) if scale_along
+            else scale)
   sharding = collectives_lib.fsdp_replicated(config.fsdp_axis)
   return (collectives_lib.gathered(q, sharding),
           collectives_lib.gathered(scale, sharding))
+
+
+def _whole(b: jax.Array, config: Int8Config) -> jax.Array:
+  """The weight ``(B, N, K)`` for a product left in high precision: under
+  ``jax.shard_map`` with ``config.fsdp_axis`` the shard gathered along K in
+  its own dtype (the switch that left the product unquantized asked for
+  that width); else ``b``."""
+  fsdp = collectives_lib.manual_fsdp_axis(config)
+  return b if fsdp is None else collectives_lib.manual_gathered(b, fsdp, 2)
 
 
 def _forward(a: jax.Array, b: jax.Array, config: Int8Config):
   """float32 ``(B, M, N)`` and the int8 weight with its scale (None where
   the forward is not quantized)."""
   if not config.quantize_forward:
-    return _high(a, b, _DN), None
+    return _high(a, _whole(b, config), _DN), None
   qa, sa = quantize(a)
   qb, sb = _weight(b, config)
   return _product(qa, sa, qb, sb), (qb, sb)
@@ -312,7 +338,7 @@ def backward_products(a: jax.Array, b: jax.Array, g: jax.Array,
     qb, sb = weight if weight is not None else _weight(b, config, axis=1)
     da = _product(qg, sg, qb, sb, contract=(2, 1))           # sb (B, 1, K)
   else:
-    da = _high(g, b, (((2,), (1,)), ((0,), (0,))))
+    da = _high(g, _whole(b, config), (((2,), (1,)), ((0,), (0,))))
   # drhs = g^T @ x, contracting the token axis M: both per column along M.
   if config.quantize_weight_gradient:
     qg, sg = quantize(g, axis=1, key=wgrad_key)               # (B, 1, N)
@@ -320,6 +346,11 @@ def backward_products(a: jax.Array, b: jax.Array, g: jax.Array,
     db = _product(qg, sg, qa, sa, contract=(1, 1))
   else:
     db = _high(g, a, (((1,), (1,)), ((0,), (0,))))
+  fsdp = collectives_lib.manual_fsdp_axis(config)
+  if fsdp is not None:
+    # The gradient of this device's shard along K: the sum over the shards
+    # of their whole-weight gradients, scattered (all_gather's derivative).
+    db = collectives_lib.manual_scattered(db, fsdp, 2)
   return da, db
 
 
@@ -406,7 +437,9 @@ def int8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   del precision
   fp8_matmul_lib.check_axis_bound(config)
   dimension_numbers = checks.dimension_numbers(
-      dimension_numbers, lhs.shape, rhs.shape, "int8_dot_general")
+      dimension_numbers, lhs.shape, collectives_lib.fsdp_weight_shape(
+          lhs, rhs, dimension_numbers, config, "int8_dot_general"),
+      "int8_dot_general")
   out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return fp8_matmul_lib.as_dot_general(

@@ -412,16 +412,19 @@ def quantize_blocks(x: jax.Array, fmt: formats_lib.Fp8Format,
   ``scale`` (one per block) replaces the computed scale when given (delayed
   scaling); where it is not usable (zero, negative, subnormal or not finite)
   the block falls back to current scaling. ``scalar_scale`` stores a single
-  scale as a scalar. ``axis_name`` (per tensor only): the amax is the maximum
-  over that mapped axis (``lax.pmax``), so that every replica of a
-  ``pmap``/``shard_map`` computes the same scale.
+  scale as a scalar. ``axis_name``: each amax is the maximum over that
+  mapped axis (``lax.pmax``), so that every replica of a
+  ``pmap``/``shard_map`` computes the same scale (per tensor; per block,
+  where the replicas hold pieces of the same blocks: an FSDP weight's
+  shards along the blocks' long axis).
   """
   block_shape = tuple(max(b, 1) for b in block_shape)  # zero-size axes
   x32 = x.astype(_F32)
   if scalar_scale:
     amax = global_amax(jnp.max(jnp.abs(x32), initial=0.0), axis_name)
   else:
-    amax = _block_reduce_max(jnp.abs(x32), block_shape)
+    amax = global_amax(_block_reduce_max(jnp.abs(x32), block_shape),
+                       axis_name)
   current = _scale_from_amax(amax, fmt, 0, power_of_two)
   given = scale is not None
   if given:
