@@ -1,8 +1,9 @@
-"""Cost of reducing gradients across devices in float32 (``grouped_value_and_grad``).
+"""Cost of reducing gradients across devices in float32 (``pmean_value_and_grad(..., num_groups=...)``).
 
 The question: under ``jax.jit`` with a sharded batch, ``jax.jit`` all-reduces
 each weight gradient in the compute dtype (float16/bfloat16), right after the
-backward matmul that produces it. ``jmp_lite.grouped_value_and_grad`` computes
+backward matmul that produces it. ``jmp_lite.pmean_value_and_grad`` with
+``num_groups`` computes
 one gradient per device group (``jax.vmap``) and averages the groups in
 float32, so the all-reduce is float32. What does that cost per train step?
 
@@ -11,7 +12,7 @@ devices (batch sharded over them, params and optimizer state replicated):
 policy params f32 / compute f16 or bf16 / output f32, Adam,
 ``DynamicLossScale``, ``loss_scaling`` + ``scaled_value_and_grad``:
 
-(a) grouped: ``grouped_value_and_grad(scaled_value_and_grad(loss_fn, state), 8)``;
+(a) grouped: ``pmean_value_and_grad(scaled_value_and_grad(loss_fn, state), num_groups=8)``;
 (b) plain: ``scaled_value_and_grad(loss_fn, state)``.
 
 For each, the script reports the dtypes of the weight-gradient all-reduces
@@ -65,7 +66,7 @@ from benchmarks import runner  # noqa: E402
 from benchmarks import workloads as wl  # noqa: E402
 
 VARIANTS = {
-    "grouped": f"grouped_value_and_grad(scaled_value_and_grad(loss_fn, state), {DEVICES})",
+    "grouped": f"pmean_value_and_grad(scaled_value_and_grad(loss_fn, state), num_groups={DEVICES})",
     "plain": "scaled_value_and_grad(loss_fn, state)",
 }
 RATIOS = {"ratio_grouped_over_plain": ("grouped", "plain")}
@@ -79,13 +80,14 @@ CHECK_RTOL = {"f16": 2.0**-8, "bf16": 2.0**-5}
 
 def make_step(loss_fn, opt, num_groups: int | None) -> common.Step:
   """The loss-scaled Adam step; ``num_groups`` wraps the gradient in
-  ``grouped_value_and_grad`` (``None``: the plain step)."""
+  ``pmean_value_and_grad(..., num_groups=num_groups)`` (``None``: the plain
+  step)."""
 
   def step(state, batch):
     params, opt_state = state
     grad_fn = jmp_lite.scaled_value_and_grad(loss_fn, opt_state)
     if num_groups is not None:
-      grad_fn = jmp_lite.grouped_value_and_grad(grad_fn, num_groups)
+      grad_fn = jmp_lite.pmean_value_and_grad(grad_fn, num_groups=num_groups)
     loss, grads = grad_fn(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
@@ -131,7 +133,7 @@ def make_check(loss_fn, compute: str):
   def check(fns, states, batch):
     params, opt_state = states["plain"]
     plain = jmp_lite.scaled_value_and_grad(loss_fn, opt_state)
-    grouped = jmp_lite.grouped_value_and_grad(plain, DEVICES)
+    grouped = jmp_lite.pmean_value_and_grad(plain, num_groups=DEVICES)
     (loss_a, grads_a), (loss_b, grads_b) = (jax.jit(f)(params, batch) for f in (grouped, plain))
     rel = max(runner.max_abs_diff(a, b) / float(np.max(np.abs(np.asarray(b, np.float64))))
               for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)))
@@ -254,8 +256,8 @@ def workloads(args) -> list[tuple[wl.Workload, str, int]]:
 
 STUDY = runner.Study(
     name="grad_reduction",
-    title="Gradient reduction in float32: `grouped_value_and_grad` vs the plain step",
-    description="Step-time cost of jmp_lite.grouped_value_and_grad's float32 "
+    title="Gradient reduction in float32: `pmean_value_and_grad(num_groups=...)` vs the plain step",
+    description="Step-time cost of jmp_lite.pmean_value_and_grad's float32 "
                 f"gradient reduction on {DEVICES} simulated CPU devices.",
     workloads=workloads, measure=measure, table=table,
     repeats=(31, 3), steps=(2, 1), computes=tuple(CHECK_RTOL),

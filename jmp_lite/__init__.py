@@ -12,6 +12,8 @@ Example:
 """
 
 # pylint: disable=g-importing-member
+from jmp_lite._src import checks as _checks
+from jmp_lite._src import parallel as _parallel
 # jmp's API (drop-in).
 from jmp_lite._src.dtypes import half_dtype
 from jmp_lite._src.loss_scale import DynamicLossScale
@@ -35,7 +37,6 @@ from jmp_lite._src.loss_scaling import scaled_value_and_grad
 from jmp_lite._src.master_weights import get_master_params
 from jmp_lite._src.master_weights import master_weights
 from jmp_lite._src.master_weights import with_state_dtype
-from jmp_lite._src.parallel import grouped_value_and_grad
 from jmp_lite._src.parallel import pmean_value_and_grad
 from jmp_lite._src.residuals import save_half_residuals
 # Operation-level precision.
@@ -64,7 +65,6 @@ __all__ = (
     "get_loss_scale",
     "get_master_params",
     "get_policy",
-    "grouped_value_and_grad",
     "half_dtype",
     "in_float32",
     "loss_scaling",
@@ -77,3 +77,11 @@ __all__ = (
     "with_policy",
     "with_state_dtype",
 )
+
+# The names before 0.2 (for one release).
+__getattr__ = _checks.old_names("jmp_lite", renamed={
+    "grouped_value_and_grad": (
+        "jmp_lite.pmean_value_and_grad(value_and_grad_fn, num_groups=...) "
+        "(the same float32 reduction under jax.jit, same results)",
+        _parallel.grouped_value_and_grad),
+})

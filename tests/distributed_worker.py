@@ -8,7 +8,7 @@ of these, as users on two hosts would::
 Each process gets 2 simulated CPU devices and gloo CPU collectives; together
 they form one global mesh of 4 devices. Each builds the same data-parallel,
 loss-scaled, float16-compute train step with
-``jmp_lite.grouped_value_and_grad`` (one group per device), checks that every
+``jmp_lite.pmean_value_and_grad(..., num_groups=...)`` (one group per device), checks that every
 weight-gradient all-reduce of the compiled HLO is float32 (and that the plain
 step's are float16), trains a few steps and writes its copy of the final
 params to ``OUT.npz``. Then the same MLP with its weights sharded over the
@@ -93,7 +93,7 @@ def make_step(num_groups: int | None):
   def step(params, opt_state, batch):
     grad_fn = jmp_lite.scaled_value_and_grad(loss_fn, opt_state)
     if num_groups is not None:
-      grad_fn = jmp_lite.grouped_value_and_grad(grad_fn, num_groups)
+      grad_fn = jmp_lite.pmean_value_and_grad(grad_fn, num_groups=num_groups)
     loss, grads = grad_fn(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss

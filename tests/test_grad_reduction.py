@@ -152,8 +152,8 @@ def test_jit_plain_step_reduces_weight_grads_in_half(compute, tmp_path):
 @pytest.mark.parametrize("compute", [F16, BF16], ids=lambda d: d.name)
 def test_jit_grouped_step_reduces_weight_grads_in_f32(compute, params_dtype,
                                                       tmp_path):
-  grad_fn = jmp_lite.grouped_value_and_grad(
-      jax.value_and_grad(_loss_fn(compute)), N)
+  grad_fn = jmp_lite.pmean_value_and_grad(
+      jax.value_and_grad(_loss_fn(compute)), num_groups=N)
   args = _sharded(_params(params_dtype), _batch())
   partitioned, compiled = _partitioned_types(grad_fn, args, tmp_path)
   _assert_all(partitioned, F32)
@@ -188,7 +188,7 @@ def test_grouped_matches_ungrouped_gradient(compute):
   device = jax.devices()[0]
   ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(
       *jax.device_put((params, batch), device))
-  grouped = jmp_lite.grouped_value_and_grad(jax.value_and_grad(loss_fn), N)
+  grouped = jmp_lite.pmean_value_and_grad(jax.value_and_grad(loss_fn), num_groups=N)
   loss, grads = jax.jit(grouped)(*_sharded(params, batch))
   np.testing.assert_allclose(loss, ref_loss, rtol=TOLERANCE[compute])
   assert max(_max_rel_diff(grads, ref_grads)) <= TOLERANCE[compute]
@@ -206,9 +206,9 @@ def test_grouped_train_step_with_loss_scaling_and_aux(jit):
   opt = jmp_lite.loss_scaling(optax.sgd(0.1), jmp_lite.DynamicLossScale(2.0**10))
 
   def step(params, opt_state, batch):
-    grad_fn = jmp_lite.grouped_value_and_grad(
+    grad_fn = jmp_lite.pmean_value_and_grad(
         jmp_lite.scaled_value_and_grad(loss_with_aux, opt_state, has_aux=True),
-        4, has_aux=True)
+        num_groups=4, has_aux=True)
     (loss, aux), grads = grad_fn(params, batch)
     updates, opt_state = opt.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss, aux, grads
@@ -248,7 +248,7 @@ def test_grouped_batch_arguments():
   w = jnp.ones((3, 2))
   x = jnp.arange(24.0).reshape(8, 3)
   extra = {"y": jnp.arange(8.0), "t": jnp.float32(0.5), "name": "abc"}
-  grouped = jmp_lite.grouped_value_and_grad(vg, 4, batch_argnums=(1, 2))
+  grouped = jmp_lite.pmean_value_and_grad(vg, num_groups=4, batch_argnums=(1, 2))
   loss, grads = grouped(w, x, extra, scale=2.0)
   assert seen == [((2, 3), (2,), (), "abc")]  # one traced group
   ref_loss, ref_grads = vg(w, x, extra, scale=2.0)
@@ -259,8 +259,8 @@ def test_grouped_batch_arguments():
 def test_grouped_half_params_return_f32_grads():
   loss_fn = _loss_fn(BF16)
   params = _params(BF16)
-  loss, grads = jax.jit(jmp_lite.grouped_value_and_grad(
-      jax.value_and_grad(loss_fn), 2))(params, _batch())
+  loss, grads = jax.jit(jmp_lite.pmean_value_and_grad(
+      jax.value_and_grad(loss_fn), num_groups=2))(params, _batch())
   assert loss.dtype == F32
   assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {F32}
 
@@ -279,7 +279,7 @@ def test_grouped_under_autocast(tmp_path):
   kernels = [t for t in plain if t.count(",") == 1]
   assert len(kernels) == 3 and all(t.startswith("f16[") for t in kernels), plain
   grouped, _ = _partitioned_types(
-      jmp_lite.grouped_value_and_grad(jax.value_and_grad(loss16), N), args,
+      jmp_lite.pmean_value_and_grad(jax.value_and_grad(loss16), num_groups=N), args,
       tmp_path / "b")
   _assert_all(grouped, F32)
 
@@ -308,8 +308,8 @@ def test_grouped_linen_policy_batch_norm_is_per_group(tmp_path):
                              x, mutable=["batch_stats"])
     return jnp.mean(jnp.square(y)), updates["batch_stats"]
 
-  grad_fn = jmp_lite.grouped_value_and_grad(
-      jax.value_and_grad(loss_fn, has_aux=True), N, has_aux=True)
+  grad_fn = jmp_lite.pmean_value_and_grad(
+      jax.value_and_grad(loss_fn, has_aux=True), num_groups=N, has_aux=True)
   mesh = _mesh()
   params = jax.device_put(variables["params"], NamedSharding(mesh, P()))
   xs = jax.device_put(x, NamedSharding(mesh, P("data")))
@@ -456,7 +456,7 @@ def _vg():
 
 
 def test_num_groups_must_divide_the_batch():
-  grad_fn = jmp_lite.grouped_value_and_grad(_vg(), 3)
+  grad_fn = jmp_lite.pmean_value_and_grad(_vg(), num_groups=3)
   with pytest.raises(ValueError, match=r"num_groups=3 .* leaf \[1\]\['x'\], of "
                      r"size 8 \(shape \(8, 2\)\).* e\.g\. 9"):
     grad_fn(jnp.ones(2), {"x": jnp.ones((8, 2))})
@@ -464,15 +464,67 @@ def test_num_groups_must_divide_the_batch():
 
 @pytest.mark.parametrize("bad,error", [
     (0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError),
-    (None, TypeError), ("8", TypeError),
+    ("8", TypeError),
 ])
 def test_num_groups_must_be_a_positive_int(bad, error):
   with pytest.raises(error, match="num_groups must be an int >= 1"):
-    jmp_lite.grouped_value_and_grad(_vg(), bad)
+    jmp_lite.pmean_value_and_grad(_vg(), num_groups=bad)
+
+
+# -- one door: axis_name (pmap/shard_map) or num_groups (jit) --------------------
+
+
+def test_num_groups_is_the_grouped_path_of_before():
+  """pmean_value_and_grad(num_groups=) gives what grouped_value_and_grad
+  gave (the deprecated spelling forwards to it), bit for bit."""
+  vg = jax.value_and_grad(lambda w, x: jnp.mean(jnp.tanh(x @ w)))
+  w = jnp.linspace(-1.0, 1.0, 6).reshape(3, 2)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 3)), F32)
+  new = jax.jit(jmp_lite.pmean_value_and_grad(vg, num_groups=4))(w, x)
+  from jmp_lite._src import parallel  # pylint: disable=g-import-not-at-top
+  old = jax.jit(parallel._grouped(  # pylint: disable=protected-access
+      vg, 4, 1, False, "grouped_value_and_grad"))(w, x)
+  with pytest.warns(DeprecationWarning, match="pmean_value_and_grad"):
+    deprecated = jmp_lite.grouped_value_and_grad(vg, 4)
+  for got in (old, jax.jit(deprecated)(w, x)):
+    np.testing.assert_array_equal(new[0], got[0])
+    np.testing.assert_array_equal(new[1], got[1])
+
+
+@pytest.mark.parametrize("kwargs,got", [
+    ({}, "got neither"),
+    ({"axis_name": "i", "num_groups": 2}, "got both"),
+], ids=["neither", "both"])
+def test_exactly_one_of_axis_name_and_num_groups(kwargs, got):
+  with pytest.raises(TypeError, match=f"exactly one of axis_name and "
+                     f"num_groups, {got}.*axis_name='batch' inside jax.pmap "
+                     "or jax.shard_map.*num_groups=N.*under jax.jit"):
+    jmp_lite.pmean_value_and_grad(_vg(), **kwargs)
+  with pytest.raises(TypeError, match="got neither"):
+    jmp_lite.pmean_value_and_grad(_vg(), num_groups=None)
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "e4m3"])
+def test_a_narrow_wire_format_needs_axis_name(wire):
+  with pytest.raises(ValueError, match=rf"wire_format='{wire}' needs "
+                     "axis_name under jax.shard_map or jax.pmap.*XLA emits "
+                     "the reduction itself"):
+    jmp_lite.pmean_value_and_grad(_vg(), num_groups=2, wire_format=wire)
+  with pytest.raises(ValueError, match="wire_format"):   # unknown: as before
+    jmp_lite.pmean_value_and_grad(_vg(), num_groups=2, wire_format="f8")
+  jmp_lite.pmean_value_and_grad(_vg(), num_groups=2, wire_format="float32")
+
+
+def test_the_options_of_the_other_mode_are_refused():
+  with pytest.raises(TypeError, match=r"argnums=1 applies with axis_name"):
+    jmp_lite.pmean_value_and_grad(_vg(), num_groups=2, argnums=1)
+  with pytest.raises(TypeError, match=r"batch_argnums=2 applies with "
+                     "num_groups"):
+    jmp_lite.pmean_value_and_grad(_vg(), "i", batch_argnums=2)
 
 
 def test_batch_argnums_out_of_range():
-  grad_fn = jmp_lite.grouped_value_and_grad(_vg(), 2, batch_argnums=2)
+  grad_fn = jmp_lite.pmean_value_and_grad(_vg(), num_groups=2, batch_argnums=2)
   with pytest.raises(ValueError, match=r"batch_argnums=2 .* 2 positional"
                      r" argument\(s\) \(valid indices: 0\.\.1\)"):
     grad_fn(jnp.ones(2), jnp.ones((4, 2)))
@@ -484,11 +536,11 @@ def test_batch_argnums_out_of_range():
 ])
 def test_batch_argnums_must_be_non_negative_ints(bad, error):
   with pytest.raises(error, match="batch_argnums"):
-    jmp_lite.grouped_value_and_grad(_vg(), 2, batch_argnums=bad)
+    jmp_lite.pmean_value_and_grad(_vg(), num_groups=2, batch_argnums=bad)
 
 
 @pytest.mark.parametrize("factory", [
-    lambda f: jmp_lite.grouped_value_and_grad(f, 2),
+    lambda f: jmp_lite.pmean_value_and_grad(f, num_groups=2),
     lambda f: jmp_lite.pmean_value_and_grad(f, "i"),
 ], ids=["grouped", "pmean"])
 def test_non_callable_is_rejected(factory):
@@ -498,15 +550,15 @@ def test_non_callable_is_rejected(factory):
 
 
 def test_wrong_output_structure():
-  loss_only = jmp_lite.grouped_value_and_grad(lambda w, x: jnp.mean(x @ w), 2)
+  loss_only = jmp_lite.pmean_value_and_grad(lambda w, x: jnp.mean(x @ w), num_groups=2)
   with pytest.raises(TypeError, match=r"must return \(loss, grads\)"):
     loss_only(jnp.ones(2), jnp.ones((4, 2)))
-  no_aux = jmp_lite.grouped_value_and_grad(_vg(), 2, has_aux=True)
+  no_aux = jmp_lite.pmean_value_and_grad(_vg(), num_groups=2, has_aux=True)
   with pytest.raises(TypeError, match=r"\(\(loss, aux\), grads\) with "
                      r"has_aux=True; got \(an array, grads\) with has_aux=True"):
     no_aux(jnp.ones(2), jnp.ones((4, 2)))
   with_aux = jax.value_and_grad(lambda w, x: (jnp.mean(x @ w), 0.0), has_aux=True)
-  for wrapped in (jmp_lite.grouped_value_and_grad(with_aux, 2),
+  for wrapped in (jmp_lite.pmean_value_and_grad(with_aux, num_groups=2),
                   jmp_lite.pmean_value_and_grad(with_aux, "i")):
     with pytest.raises(TypeError, match="pass has_aux=True"):
       jax.vmap(wrapped, in_axes=(None, 0), axis_name="i")(

@@ -369,3 +369,84 @@ def test_removed_public_name_names_its_replacement():
     rules.OP_RULE_NAMES  # pylint: disable=pointless-statement
   with pytest.raises(AttributeError, match="no attribute 'NOPE'"):
     rules.NOPE  # pylint: disable=pointless-statement
+
+
+# ---------------------------------------------------------------------------
+# Fewer, clearer names (issue 38): the budget and the old spellings.
+# ---------------------------------------------------------------------------
+
+#: The most distinct public names the library may have (issue 38).
+MAX_PUBLIC_NAMES = 50
+
+
+def _distinct_public_names():
+  return sorted({name for _, name in PUBLIC_NAMES})
+
+
+def test_the_public_surface_is_at_most_50_distinct_names():
+  names = _distinct_public_names()
+  assert len(names) <= MAX_PUBLIC_NAMES, (
+      f"{len(names)} distinct public names (the union of __all__ over "
+      f"{', '.join(PUBLIC_MODULES)}), more than {MAX_PUBLIC_NAMES}: merge "
+      f"before adding one. They are: {', '.join(names)}")
+
+
+#: (module, old name, new name or None when the new spelling is a call).
+RENAMED = (
+    ("jmp_lite.fp8", "fp8_dot_general", "dot_general"),
+    ("jmp_lite.fp8", "fp8_ragged_dot", "ragged_dot"),
+    ("jmp_lite.fp8", "fp8_all_to_all", "all_to_all"),
+    ("jmp_lite.fp4", "fp4_dot_general", "dot_general"),
+    ("jmp_lite.fp4", "fp4_ragged_dot", "ragged_dot"),
+    ("jmp_lite.int8", "int8_dot_general", "dot_general"),
+    ("jmp_lite.int8", "int8_ragged_dot", "ragged_dot"),
+    ("jmp_lite.diagnostics", "advise_fp8", "advise"),
+)
+
+
+@pytest.mark.parametrize("module,old,new", RENAMED,
+                         ids=[f"{m}.{o}" for m, o, _ in RENAMED])
+def test_an_old_spelling_warns_and_is_the_new_object(module, old, new):
+  mod = importlib.import_module(module)
+  assert old not in mod.__all__
+  assert f"{module}.{old}" not in _api_reference_entries()
+  with pytest.warns(DeprecationWarning,
+                    match=rf"^{re.escape(module)}\.{old} is now "
+                    rf"{re.escape(module)}\.{new} .*will be removed"):
+    obj = getattr(mod, old)
+  assert obj is getattr(mod, new)
+
+
+def test_an_old_spelling_imports_with_from():
+  with pytest.warns(DeprecationWarning, match="jmp_lite.fp8.dot_general"):
+    from jmp_lite.fp8 import fp8_dot_general  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  assert fp8_dot_general is jmp_lite.fp8.dot_general
+  with pytest.warns(DeprecationWarning, match="jmp_lite.int8.ragged_dot"):
+    from jmp_lite.int8 import int8_ragged_dot  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  assert int8_ragged_dot is importlib.import_module("jmp_lite.int8").ragged_dot
+
+
+def test_grouped_value_and_grad_warns_and_forwards_to_num_groups():
+  assert "grouped_value_and_grad" not in jmp_lite.__all__
+  with pytest.warns(DeprecationWarning,
+                    match=r"^jmp_lite\.grouped_value_and_grad is now "
+                    r"jmp_lite\.pmean_value_and_grad\(value_and_grad_fn, "
+                    r"num_groups=\.\.\.\)"):
+    old = jmp_lite.grouped_value_and_grad
+  vg = jax.value_and_grad(lambda w, x: jnp.mean((x @ w) ** 2))
+  w, x = jnp.linspace(0.0, 1.0, 6).reshape(3, 2), jnp.arange(24.0).reshape(8, 3)
+  got = old(vg, 4)(w, x)
+  want = jmp_lite.pmean_value_and_grad(vg, num_groups=4)(w, x)
+  np.testing.assert_array_equal(got[0], want[0])
+  np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("module", ["jmp_lite", "jmp_lite.fp8", "jmp_lite.fp4",
+                                    "jmp_lite.int8", "jmp_lite.diagnostics",
+                                    "jmp_lite.autocast_rules"])
+def test_an_unknown_attribute_is_still_an_attribute_error(module):
+  mod = importlib.import_module(module)
+  with pytest.raises(AttributeError,
+                     match=rf"module '{re.escape(module)}' has no attribute 'NOPE'"):
+    mod.NOPE  # pylint: disable=pointless-statement
+  assert not hasattr(mod, "fp8_nope")

@@ -3,12 +3,12 @@
 With a half-precision compute dtype the data-parallel all-reduce of the
 gradients runs in half precision (under ``jax.jit`` + sharding, right after
 each backward matmul; under ``shard_map``, inside the backward pass; under
-``pmap``, in the gradients' dtype). Two functions make it float32:
-:func:`grouped_value_and_grad` under ``jax.jit`` + sharding,
-:func:`pmean_value_and_grad` under ``pmap``/``shard_map``. Both return
-float32 (or wider) gradients. Guide: ``docs/precision.md``.
+``pmap``, in the gradients' dtype). :func:`pmean_value_and_grad` makes it
+float32, with ``num_groups=`` under ``jax.jit`` + sharding and with
+``axis_name=`` under ``pmap``/``shard_map``; either way the gradients come
+back float32 (or wider). Guide: ``docs/precision.md``.
 
-:func:`pmean_value_and_grad` can also send fewer bytes (``wire_format``):
+With ``axis_name`` it can also send fewer bytes (``wire_format``):
 every device's sum is computed in float32, only what travels is narrower.
 The all-reduce is then a reduce-scatter (an ``all_to_all`` of the narrow
 values, then a float32 sum of the pieces each device receives: Megatron's
@@ -75,60 +75,10 @@ def _mean_groups(x: Any) -> Any:
   return x[0] if checks.is_array(x) else x
 
 
-def grouped_value_and_grad(
-    value_and_grad_fn: Callable[..., Any],
-    num_groups: int,
-    *,
-    batch_argnums: int | Sequence[int] = 1,
-    has_aux: bool = False,
-) -> Callable[..., Any]:
-  """Makes the cross-device gradient reduction float32 under ``jax.jit``.
-
-  With a sharded batch, ``jax.jit`` all-reduces each weight gradient in its
-  backward matmul's dtype (half precision under a half compute dtype). The
-  returned function splits the batch's leading axis into ``num_groups``
-  groups, computes one gradient per group with ``jax.vmap`` and averages the
-  groups in float32: that average is the all-reduce. Use the data-parallel
-  device count; the loss must be a mean over the examples; batch statistics
-  and ``aux`` become per group. Guide: ``docs/precision.md``.
-
-  Args:
-    value_and_grad_fn: a function returning ``(loss, grads)``, or
-      ``((loss, aux), grads)`` with ``has_aux=True``, such as
-      ``jax.value_and_grad(loss_fn)`` or
-      ``jmp_lite.scaled_value_and_grad(loss_fn, opt_state)``.
-    num_groups: the number of groups (an int >= 1) the leading axis of the
-      batch is split into; it must divide the batch size.
-    batch_argnums: the positional argument(s) holding the batch (default 1:
-      ``fn(params, batch)``). Every array leaf of them with at least one
-      dimension is split along its leading axis; scalars and non-array leaves
-      go to every group unchanged, as do the other arguments and keyword
-      arguments.
-    has_aux: whether ``value_and_grad_fn`` returns ``((loss, aux), grads)``.
-
-  Returns:
-    A function with ``value_and_grad_fn``'s signature returning
-    ``(loss, grads)`` or ``((loss, aux), grads)``.
-
-  Raises:
-    TypeError: if ``value_and_grad_fn`` is not callable or an option has the
-      wrong type; at call time, if it does not return ``(value, grads)``.
-    ValueError: if ``num_groups < 1`` or ``batch_argnums`` is negative or
-      repeated; at call time, if ``batch_argnums`` is out of range or a batch
-      leaf's leading axis is not divisible by ``num_groups``.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jmp_lite
-    >>> def loss_fn(w, x):
-    ...   return jnp.mean((x.astype(jnp.float16) @ w.astype(jnp.float16)).astype(jnp.float32) ** 2)
-    >>> grad_fn = jmp_lite.grouped_value_and_grad(jax.value_and_grad(loss_fn), num_groups=4)
-    >>> loss, grads = jax.jit(grad_fn)(jnp.ones((3, 2)), jnp.ones((8, 3)))
-    >>> float(loss), grads.dtype, grads.shape
-    (9.0, dtype('float32'), (3, 2))
-  """
-  caller = "grouped_value_and_grad"
-  checks.function(value_and_grad_fn, caller, "a value-and-grad function "
-                  "such as jax.value_and_grad(loss_fn)")
+def _grouped(value_and_grad_fn: Callable[..., Any], num_groups: Any,
+             batch_argnums: Any, has_aux: bool,
+             caller: str) -> Callable[..., Any]:
+  """:func:`pmean_value_and_grad` with ``num_groups`` (under ``jax.jit``)."""
   num_groups = checks.integer(num_groups, "num_groups", caller, 1)
   batch_nums = checks.argnums(batch_argnums, "batch_argnums", caller)
 
@@ -288,54 +238,96 @@ def _pmean_wire(tree: Any, axis_name: Any, wire: str) -> Any:
   return jax.tree.unflatten(treedef, leaves)
 
 
+#: Where each of pmean_value_and_grad's two modes applies.
+WHERE_TO_REDUCE = (
+    "Pass axis_name='batch' inside jax.pmap or jax.shard_map over that axis "
+    "(the mapped axis the gradients are averaged over), or num_groups=N (the "
+    "data-parallel device count) under jax.jit with a sharded batch (the "
+    "batch is split into N groups whose gradients are averaged in float32)."
+)
+
+
 def pmean_value_and_grad(
     value_and_grad_fn: Callable[..., Any],
-    axis_name: Any,
+    axis_name: Any = None,
     *,
+    num_groups: int | None = None,
     argnums: int | Sequence[int] = 0,
+    batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
     wire_format: str = "float32",
 ) -> Callable[..., Any]:
-  """Per-device gradients averaged across a ``pmap``/``shard_map`` axis in float32.
+  """Makes the cross-device gradient reduction float32 (or wider).
 
-  Call the returned function inside ``jax.pmap`` or ``jax.shard_map`` with
-  each device's share of the batch: it runs ``value_and_grad_fn`` there and
-  averages the loss and the gradients across ``axis_name`` in float32. Under
-  ``shard_map`` it first marks the differentiated arguments as varying, so
-  that JAX does not sum their gradients in half precision inside the backward
-  pass. Guide: ``docs/precision.md``.
+  With a half-precision compute dtype the data-parallel all-reduce of the
+  gradients runs in half precision. The returned function averages the loss
+  and the gradients in float32 instead; give exactly one of:
+
+  - ``axis_name``, inside ``jax.pmap`` or ``jax.shard_map``: call the
+    returned function there with each device's share of the batch; it runs
+    ``value_and_grad_fn`` and averages across ``axis_name`` in float32.
+    Under ``shard_map`` it first marks the differentiated arguments
+    (``argnums``) as varying, so that JAX does not sum their gradients in
+    half precision inside the backward pass.
+  - ``num_groups``, under ``jax.jit`` with a sharded batch (where ``jit``
+    all-reduces each weight gradient in its backward matmul's dtype): the
+    returned function splits the batch's leading axis into ``num_groups``
+    groups, computes one gradient per group with ``jax.vmap`` and averages
+    the groups in float32: that average is the all-reduce. Use the
+    data-parallel device count; the loss must be a mean over the examples;
+    batch statistics and ``aux`` become per group.
+
+  Guide: ``docs/precision.md``.
 
   Args:
     value_and_grad_fn: a function returning ``(loss, grads)`` or, with
       ``has_aux=True``, ``((loss, aux), grads)``: ``jax.value_and_grad(...)``
       or ``jmp_lite.scaled_value_and_grad(...)``.
-    axis_name: the mapped axis name (a string, or a tuple of them).
-    argnums: the positional argument(s) ``value_and_grad_fn`` differentiates
-      (as its own ``argnums``; default 0).
+    axis_name: the mapped axis name (a string, or a tuple of them), under
+      ``pmap``/``shard_map``.
+    num_groups: under ``jax.jit``, the number of groups (an int >= 1) the
+      leading axis of the batch is split into; it must divide the batch
+      size.
+    argnums: with ``axis_name``, the positional argument(s)
+      ``value_and_grad_fn`` differentiates (as its own ``argnums``; default
+      0).
+    batch_argnums: with ``num_groups``, the positional argument(s) holding
+      the batch (default 1: ``fn(params, batch)``). Every array leaf of them
+      with at least one dimension is split along its leading axis; scalars
+      and non-array leaves go to every group unchanged, as do the other
+      arguments and keyword arguments.
     has_aux: whether ``value_and_grad_fn`` returns ``((loss, aux), grads)``.
-    wire_format: what the gradients travel in: ``"float32"`` (default: one
-      float32 all-reduce), ``"bfloat16"`` (half the bytes: an
-      ``all_to_all`` in bfloat16, a float32 sum on each device, an
-      ``all_gather`` of the bfloat16 mean) or ``"e4m3"`` (experimental, a
-      quarter of the bytes: the same in float8 e4m3, each leaf scaled by a
-      scale every device shares). The sums are float32 in every format; the
-      error bound of each is in ``docs/precision.md``. A NaN or inf on one
-      device reaches every device's gradients, so a loss-scaling check
-      skips the step everywhere. The loss is averaged in float32.
+    wire_format: with ``axis_name``, what the gradients travel in:
+      ``"float32"`` (default: one float32 all-reduce), ``"bfloat16"`` (half
+      the bytes: an ``all_to_all`` in bfloat16, a float32 sum on each
+      device, an ``all_gather`` of the bfloat16 mean) or ``"e4m3"``
+      (experimental, a quarter of the bytes: the same in float8 e4m3, each
+      leaf scaled by a scale every device shares). The sums are float32 in
+      every format; the error bound of each is in ``docs/precision.md``. A
+      NaN or inf on one device reaches every device's gradients, so a
+      loss-scaling check skips the step everywhere. The loss is averaged in
+      float32. (With ``num_groups``, ``jit`` emits the reduction itself:
+      only ``"float32"``.)
 
   Returns:
-    A function with ``value_and_grad_fn``'s signature returning the loss
-    averaged across the axis (in its own dtype) and the averaged gradients;
+    A function with ``value_and_grad_fn``'s signature returning the averaged
+    loss (in its own dtype) and the averaged gradients (float32 or wider);
     ``aux`` is returned as computed on each device (varying under
-    ``shard_map``: average it or give it a per-device ``out_specs``).
+    ``shard_map``: average it or give it a per-device ``out_specs``), or per
+    group with ``num_groups``.
 
   Raises:
-    TypeError: if ``value_and_grad_fn`` is not callable, ``axis_name`` is not
-      a string or a tuple of strings, or ``argnums`` is not an int or a
-      sequence of ints.
-    ValueError: for a negative or repeated ``argnums``, an unknown
-      ``wire_format``; at call time, if
-      ``argnums`` is out of range or the axis is not bound.
+    TypeError: if ``value_and_grad_fn`` is not callable, neither or both of
+      ``axis_name`` and ``num_groups`` are given, an option of the other
+      mode is given (``argnums`` or ``wire_format`` with ``num_groups``,
+      ``batch_argnums`` with ``axis_name``), ``axis_name`` is not a string
+      or a tuple of strings, or an option has the wrong type; at call time,
+      if ``value_and_grad_fn`` does not return ``(value, grads)``.
+    ValueError: for ``num_groups < 1``, a negative or repeated ``argnums``
+      or ``batch_argnums``, an unknown ``wire_format`` or a narrow one with
+      ``num_groups``; at call time, if ``argnums`` (``batch_argnums``) is
+      out of range, the axis is not bound, or a batch leaf's leading axis is
+      not divisible by ``num_groups``.
 
   Example:
     >>> import jax, jax.numpy as jnp, jmp_lite
@@ -346,10 +338,43 @@ def pmean_value_and_grad(
     >>> loss, grads = jax.vmap(step, in_axes=(None, 0), axis_name="i")(w, xs)
     >>> float(loss[0]), grads.dtype
     (3.0, dtype('float32'))
+    >>> grad_fn = jmp_lite.pmean_value_and_grad(jax.value_and_grad(loss_fn),
+    ...                                         num_groups=4)   # under jit
+    >>> loss, grads = jax.jit(grad_fn)(w, jnp.ones((8, 3)))
+    >>> float(loss), grads.dtype, grads.shape
+    (3.0, dtype('float32'), (3,))
   """
   caller = "pmean_value_and_grad"
   checks.function(value_and_grad_fn, caller, "a value-and-grad function "
                   "such as jax.value_and_grad(loss_fn)")
+  if (axis_name is None) == (num_groups is None):
+    got = ("neither" if axis_name is None else
+           f"both (axis_name={axis_name!r}, num_groups={num_groups!r})")
+    raise TypeError(f"{caller} needs exactly one of axis_name and "
+                    f"num_groups, got {got}. {WHERE_TO_REDUCE}")
+  if num_groups is not None:
+    if argnums != 0:
+      raise TypeError(
+          f"{caller}: argnums={argnums!r} applies with axis_name (under "
+          "pmap/shard_map, the arguments marked as varying); with "
+          "num_groups every argument value_and_grad_fn differentiates is "
+          "reduced. Leave argnums out, or use axis_name. " + WHERE_TO_REDUCE)
+    if wire_format != "float32":
+      checks.choice(wire_format, "wire_format", caller, WIRE_FORMATS)
+      raise ValueError(
+          f"{caller}: wire_format={wire_format!r} needs axis_name under "
+          "jax.shard_map or jax.pmap, where the reduction is emitted here; "
+          "with num_groups (under jax.jit) XLA emits the reduction itself, "
+          "which only a float32 wire can be asked of. Leave wire_format "
+          "out, or reduce under shard_map with axis_name.")
+    return _grouped(value_and_grad_fn, num_groups, batch_argnums, has_aux,
+                    caller)
+  if batch_argnums != 1:
+    raise TypeError(
+        f"{caller}: batch_argnums={batch_argnums!r} applies with num_groups "
+        "(under jax.jit, the arguments whose batch is split into groups); "
+        "with axis_name each device already holds its share of the batch. "
+        "Leave batch_argnums out, or use num_groups. " + WHERE_TO_REDUCE)
   checks.axis_name(axis_name)
   nums = checks.argnums(argnums, "argnums", caller)
   wire = checks.choice(wire_format, "wire_format", caller, WIRE_FORMATS)
@@ -369,3 +394,17 @@ def pmean_value_and_grad(
     return _join(loss, aux, _pmean_wire(grads, axis_name, wire), has_aux)
 
   return wrapped
+
+
+def grouped_value_and_grad(
+    value_and_grad_fn: Callable[..., Any],
+    num_groups: int,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+  """The spelling before 0.2 of ``pmean_value_and_grad(value_and_grad_fn,
+  num_groups=num_groups, ...)`` (``jmp_lite.grouped_value_and_grad`` warns
+  and calls this, for one release)."""
+  return pmean_value_and_grad(value_and_grad_fn, num_groups=num_groups,
+                              batch_argnums=batch_argnums, has_aux=has_aux)
