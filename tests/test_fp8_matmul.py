@@ -43,7 +43,7 @@ def _config(granularity, **kwargs):
 def _vjp_fn(config):
   """jit(x, w, g -> (y, dx, dw)) for a config: one compile per config."""
   def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(x, w, DENSE,
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, DENSE,
                                                       config=config), x, w)
     return (y,) + vjp(g)
   return jax.jit(run)
@@ -225,7 +225,7 @@ def test_general_dimension_numbers(lhs_shape, rhs_shape, dn):
 
   @jax.jit
   def run(lhs, rhs, lhs_q, rhs_q):
-    f = lambda a, b: fp8.dot_general(a, b, dn, config=config)
+    f = lambda a, b: fp8.fp8_dot_general(a, b, dn, config=config)
     y, vjp = jax.vjp(f, lhs, rhs)
     y32, vjp32 = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dn), lhs, rhs)
     ones = jnp.ones_like(y)
@@ -264,7 +264,7 @@ def test_result_and_gradient_dtypes(lhs_dtype, rhs_dtype, kwargs, expected):
 
   @jax.jit
   def run(x, w):
-    f = lambda x, w: fp8.dot_general(x, w, DENSE, config=config,
+    f = lambda x, w: fp8.fp8_dot_general(x, w, DENSE, config=config,
                                          **kwargs)
     y, vjp = jax.vjp(f, x, w)
     return (y,) + vjp(jnp.ones_like(y))
@@ -287,7 +287,7 @@ def test_grad_under_jit_vmap_checkpoint_and_scan(granularity):
   """Per tensor (float8 residuals) and MX (the platform switch and its vmap
   rule); the other granularities share their code with one or the other."""
   config = _config(granularity)
-  dot = functools.partial(fp8.dot_general, dimension_numbers=DENSE,
+  dot = functools.partial(fp8.fp8_dot_general, dimension_numbers=DENSE,
                           config=config)
   xs = jnp.asarray(_data((3, 4, 64), 5, 1.0))
   ws = jnp.asarray(_data((2, 64, 64), 6, 1.0) * 0.1)
@@ -370,7 +370,7 @@ def test_edge_values(granularity):
 def test_empty_operands_and_no_retracing():
   @jax.jit
   def run(x, w):
-    f = lambda x, w: fp8.dot_general(x, w, DENSE, config=_config("row"))
+    f = lambda x, w: fp8.fp8_dot_general(x, w, DENSE, config=_config("row"))
     y, vjp = jax.vjp(f, x, w)
     return (y,) + vjp(jnp.ones_like(y))
 
@@ -389,7 +389,7 @@ def test_empty_operands_and_no_retracing():
 
 
 @pytest.mark.parametrize("matmul", [
-    functools.partial(fp8.dot_general, config=fp8.Fp8Config()),
+    functools.partial(fp8.fp8_dot_general, config=fp8.Fp8Config()),
     functools.partial(fp4.dot_general, config=fp4.Fp4Config(
         "nvfp4", stochastic_rounding=False))], ids=["fp8", "fp4"])
 def test_the_product_is_inlined_into_a_jitted_forward(matmul):
@@ -423,7 +423,7 @@ def test_repeated_matmuls_trace_forward_and_backward_once(monkeypatch):
   def traced(n, rows):  # shapes no other test uses: nothing is cached yet
     def loss(w, x):
       for _ in range(n):
-        x = fp8.dot_general(x, w, DENSE)
+        x = fp8.fp8_dot_general(x, w, DENSE)
       return x.sum()
     calls.clear()
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(
@@ -449,7 +449,7 @@ def test_finite_inputs_create_no_nan_or_inf_anywhere(granularity):
   w, g = W[:64], G
   with jax.debug_nans(True), jax.debug_infs(True), jax.disable_jit():
     for lhs in (x, np.zeros_like(x)):
-      _, vjp = jax.vjp(lambda a, b: fp8.dot_general(a, b, DENSE,
+      _, vjp = jax.vjp(lambda a, b: fp8.fp8_dot_general(a, b, DENSE,
                                                         config=config), lhs, w)
       vjp(g)
 
@@ -460,7 +460,7 @@ def test_per_tensor_dense_matmul_transposes_nothing():
   contract where they must (the weight gradient's result comes back
   transposed, a float32 (N, K) -> (K, N) that XLA folds into the dot)."""
   def loss(x, w):
-    return fp8.dot_general(x, w, DENSE).sum()
+    return fp8.fp8_dot_general(x, w, DENSE).sum()
   jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(X, W)
   eqns = list(all_eqns(jaxpr))  # jax 0.12 keeps the jitted kernels as calls
   transposes = [e for e in eqns if e.primitive.name == "transpose"]
@@ -481,7 +481,7 @@ _DELAYED = fp8.Fp8Config(scaling="delayed")
 
 @jax.jit
 def _delayed(x, w, scales, g):
-  f = lambda x, w, s: fp8.dot_general(x, w, DENSE, config=_DELAYED,
+  f = lambda x, w, s: fp8.fp8_dot_general(x, w, DENSE, config=_DELAYED,
                                           scales=s)
   y, vjp = jax.vjp(f, x, w, scales)
   return (y,) + vjp(g)
@@ -519,19 +519,19 @@ def test_delayed_scaling_saturates_without_nan_and_keeps_overflow_visible():
 
 def test_delayed_scales_are_required_and_checked():
   with pytest.raises(TypeError, match="DelayedScales"):
-    fp8.dot_general(X, W, DENSE, config=_DELAYED)
+    fp8.fp8_dot_general(X, W, DENSE, config=_DELAYED)
   with pytest.raises(ValueError, match=r"scales.rhs must be a scalar.*\(2,\)"):
-    fp8.dot_general(X, W, DENSE, config=_DELAYED, scales=fp8.DelayedScales(
+    fp8.fp8_dot_general(X, W, DENSE, config=_DELAYED, scales=fp8.DelayedScales(
         jnp.float32(1), jnp.ones(2), jnp.float32(1)))
   with pytest.raises(ValueError, match="current scaling"):
-    fp8.dot_general(X, W, DENSE, scales=fp8.DelayedScales(1.0, 1.0, 1.0))
+    fp8.fp8_dot_general(X, W, DENSE, scales=fp8.DelayedScales(1.0, 1.0, 1.0))
 
 
 def test_delayed_scales_that_are_not_usable():
   # A Python/NumPy constant is refused where it is given...
   for bad in (0.0, -1.0, np.inf, np.nan, np.float32(1e-40)):
     with pytest.raises(ValueError, match="scales.lhs must be positive, finite"):
-      fp8.dot_general(X, W, DENSE, config=_DELAYED,
+      fp8.fp8_dot_general(X, W, DENSE, config=_DELAYED,
                           scales=fp8.DelayedScales(bad, 1.0))
   # ...a JAX array (traced here) falls back to current scaling, per operand.
   current = _vjp_fn(fp8.Fp8Config())(X, W, G)
@@ -570,9 +570,9 @@ def test_scales_are_applied_so_that_a_representable_result_is_right():
 
 
 @pytest.mark.parametrize("call", [
-    lambda: fp8.dot_general(None, W, DENSE),
-    lambda: fp8.dot_general(X, None, DENSE),
-    lambda: fp8.dot_general(X, W, DENSE, config=_DELAYED,
+    lambda: fp8.fp8_dot_general(None, W, DENSE),
+    lambda: fp8.fp8_dot_general(X, None, DENSE),
+    lambda: fp8.fp8_dot_general(X, W, DENSE, config=_DELAYED,
                                 scales=fp8.DelayedScales(None, 1.0)),
 ], ids=["lhs", "rhs", "scales.lhs"])
 def test_none_arguments_are_named(call):
@@ -623,7 +623,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("granularity", ["tensor", "row", "blockwise", "mxfp8"])
 def test_second_derivatives_match_float32(granularity):
   kwargs = {"block_size": 16} if granularity == "blockwise" else {}
-  dot = functools.partial(fp8.dot_general, config=_config(
+  dot = functools.partial(fp8.fp8_dot_general, config=_config(
       granularity, gradient_format="e4m3", **kwargs))
 
   @jax.jit
@@ -696,12 +696,12 @@ def _per_replica(fn, kind, *args):
 def test_axis_name_makes_current_scaling_global(kind):
   def run(config):
     def fn(x, w):
-      y, vjp = jax.vjp(lambda x, w: fp8.dot_general(
+      y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(
           x, w, DENSE, config=config), x, w)
       return (y,) + vjp(jnp.ones_like(y))
     return _per_replica(fn, kind, _XB, _WB)
 
-  glob = jax.jit(lambda x, w: fp8.dot_general(x, w, DENSE))(
+  glob = jax.jit(lambda x, w: fp8.fp8_dot_general(x, w, DENSE))(
       _XB.reshape(-1, 32), _WB).reshape(_N_DEV, 4, 16)
   y, dx, dw = run(fp8.Fp8Config(axis_name="data"))
   # The same quantized operands and scales; the float32 sums of a (4, 32)
@@ -731,7 +731,7 @@ def test_axis_name_makes_delayed_amaxes_global(kind):
 
   def fn(x, w):
     # The matmul's own report (the scales' cotangent)...
-    _, vjp = jax.vjp(lambda x, w, s: fp8.dot_general(
+    _, vjp = jax.vjp(lambda x, w, s: fp8.fp8_dot_general(
         x, w, DENSE, config=config, scales=s), x, w,
         fp8.DelayedScales(jnp.float32(1.0), jnp.float32(1.0)))
     amaxes = vjp(jnp.ones_like(_))[2]
@@ -756,7 +756,7 @@ def test_block_scaled_recipes_run_under_shard_map(granularity):
   config = fp8.Fp8Config(granularity=granularity)
 
   def fn(x, w):
-    y, vjp = jax.vjp(lambda x, w: fp8.dot_general(
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(
         x, w, DENSE, config=config), x, w)
     return (y,) + vjp(jnp.ones_like(y))
 
@@ -766,7 +766,7 @@ def test_block_scaled_recipes_run_under_shard_map(granularity):
   if granularity == "mxfp8":
     # Eager: the suite's eager run of a block-scaled matmul and its custom
     # backward (the platform switch executed op by op).
-    glob, glob_vjp = jax.vjp(lambda x: fp8.dot_general(
+    glob, glob_vjp = jax.vjp(lambda x: fp8.fp8_dot_general(
         x, _WB, DENSE, config=config), x)
     glob_dx = glob_vjp(ones)[0]
   else:  # one jitted program (the eager path is mxfp8's above)
@@ -780,7 +780,7 @@ def test_unbound_axis_name_teaches():
   config = fp8.Fp8Config(axis_name="data")
   with pytest.raises(ValueError, match=r"axis_name='data'.*jax.pmap or "
                      r"jax.shard_map.*jax.jit with sharded arrays"):
-    fp8.dot_general(X, W, DENSE, config=config)
+    fp8.fp8_dot_general(X, W, DENSE, config=config)
   with pytest.raises(TypeError, match="axis_name"):
     fp8.Fp8Config(axis_name=0)
   assert fp8.Fp8Config(axis_name=["a", "b"]).axis_name == ("a", "b")
@@ -814,7 +814,7 @@ def _ops(text, op):
 
 def _value_and_grads(config, dn=DENSE):
   def loss(x, w):
-    return jnp.sum(fp8.dot_general(x, w, dn, config=config) * 0.5)
+    return jnp.sum(fp8.fp8_dot_general(x, w, dn, config=config) * 0.5)
   return jax.value_and_grad(loss, argnums=(0, 1))
 
 
@@ -878,7 +878,7 @@ def test_mx_platform_switch_in_exported_programs():
 
 def test_mx_native_path_under_vmap_with_an_unbatched_operand():
   config = _config("mxfp8")
-  f = jax.vmap(lambda x, w: fp8.dot_general(x, w, DENSE, config=config),
+  f = jax.vmap(lambda x, w: fp8.fp8_dot_general(x, w, DENSE, config=config),
                in_axes=(0, None))
   xs = jnp.stack([jnp.asarray(X)] * 2)
   text = _exported_text(f, (xs, W))
@@ -906,7 +906,7 @@ def test_config_is_canonical_hashable_and_static():
 
   @functools.partial(jax.jit, static_argnums=2)
   def f(x, w, config):
-    return fp8.dot_general(x, w, DENSE, config=config)
+    return fp8.fp8_dot_general(x, w, DENSE, config=config)
 
   np.testing.assert_array_equal(np.asarray(f(X, W, a)),
                                 np.asarray(f(X, W, b)))
@@ -964,7 +964,7 @@ def test_argument_errors(args, kwargs, error, pattern):
   kwargs = dict(kwargs)
   dn = kwargs.pop("dimension_numbers", DENSE)
   with pytest.raises(error, match=pattern):
-    fp8.dot_general(*args, dn, **kwargs)
+    fp8.fp8_dot_general(*args, dn, **kwargs)
 
 
 @pytest.mark.parametrize("dn,problem", [
@@ -976,10 +976,10 @@ def test_argument_errors(args, kwargs, error, pattern):
     ((((1, 1), (0, 0)), ((), ())), "the lhs axes (1, 1) repeat an axis"),
     ((((1,), (0,)), ((1,), (0,))), "the lhs axes (1, 1) repeat an axis"),
 ])
-@pytest.mark.parametrize("dot,owner", [(fp8.dot_general, "fp8_dot_general"),
+@pytest.mark.parametrize("dot,owner", [(fp8.fp8_dot_general, "fp8_dot_general"),
                                        (fp4.dot_general, "fp4_dot_general")])
 def test_dimension_numbers_errors_teach(dn, problem, dot, owner):
-  """fp8.dot_general and fp4.dot_general refuse malformed dimension numbers
+  """fp8.fp8_dot_general and fp4.dot_general refuse malformed dimension numbers
   through one check: the owner, the problem, the value and the form."""
   with pytest.raises(TypeError) as info:
     dot(jnp.ones((16, 32)), jnp.ones((32, 16)), dn)
@@ -992,10 +992,10 @@ def test_dimension_numbers_errors_teach(dn, problem, dot, owner):
 def test_dimension_numbers_in_other_spellings():
   """Lists, NumPy integers and a bare int per group are dimension numbers
   too (as for jax.lax.dot_general), and give the same product."""
-  y = fp8.dot_general(X, W, DENSE)
+  y = fp8.fp8_dot_general(X, W, DENSE)
   for dn in (([1], [0]), ([], [])), ((1, 0), ((), ())), (
       ((np.int64(1),), (np.int32(0),)), ((), ())):
-    np.testing.assert_array_equal(fp8.dot_general(X, W, dn), y)
+    np.testing.assert_array_equal(fp8.fp8_dot_general(X, W, dn), y)
 
 
 # ---------------------------------------------------------------------------
@@ -1005,7 +1005,7 @@ def test_dimension_numbers_in_other_spellings():
 
 def test_as_flax_dense_dot_general():
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  dot = functools.partial(fp8.dot_general,
+  dot = functools.partial(fp8.fp8_dot_general,
                           config=fp8.Fp8Config(granularity="row"))
   fp8_dense, dense = nn.Dense(16, dot_general=dot), nn.Dense(16)
   x = jnp.asarray(_data((2, 4, 32), 8, 1.0))

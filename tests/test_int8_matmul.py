@@ -101,7 +101,7 @@ def _uncanonical(c, perm, tshape):
 
 
 def reference(lhs, rhs, g, dn, config):
-  """(y, dlhs, drhs) in float32 as int8_dot_general computes them."""
+  """(y, dlhs, drhs) in float32 as int8.dot_general computes them."""
   (lc, rc), (lb, rb) = dn
   a, aperm, ashape = _canonical(np.asarray(lhs, np.float32), lb, lc)
   b, bperm, bshape = _canonical(np.asarray(rhs, np.float32), rb, rc)
@@ -134,7 +134,7 @@ def reference(lhs, rhs, g, dn, config):
 @functools.lru_cache(maxsize=None)
 def _vjp_fn(config, dn, jit=True):
   def run(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: int8.int8_dot_general(
+    y, vjp = jax.vjp(lambda x, w: int8.dot_general(
         x, w, dn, config=config), x, w)
     return (y,) + vjp(g)
   return jax.jit(run) if jit else run
@@ -256,12 +256,12 @@ def test_general_dimension_numbers_bit_for_bit(case, recipe, dtype):
 def test_preferred_element_type_and_mixed_operands():
   x = _spread((8, 32), 3)
   w = jnp.asarray(_spread((32, 16), 4), jnp.bfloat16)
-  y = int8.int8_dot_general(x, w, DENSE, preferred_element_type=jnp.bfloat16)
+  y = int8.dot_general(x, w, DENSE, preferred_element_type=jnp.bfloat16)
   assert y.dtype == jnp.bfloat16
   ry, _, _ = reference(x, w, np.zeros((8, 16), np.float32), DENSE,
                        int8.Int8Config())
   np.testing.assert_array_equal(np.asarray(y), ry.astype(BF16))
-  y = int8.int8_dot_general(x, w, DENSE)
+  y = int8.dot_general(x, w, DENSE)
   assert y.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(y), ry)
 
@@ -327,7 +327,7 @@ def test_half_integers_through_the_matmul():
   w = np.zeros((16, 2), np.float32)
   w[1, 0] = 1.0      # column 0 picks x[:, 1]
   w[0, 1] = 1.0      # column 1 picks x[:, 0]
-  y = np.asarray(jax.jit(lambda a, b: int8.int8_dot_general(a, b, DENSE))(
+  y = np.asarray(jax.jit(lambda a, b: int8.dot_general(a, b, DENSE))(
       x, w))
   s = np.float32(1) / np.float32(127)
   want = (np.array([0, 2, 2, 0, -2, -2, 126, -126], np.float32)
@@ -367,11 +367,12 @@ def test_a_non_finite_value_stays_in_its_row(recipe, bad, k):
   """A NaN or inf in row 3 of x: row 3 of the output is non-finite, every
   other row finite and equal to the reference (SwitchBack's per-tensor
   weight is unaffected: the bad value is in the activation). Rows of 128:
-  XLA:CPU's row maximum skips a NaN there (the quantizer adds a sum)."""
+  XLA:CPU's float row maximum skips a NaN there (the quantizer takes the
+  maximum of the magnitudes' bit patterns, as integers)."""
   x = _spread((64, k), 8)
   x[3, 7] = bad
   w = _spread((k, 16), 9)
-  y = np.asarray(jax.jit(lambda a, b: int8.int8_dot_general(
+  y = np.asarray(jax.jit(lambda a, b: int8.dot_general(
       a, b, DENSE, config=int8.Int8Config(recipe)))(x, w))
   assert not np.any(np.isfinite(y[3]))
   others = np.delete(y, 3, axis=0)
@@ -411,7 +412,7 @@ def test_finite_inputs_create_no_nan_or_inf_op_by_op(recipe,
     cases.append((int8.Int8Config(stochastic_rounding=True), x, g))
   with jax.disable_jit():
     for config, lhs, cotangent in cases:
-      _, vjp = jax.vjp(lambda a, b, c=config: int8.int8_dot_general(
+      _, vjp = jax.vjp(lambda a, b, c=config: int8.dot_general(
           a, b, DENSE, config=c), lhs, w)
       vjp(cotangent)
   # The flag is live: a NaN made inside raises.
@@ -520,7 +521,7 @@ def test_long_contractions_are_chunked(monkeypatch, k, chunk):
   jax.clear_caches()
   try:
     x, w = _spread((8, k), 17), _spread((k, 12), 18)
-    y = np.asarray(jax.jit(lambda a, b: int8.int8_dot_general(a, b, DENSE))(
+    y = np.asarray(jax.jit(lambda a, b: int8.dot_general(a, b, DENSE))(
         x, w))
     want = _chunked_reference(x, w, chunk)
     if k // chunk == 3:
@@ -554,12 +555,12 @@ def test_a_contraction_that_would_overflow_int32(monkeypatch):
   x, w = np.ones((1, k), np.float32), np.ones((k, 1), np.float32)
   jax.clear_caches()
   try:
-    y = float(jax.jit(lambda a, b: int8.int8_dot_general(a, b, DENSE))(x, w)[
+    y = float(jax.jit(lambda a, b: int8.dot_general(a, b, DENSE))(x, w)[
         0, 0])
     np.testing.assert_allclose(y, k, rtol=1e-6)
     monkeypatch.setattr(int8_matmul, "EXACT_INT32_LENGTH", 2 * k)
     jax.clear_caches()
-    wrong = float(jax.jit(lambda a, b: int8.int8_dot_general(a, b, DENSE))(
+    wrong = float(jax.jit(lambda a, b: int8.dot_general(a, b, DENSE))(
         x, w)[0, 0])
     assert wrong < 0    # wrapped
   finally:
@@ -602,11 +603,11 @@ def test_sqnr_against_float32():
       return (y,) + vjp(g)
     return [_sqnr(e, v) for e, v in zip(exact, jax.jit(run)(x, w, g))]
 
-  got = {r: measure(functools.partial(int8.int8_dot_general,
+  got = {r: measure(functools.partial(int8.dot_general,
                                       config=int8.Int8Config(r)))
          for r in RECIPES}
   got["fp8_rowwise"] = measure(functools.partial(
-      fp8_public.fp8_dot_general,
+      fp8_public.dot_general,
       config=fp8_public.Fp8Config(granularity="row")))
   print({k: [round(v, 2) for v in vs] for k, vs in got.items()})
   for name, bars in _SQNR_BARS.items():
@@ -628,9 +629,9 @@ def test_sqnr_against_float32():
 def test_a_config_that_is_not_an_int8_config():
   x, w = np.ones((4, 16), np.float32), np.ones((16, 8), np.float32)
   with pytest.raises(TypeError, match="Int8Config.*Fp8Config"):
-    int8.int8_dot_general(x, w, DENSE, config=fp8_public.Fp8Config())
+    int8.dot_general(x, w, DENSE, config=fp8_public.Fp8Config())
   with pytest.raises(TypeError, match="Int8Config.*str"):
-    int8.int8_dot_general(x, w, DENSE, config="int8")
+    int8.dot_general(x, w, DENSE, config="int8")
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.int32, np.bool_])
@@ -638,9 +639,9 @@ def test_integer_operands_are_refused(dtype):
   x = np.ones((4, 16), dtype)
   w = np.ones((16, 8), np.float32)
   with pytest.raises((TypeError, ValueError), match="int8_dot_general's lhs"):
-    int8.int8_dot_general(x, w, DENSE)
+    int8.dot_general(x, w, DENSE)
   with pytest.raises((TypeError, ValueError), match="int8_dot_general's rhs"):
-    int8.int8_dot_general(w.T, x.T, DENSE)
+    int8.dot_general(w.T, x.T, DENSE)
 
 
 @pytest.mark.parametrize("kwargs,error,pattern", [
@@ -666,7 +667,7 @@ def test_second_derivative_is_refused():
   x, w = _spread((4, 16), 23), _spread((16, 8), 24)
 
   def loss(w):
-    return jnp.sum(jnp.tanh(int8.int8_dot_general(x, w, DENSE)))
+    return jnp.sum(jnp.tanh(int8.dot_general(x, w, DENSE)))
 
   jax.grad(loss)(w)   # first order is fine
   for f in (jax.grad(lambda w: jnp.sum(jax.grad(loss)(w))),
@@ -681,7 +682,7 @@ def test_unbound_axis_name_teaches():
   x, w = np.ones((4, 16), np.float32), np.ones((16, 8), np.float32)
   with pytest.raises(ValueError, match=r"Int8Config\(axis_name='data'\).*jax.shard_map"
                      r".*jax.jit with sharded arrays"):
-    int8.int8_dot_general(x, w, DENSE, config=config)
+    int8.dot_general(x, w, DENSE, config=config)
   with pytest.raises(TypeError, match="axis_name"):
     int8.Int8Config(axis_name=0)
 
@@ -709,7 +710,7 @@ def test_shard_map_shares_the_tensor_wise_weight_amax():
 
   def run(config):
     def body(x, w, g):
-      y, vjp = jax.vjp(lambda w: int8.int8_dot_general(x, w, DENSE,
+      y, vjp = jax.vjp(lambda w: int8.dot_general(x, w, DENSE,
                                                        config=config), w)
       return y, vjp(g)[0]
     return jax.jit(jax.shard_map(
@@ -735,16 +736,16 @@ def test_shard_map_shares_the_tensor_wise_weight_amax():
 
 
 def test_a_nan_in_one_replicas_weight_slice_stays_visible():
-  """lax.pmax across replicas skips a NaN on CPU: the replica holding the
-  NaN still makes its output non-finite (its own scale carries it); the
-  others, whose columns hold no NaN, stay finite with the shared amax."""
+  """A float lax.pmax across replicas skips a NaN on CPU; the quantizer's
+  integer pmax of the magnitudes' bit patterns cannot: the replica holding
+  the NaN makes its output non-finite."""
   spec = jax.sharding.PartitionSpec
   x = _spread((8, 64), 31, 1.0)
   w = _spread((64, 32), 32, 1.0)
   w[5, 19] = np.nan     # column 19: replica 2 (columns 16..23)
   config = int8.Int8Config("int8_switchback", axis_name="data")
   y = np.asarray(jax.jit(jax.shard_map(
-      lambda x, w: int8.int8_dot_general(x, w, DENSE, config=config),
+      lambda x, w: int8.dot_general(x, w, DENSE, config=config),
       mesh=_mesh(4), in_specs=(spec(), spec(None, "data")),
       out_specs=spec(None, "data")))(x, w))
   assert not np.any(np.isfinite(y[:, 16:24]))
@@ -759,7 +760,7 @@ def test_shard_map_data_parallel_switchback():
   config = int8.Int8Config("int8_switchback", axis_name="data")
 
   def body(x, w, g):
-    y, vjp = jax.vjp(lambda x, w: int8.int8_dot_general(
+    y, vjp = jax.vjp(lambda x, w: int8.dot_general(
         x, w, DENSE, config=config), x, w)
     dx, dw = vjp(g)   # dw: summed over the replicas by shard_map
     return y, dx, dw

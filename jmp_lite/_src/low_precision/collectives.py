@@ -142,7 +142,7 @@ def fp8_all_to_all(x: Any, axis_name: Any, split_axis: int, concat_axis: int,
     >>> from jmp_lite import fp8
     >>> mesh = Mesh(np.array(jax.devices()[:1]), ("expert",))
     >>> dispatch = jax.shard_map(
-    ...     lambda x: fp8.fp8_all_to_all(x, "expert", 0, 0, tiled=True),
+    ...     lambda x: fp8.all_to_all(x, "expert", 0, 0, tiled=True),
     ...     mesh=mesh, in_specs=P("expert"), out_specs=P("expert"))
     >>> dispatch(jnp.full((4, 128), 3.0, jnp.bfloat16))[0, :2]
     Array([3, 3], dtype=bfloat16)

@@ -424,10 +424,10 @@ def fp4_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
     >>> from jmp_lite import fp4
     >>> x, w = jnp.ones((6, 32)), jnp.full((3, 32, 16), 0.5)
     >>> sizes = jnp.array([4, 0, 2], jnp.int32)
-    >>> y = fp4.fp4_ragged_dot(x, w, sizes)
+    >>> y = fp4.ragged_dot(x, w, sizes)
     >>> y.shape, float(y[0, 0])
     ((6, 16), 16.0)
-    >>> dw = jax.grad(lambda w: fp4.fp4_ragged_dot(
+    >>> dw = jax.grad(lambda w: fp4.ragged_dot(
     ...     x, w, sizes, key=jax.random.key(0)).sum())(w)
     >>> float(jnp.abs(dw[1]).max())   # the empty group's weight gradient
     0.0

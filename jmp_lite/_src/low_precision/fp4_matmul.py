@@ -429,7 +429,7 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     >>> import jax, jax.numpy as jnp
     >>> from jmp_lite import fp4
     >>> def loss(w, x, key):
-    ...   y = fp4.fp4_dot_general(x, w, (((1,), (0,)), ((), ())), key=key)
+    ...   y = fp4.dot_general(x, w, (((1,), (0,)), ((), ())), key=key)
     ...   return y.sum()
     >>> x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
     >>> g = jax.jit(jax.grad(loss))(w, x, jax.random.key(0))

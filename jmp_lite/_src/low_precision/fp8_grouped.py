@@ -669,7 +669,7 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
     >>> from jmp_lite import fp8
     >>> x, w = jnp.ones((6, 32)), jnp.ones((3, 32, 16))
     >>> sizes = jnp.array([4, 0, 2], jnp.int32)
-    >>> y = fp8.fp8_ragged_dot(x, w, sizes,
+    >>> y = fp8.ragged_dot(x, w, sizes,
     ...                        config=fp8.Fp8Config(granularity="row"))
     >>> y.shape, float(y[0, 0])
     ((6, 16), 32.0)

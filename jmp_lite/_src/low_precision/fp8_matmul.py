@@ -180,7 +180,7 @@ class DelayedScales(NamedTuple):
     >>> from jmp_lite import fp8
     >>> config = fp8.Fp8Config(scaling="delayed")
     >>> scales = fp8.DelayedScales(jnp.float32(1.0), jnp.float32(0.5))
-    >>> y = fp8.fp8_dot_general(jnp.ones((2, 16)), jnp.ones((16, 4)),
+    >>> y = fp8.dot_general(jnp.ones((2, 16)), jnp.ones((16, 4)),
     ...                         (((1,), (0,)), ((), ())), config=config,
     ...                         scales=scales)
     >>> float(y[0, 0])
@@ -765,8 +765,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
 
   Example:
     >>> import functools, jax, jax.numpy as jnp
-    >>> from jmp_lite._src import low_precision as fp8
-    >>> dot = functools.partial(fp8.fp8_dot_general,
+    >>> from jmp_lite import fp8
+    >>> dot = functools.partial(fp8.dot_general,
     ...                         config=fp8.Fp8Config(granularity="row"))
     >>> @jax.jit
     ... def loss_and_grad(x, w):

@@ -216,7 +216,7 @@ def int8_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
     >>> import jax.numpy as jnp
     >>> from jmp_lite import int8
     >>> x, w = jnp.ones((6, 32)), jnp.full((3, 32, 16), 0.5)
-    >>> y = int8.int8_ragged_dot(x, w, jnp.array([2, 0, 4]))
+    >>> y = int8.ragged_dot(x, w, jnp.array([2, 0, 4]))
     >>> y.shape, float(y[0, 0])
     ((6, 16), 16.0)
   """

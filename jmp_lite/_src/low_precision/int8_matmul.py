@@ -423,7 +423,7 @@ def int8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
     >>> import jax, jax.numpy as jnp
     >>> from jmp_lite import int8
     >>> def loss(w, x):
-    ...   return int8.int8_dot_general(x, w, (((1,), (0,)), ((), ()))).sum()
+    ...   return int8.dot_general(x, w, (((1,), (0,)), ((), ()))).sum()
     >>> x, w = jnp.ones((16, 32)), jnp.full((32, 16), 0.5)
     >>> float(loss(w, x)), jax.jit(jax.grad(loss))(w, x).shape
     (4096.0, (32, 16))

@@ -874,8 +874,8 @@ AXIS_NAME_SPELLING = (
     "name such as 'batch' or 'data_parallel' (letters, digits, '_', '.', "
     "'-'; not starting with a digit, and not 'none'); a tuple is written "
     "axis_name=(data|fsdp). Rename the mesh axis, or pass the config to "
-    "jmp_lite.fp8.fp8_dot_general (jmp_lite.fp4.fp4_dot_general, "
-    "jmp_lite.int8.int8_dot_general) directly."
+    "jmp_lite.fp8.dot_general (jmp_lite.fp4.dot_general, "
+    "jmp_lite.int8.dot_general) directly."
 )
 FIELD_SEPARATOR_HELP = (
     "Fields inside a recipe are separated by ';' (',' separates the "
