@@ -1,5 +1,6 @@
 """Bytes on the wire per training step: the collectives of the compiled
-programs on 8 simulated CPU devices, plain against jmp_lite's low-precision
+programs on 8 simulated CPU devices (or the GPUs of a machine: the GPU
+suite's collectives row), plain against jmp_lite's low-precision
 collectives (issue 39).
 
 No time is measured: the figures are read from the programs XLA:CPU
@@ -24,7 +25,12 @@ with its element type and size. Three settings:
   in bfloat16 by default, so the last row puts it in float8 too). The
   remaining wide collectives of those rows are not weight gathers: the
   float32 weight gradients' all-reduces (XLA:CPU does not turn them into
-  reduce-scatters) and, with the bfloat16 head, the activations.
+  reduce-scatters) and, with the bfloat16 head, the activations;
+* **FSDP under shard_map** (the weight arrives as each device's shard and
+  the step gathers it): ``jax.lax.all_gather`` of the bfloat16 shard before
+  a bfloat16 matmul (plain) against ``fp8.dot_general`` and
+  ``int8.dot_general`` with ``fsdp_axis`` (the quantized shard's bits
+  gathered inside the matmul, its gradient reduce-scattered in float32).
 
 Per collective: the payload (the bytes of its operand, for an all-gather its
 result) and an estimate of what each device sends: ``(n-1)/n`` of the
@@ -34,6 +40,10 @@ an all-reduce (a ring). Run from the repository root::
   python -m benchmarks.collective_bytes                   # ~1 min
   python -m benchmarks.collective_bytes --update-results  # into benchmarks/results/
   python -m benchmarks.collective_bytes --quick --out /tmp/cb
+  python -m benchmarks.collective_bytes --devices 4 --out /tmp/cb  # e.g. 4 GPUs
+
+On a machine with GPUs the programs are XLA:GPU's (``--devices``: how many,
+2, 4 or 8; the GPU suite runs this with its machine's GPUs).
 """
 
 from __future__ import annotations
@@ -105,8 +115,12 @@ def _compiled(fn, *args) -> str:
   return jax.jit(fn).lower(*args).compile().as_text()
 
 
+#: The devices the programs run on (``--devices``; set by :func:`main`).
+_DEVICES = [DEVICES]
+
+
 def _mesh() -> Mesh:
-  return Mesh(np.array(jax.devices()[:DEVICES]), ("d",))
+  return Mesh(np.array(jax.devices()[:_DEVICES[0]]), ("d",))
 
 
 def gradient_programs(size) -> dict[str, str]:
@@ -188,16 +202,56 @@ def fsdp_programs(size) -> dict[str, str]:
   return out
 
 
+def shard_map_fsdp_programs(size) -> dict[str, str]:
+  """FSDP under shard_map: each device's shard of a weight, gathered by
+  hand in bfloat16 (plain) or by the float8/int8 matmul (fsdp_axis)."""
+  width = size["width"]
+  w = jnp.ones((width, width), jnp.float32)
+  batch = jnp.ones((size["batch"], width), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+
+  def plain(w, x):
+    whole = jax.lax.all_gather(w.astype(jnp.bfloat16), "d", tiled=True)
+    return jnp.mean(jax.lax.dot_general(x.astype(jnp.bfloat16), whole, dn,
+                                        preferred_element_type=jnp.float32)
+                    ** 2)
+
+  def quantized(dot, config):
+    return lambda w, x: jnp.mean(
+        dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), dn,
+            preferred_element_type=jnp.float32, config=config) ** 2)
+
+  from jmp_lite import int8  # pylint: disable=import-outside-toplevel
+  losses = {
+      "bfloat16 (lax.all_gather, then the matmul)": plain,
+      "float8 (fp8.dot_general, fsdp_axis=d)": quantized(
+          fp8.dot_general, fp8.Fp8Config(fsdp_axis="d")),
+      "int8 (int8.dot_general, fsdp_axis=d)": quantized(
+          int8.dot_general, int8.Int8Config(fsdp_axis="d")),
+  }
+  out = {}
+  for name, loss in losses.items():
+    step = jax.shard_map(jax.grad(loss), mesh=_mesh(),
+                         in_specs=(P("d", None), P("d")),
+                         out_specs=P("d", None))
+    with jax.set_mesh(_mesh()):
+      out[name] = _compiled(step, w, batch)
+  return out
+
+
 def measure_all(args) -> dict[str, Any]:
   size = SIZES[args.quick]
+  n = _DEVICES[0]
   rows = []
   for setting, programs in (("gradient reduction", gradient_programs(size)),
                             ("MoE dispatch", dispatch_programs(size, False)),
                             ("MoE dispatch, gradient",
                              dispatch_programs(size, True)),
-                            ("FSDP", fsdp_programs(size))):
+                            ("FSDP", fsdp_programs(size)),
+                            ("FSDP under shard_map",
+                             shard_map_fsdp_programs(size))):
     for name, hlo in programs.items():
-      found = collectives(hlo)
+      found = collectives(hlo, n)
       rows.append({"setting": setting, "program": name, "collectives": found,
                    "payload_bytes": sum(c["payload_bytes"] for c in found),
                    "sent_bytes": sum(c["sent_bytes"] for c in found)})
@@ -206,7 +260,8 @@ def measure_all(args) -> dict[str, Any]:
     base = group[0]["sent_bytes"]
     for r in group:
       r["sent_ratio"] = r["sent_bytes"] / base if base else None
-  return {"results": rows}
+  return {"results": rows, "devices": n,
+          "platform": jax.devices()[0].platform}
 
 
 def _kinds(found: list[dict[str, Any]]) -> str:
@@ -219,16 +274,20 @@ def _kinds(found: list[dict[str, Any]]) -> str:
 
 def table(report: dict[str, Any]) -> list[str]:
   size = report["config"]["size"]
+  n = report.get("devices", DEVICES)
+  platform = {"cpu": "CPU", "gpu": "GPU", "cuda": "GPU"}.get(
+      report.get("platform", "cpu"), report.get("platform", "cpu"))
   lines = [
       f"Gradient reduction: {size['layers']} dense layers {size['width']} x "
       f"{size['width']} (float32 params), batch {size['batch']} over "
-      f"{DEVICES} devices under `jax.shard_map`. MoE dispatch: "
+      f"{n} devices under `jax.shard_map`. MoE dispatch: "
       f"{size['tokens']} bfloat16 tokens of {size['model']} features, tiled "
-      f"all-to-all over {DEVICES} devices (the forward, and the gradient of a "
+      f"all-to-all over {n} devices (the forward, and the gradient of a "
       "loss of it: the cotangent's all-to-all). FSDP: two "
-      f"{size['width']} x {size['width']} weights sharded over {DEVICES} "
-      "devices, `jax.jit` of the gradient. Bytes per step from the compiled "
-      "CPU programs; sent: an estimate per device (all-reduce as a ring). "
+      f"{size['width']} x {size['width']} weights sharded over {n} "
+      "devices, `jax.jit` of the gradient; the same under `jax.shard_map` "
+      "(each device's shard gathered in the step). Bytes per step from the "
+      f"compiled {platform} programs; sent: an estimate per device (all-reduce as a ring). "
       "The first row of each setting is the baseline of its ratio.",
       "",
       "| setting | program | collectives (op, element types) | payload bytes | "
@@ -243,11 +302,15 @@ def table(report: dict[str, Any]) -> list[str]:
   lines += [
       "",
       "Element types: the low-precision payloads travel as their bits "
-      "(`u16` for bfloat16, `u8` for float8 and E8M0), which no compiler "
-      "widens; XLA:CPU widens a bfloat16 all-to-all to float32 and a float8 "
-      "one to float16 (the plain rows, and the FSDP float8 row's `f16` "
-      "all-gathers of the quantized weights). A GPU's compiled program was not "
-      "read here (no GPU was available).",
+      "(`u16` for bfloat16, `u8` for float8, E8M0 and int8), which no "
+      "compiler widens"
+      + ("; XLA:CPU widens a bfloat16 all-to-all or all-gather to float32 "
+         "and a float8 one to float16 (the plain rows, and the FSDP float8 "
+         "row's `f16` all-gathers of the quantized weights). A GPU's compiled "
+         "program was not read here (no GPU was available)."
+         if platform == "CPU" else
+         f"; the plain rows show what XLA:{platform} does with bfloat16 and "
+         "float8 collectives."),
       "",
   ]
   return lines
@@ -258,6 +321,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
                                    description=TITLE)
   parser.add_argument("--quick", action="store_true",
                       help="tiny sizes: a smoke test, not a measurement")
+  parser.add_argument("--devices", type=int, default=DEVICES,
+                      choices=(2, 4, 8),
+                      help=f"how many devices (default {DEVICES}): the "
+                      "simulated CPU devices, or a machine's GPUs")
   common.OUTPUTS.add_args(parser)
   args = parser.parse_args(argv)
   args.out = common.OUTPUTS.folder(args)
@@ -267,13 +334,14 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = parse(argv)
-  if jax.device_count() < DEVICES:
+  if jax.device_count() < args.devices:
     raise SystemExit(
-        f"needs {DEVICES} devices, found {jax.device_count()}: XLA_FLAGS "
-        f"already set --xla_force_host_platform_device_count lower "
-        f"({os.environ.get('XLA_FLAGS')!r}).")
+        f"needs {args.devices} devices, found {jax.device_count()} "
+        f"({jax.devices()[0].platform}): pass --devices with at most that "
+        f"many (XLA_FLAGS: {os.environ.get('XLA_FLAGS')!r}).")
+  _DEVICES[0] = args.devices
   config = {"quick": args.quick, "size": SIZES[args.quick],
-            "devices": DEVICES}
+            "devices": args.devices}
   runner.publish(NAME, f"benchmarks.{NAME}", argv, args.out, config,
                  lambda: measure_all(args),
                  lambda report: "\n".join(runner.header(TITLE, report)

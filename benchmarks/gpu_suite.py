@@ -36,6 +36,15 @@ ResNet-50 is skipped (no matmul would run in int8) and so is PyTorch (no
 twin: ``torch._int_mm`` has no autograd and torchao's int8 training is a
 prototype); each case records its int8 FLOP share.
 
+After the cases, the **collectives row** (issue 39) reads the bytes each
+collective moves in XLA:GPU's compiled programs
+(``benchmarks/collective_bytes.py`` in a subprocess, on 2, 4 or 8 of the
+machine's GPUs): the data-parallel gradient reduction in each wire format,
+the float8 MoE dispatch, and the FSDP weight all-gathers under ``jax.jit``
+and ``jax.shard_map``, each against its plain program. With one GPU there
+is nothing to gather or exchange: the row is skipped and says so
+(``--no-gpu-collectives`` leaves it out).
+
 A case (workload, library, mode) compiles its step from shapes, runs warm-up
 steps, times ``--gpu-steps`` steps one by one and reads the peak device
 memory. The bf16 and f16 JAX cases then compare, in their process, the
@@ -179,6 +188,10 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--gpu-case-timeout-s", type=float, default=DEFAULT_CASE_TIMEOUT_S,
                       help="GPU suite: a case (one subprocess) is killed and reported as "
                       f"timed out after this many seconds (default {DEFAULT_CASE_TIMEOUT_S:g})")
+  parser.add_argument("--no-gpu-collectives", dest="gpu_collectives",
+                      action="store_false",
+                      help="GPU suite: leave out the collectives row (bytes on the wire "
+                      "of the low-precision collectives, on 2 or more GPUs)")
   # Hidden: every case at the tiny size on whatever backend there is (CPU),
   # in-process unless --gpu-subprocess: tests the code paths without a GPU.
   parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
@@ -660,7 +673,46 @@ def measure_all(args: argparse.Namespace) -> dict[str, Any]:
             "isolation": "in-process" if in_process else "subprocess",
             "mode_descriptions": MODE_DESCRIPTIONS, "torch": torch_note,
             "torchao": torchao or ("not needed" if "torch" not in libraries else "ok")}
-  return {"results": results, "config": config}
+  out = {"results": results, "config": config}
+  if args.gpu_collectives:
+    out["collectives"] = collectives_row(
+        args.dry_run, min(args.gpu_case_timeout_s,
+                          max(deadline - time.perf_counter(), MIN_CASE_S)))
+    row = out["collectives"]
+    print(f"[gpu] collectives: {row['status']}"
+          + (f" on {row['devices']} {row['platform']} devices" if row["status"] == OK
+             else f" ({row.get('reason') or row.get('error', '')[:200]})"), flush=True)
+  return out
+
+
+def collectives_row(dry_run: bool, timeout_s: float) -> dict[str, Any]:
+  """The collectives row: ``benchmarks.collective_bytes`` in a subprocess on
+  the largest of 2, 4 or 8 devices this machine has (the dry run: 8
+  simulated CPU devices, tiny sizes), or skipped with the reason."""
+  count = 8 if dry_run else jax.device_count()
+  devices = max((n for n in (2, 4, 8) if n <= count), default=None)
+  if devices is None:
+    return {"status": SKIPPED,
+            "reason": f"{count} {jax.devices()[0].platform} device: nothing to "
+                      "gather or exchange (needs 2 or more GPUs)"}
+  import tempfile  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as out:
+    cmd = [sys.executable, "-m", "benchmarks.collective_bytes", "--devices",
+           str(devices), "--out", out] + (["--quick"] if dry_run else [])
+    env = dict(os.environ)
+    if not dry_run:   # the GPUs, not simulated CPU devices
+      env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "") or "cuda"
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                            timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+      return {"status": TIMEOUT, "error": f"no result within {timeout_s:g} s"}
+    if proc.returncode:
+      return {"status": ERROR, "error": (proc.stderr or proc.stdout)[-2000:]}
+    report = json.loads((pathlib.Path(out) / "collective_bytes.json").read_text())
+  return {"status": OK, "devices": report["devices"],
+          "platform": report["platform"], "size": report["config"]["size"],
+          "results": report["results"]}
 
 
 def derive(report: dict[str, Any]) -> dict[str, Any]:
@@ -732,6 +784,8 @@ def merge_previous(report: dict[str, Any], out: pathlib.Path) -> dict[str, Any]:
   for c in cases:
     c["run"] = used.index(c["run"])
   runs = [runs[i] for i in used]
+  if "collectives" not in report and "collectives" in previous:
+    report = dict(report, collectives=previous["collectives"])   # kept
   return derive(dict(report, results=results, runs=runs,
                      wall_s=sum(r["wall_s"] for r in runs)))
 
@@ -899,6 +953,17 @@ def markdown(report: dict[str, Any]) -> str:
         *rows,
         "",
     ]
+  row = report.get("collectives")
+  if row:
+    lines += ["## Collectives: bytes on the wire", ""]
+    if row["status"] == OK:
+      # (Imported here: importing it sets XLA_FLAGS for its own runs.)
+      from benchmarks import collective_bytes  # pylint: disable=import-outside-toplevel
+      lines += collective_bytes.table(
+          {"config": {"size": row["size"]}, "devices": row["devices"],
+           "platform": row["platform"], "results": row["results"]})
+    else:
+      lines += [f"{row['status']}: {row.get('reason') or row.get('error', '')[:300]}", ""]
   lines += ["Full figures (every step time, compile times, XLA memory analysis, loss "
             "scale, skipped steps, the run of each case): `gpu.json`.", ""]
   return "\n".join(lines)

@@ -318,6 +318,36 @@ def test_markdown_lists_the_float8_cases(split):
   assert "| mlp | mxfp8 | – | " in text and "emulation (cpu" in text
 
 
+def test_collectives_row_reads_the_compiled_programs(split):
+  # The dry run reads the collectives of the programs compiled for 8 CPU
+  # devices (on a GPU machine: its GPUs): each low-precision row moves its
+  # payload as 1- or 2-byte bits and fewer bytes than its plain baseline.
+  _, out, report = split
+  row = report["collectives"]
+  assert row["status"] == "ok" and row["devices"] == 8, row
+  assert row["platform"] == "cpu"
+  settings = {r["setting"] for r in row["results"]}
+  assert settings == {"gradient reduction", "MoE dispatch",
+                      "MoE dispatch, gradient", "FSDP", "FSDP under shard_map"}
+  for r in row["results"]:
+    if r["program"].startswith(("float8 (fp8.dot_general", "int8 (int8.dot_general")):
+      gathers = [c for c in r["collectives"] if c["op"] == "all-gather"]
+      assert gathers and all(c["types"] == ["u8"] for c in gathers), r
+      assert r["sent_ratio"] < 1, r
+  text = (out / "gpu.md").read_text()
+  assert "## Collectives: bytes on the wire" in text
+  assert "| FSDP under shard_map | float8 (fp8.dot_general, fsdp_axis=d) |" in text
+
+
+def test_collectives_row_with_one_device_says_why(monkeypatch):
+  # (Only the device count decides; nothing runs.)
+  from benchmarks import gpu_suite  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(gpu_suite.jax, "device_count", lambda: 1)
+  row = gpu_suite.collectives_row(dry_run=False, timeout_s=10)
+  assert row["status"] == "skipped"
+  assert "nothing to gather or exchange" in row["reason"]
+
+
 def test_markdown_lists_the_int8_cases(split):
   _, out, report = split
   text = (out / "gpu.md").read_text()
