@@ -78,7 +78,7 @@ __all__ = (
     "with_state_dtype",
 )
 
-# The names before 0.2 (for one release).
+# The old spellings (deprecated: they go in a later release).
 __getattr__ = _checks.old_names("jmp_lite", renamed={
     "grouped_value_and_grad": (
         "jmp_lite.pmean_value_and_grad(value_and_grad_fn, num_groups=...) "

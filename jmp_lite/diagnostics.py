@@ -56,7 +56,7 @@ __all__ = (
     "tensor_stats",
 )
 
-# The names before 0.2 (for one release).
+# The old spellings (deprecated: they go in a later release).
 __getattr__ = _checks.old_names("jmp_lite.diagnostics", renamed={
     "advise_fp8": ("jmp_lite.diagnostics.advise (the same advice, an "
                    "Fp8Advice, for float8, FP4 and int8 statistics)", advise),

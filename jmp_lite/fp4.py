@@ -39,7 +39,7 @@ __all__ = (
     "ragged_dot",
 )
 
-# The names before 0.2 (for one release): fp4.fp4_dot_general etc.
+# The old spellings (deprecated: they go in a later release): fp4.fp4_dot_general etc.
 __getattr__ = _checks.old_names("jmp_lite.fp4", renamed={
     f"fp4_{name}": (f"jmp_lite.fp4.{name} (same function)", globals()[name])
     for name in ("dot_general", "ragged_dot")})

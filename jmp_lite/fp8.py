@@ -32,7 +32,7 @@ from jmp_lite._src.low_precision.recipes import Fp8Config
 __all__ = ("DelayedScales", "Fp8Config", "all_to_all", "dot_general",
            "ragged_dot")
 
-# The names before 0.2 (for one release): fp8.fp8_dot_general etc.
+# The old spellings (deprecated: they go in a later release): fp8.fp8_dot_general etc.
 __getattr__ = _checks.old_names("jmp_lite.fp8", renamed={
     f"fp8_{name}": (f"jmp_lite.fp8.{name} (same function)", globals()[name])
     for name in ("all_to_all", "dot_general", "ragged_dot")})

@@ -38,7 +38,7 @@ __all__ = (
     "ragged_dot",
 )
 
-# The names before 0.2 (for one release): int8.int8_dot_general etc.
+# The old spellings (deprecated: they go in a later release): int8.int8_dot_general etc.
 __getattr__ = _checks.old_names("jmp_lite.int8", renamed={
     f"int8_{name}": (f"jmp_lite.int8.{name} (same function)", globals()[name])
     for name in ("dot_general", "ragged_dot")})

@@ -403,7 +403,7 @@ def grouped_value_and_grad(
     batch_argnums: int | Sequence[int] = 1,
     has_aux: bool = False,
 ) -> Callable[..., Any]:
-  """The spelling before 0.2 of ``pmean_value_and_grad(value_and_grad_fn,
+  """The old (deprecated) spelling of ``pmean_value_and_grad(value_and_grad_fn,
   num_groups=num_groups, ...)`` (``jmp_lite.grouped_value_and_grad`` warns
   and calls this, for one release)."""
   return pmean_value_and_grad(value_and_grad_fn, num_groups=num_groups,
