@@ -34,6 +34,7 @@ Example:
 """
 
 from jmp_lite._src import checks as _checks
+from jmp_lite._src.diagnostics import fp8_advice as _fp8_advice
 from jmp_lite._src.diagnostics.advice import advise
 from jmp_lite._src.diagnostics.fp8_advice import Fp8Advice
 from jmp_lite._src.diagnostics.fp8_stats import fp8_stats
@@ -57,7 +58,9 @@ __all__ = (
 )
 
 # The old spellings (deprecated: they go in a later release).
+# advise_fp8 keeps its own signature (advise_fp8(stats, ...)) and behaviour.
 __getattr__ = _checks.old_names("jmp_lite.diagnostics", renamed={
     "advise_fp8": ("jmp_lite.diagnostics.advise (the same advice, an "
-                   "Fp8Advice, for float8, FP4 and int8 statistics)", advise),
+                   "Fp8Advice, for float8, FP4 and int8 statistics)",
+                   _fp8_advice.advise_fp8),
 })

@@ -400,7 +400,6 @@ RENAMED = (
     ("jmp_lite.fp4", "fp4_ragged_dot", "ragged_dot"),
     ("jmp_lite.int8", "int8_dot_general", "dot_general"),
     ("jmp_lite.int8", "int8_ragged_dot", "ragged_dot"),
-    ("jmp_lite.diagnostics", "advise_fp8", "advise"),
 )
 
 
@@ -415,6 +414,25 @@ def test_an_old_spelling_warns_and_is_the_new_object(module, old, new):
                     rf"{re.escape(module)}\.{new} .*will be removed"):
     obj = getattr(mod, old)
   assert obj is getattr(mod, new)
+
+
+def test_advise_fp8_warns_and_keeps_its_signature():
+  # The old spelling keeps its own signature (stats first, by that name)
+  # and gives what advise gives for float8 statistics.
+  from jmp_lite import diagnostics  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  assert "advise_fp8" not in diagnostics.__all__
+  with pytest.warns(DeprecationWarning,
+                    match=r"^jmp_lite\.diagnostics\.advise_fp8 is now "
+                    r"jmp_lite\.diagnostics\.advise .*will be removed"):
+    old = diagnostics.advise_fp8
+  stats = diagnostics.fp8_stats(
+      {"dense": jnp.ones((4, 64)).at[0].set(1e6)}, "activation")
+  for got, want in ((old(stats=stats), diagnostics.advise(stats)),
+                    (old(stats, max_error=0.5),
+                     diagnostics.advise(stats, max_error=0.5))):
+    assert isinstance(got, diagnostics.Fp8Advice)
+    assert got.granularity == want.granularity
+    assert got.keep_out == want.keep_out and str(got) == str(want)
 
 
 def test_an_old_spelling_imports_with_from():
