@@ -275,15 +275,8 @@ def advise_half(
       :class:`TensorStats`, or non-numeric settings.
     ValueError: on settings out of range.
 
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from jmp_lite import diagnostics
-    >>> grads = {"a": jnp.array([1e-12, 1e-3]), "b": jnp.array([1e-30, 1e-14, 1e-2])}
-    >>> advice = diagnostics.advise(diagnostics.tensor_stats(grads))
-    >>> advice.dtype, advice.f16_loss_scale == 2.0**19
-    ('bfloat16', True)
-
-  See ``docs/diagnostics.md`` (advice) for the rule in full and why the
+  The public door is :func:`jmp_lite.diagnostics.advise` (its example shows
+  this advice). See ``docs/diagnostics.md`` (advice) for the rule in full and why the
   figures are a lower bound.
   """
   headroom = checks.at_least(
