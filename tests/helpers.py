@@ -259,6 +259,24 @@ def pull_to_zero(inner, loss_scale, dtype, *, n, steps, jit):
 JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
 
+def default_run_keeps(values, keep=0, *, unpack=False):
+  """A parametrize grid whose case ``values[keep]`` runs in the README's
+  selection and whose other cases are marked ``slow``: the slow stage
+  (``pytest -m 'slow and not torch'``, which CI runs) still runs the whole
+  grid. ``unpack`` for several argnames (each value a tuple). The ids do not
+  change."""
+  values = list(values)
+  out = []
+  for i, v in enumerate(values):
+    if i == keep:
+      out.append(v)
+    elif unpack:
+      out.append(pytest.param(*v, marks=pytest.mark.slow))
+    else:
+      out.append(pytest.param(v, marks=pytest.mark.slow))
+  return out
+
+
 def maybe_jit(fn, jit, **jit_kwargs):
   """``jax.jit(fn, **jit_kwargs)`` for the jitted variant, ``fn`` itself for the eager one."""
   return jax.jit(fn, **jit_kwargs) if jit else fn

@@ -31,6 +31,7 @@ from jmp_lite import fp4
 from jmp_lite import fp8
 import jmp_lite.linen as jlinen
 from helpers import assert_bit_identical
+from helpers import default_run_keeps
 
 N = 8
 DENSE = (((1,), (0,)), ((), ()))
@@ -92,7 +93,7 @@ def _put(mesh, tree, specs):
       is_leaf=lambda s: isinstance(s, P)))
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
 def test_quantized_matmul_batch_sharded(recipe):
   """A batch-sharded activation times a replicated weight, forward and both
   gradients: typed as jax.lax.dot_general's (y and dx sharded like x, dW
@@ -160,8 +161,9 @@ PARAM_SPECS = {"w": P("d"), "e": P("d"), "b": P()}
 
 
 @pytest.mark.standard_promotion  # optax's adam is not strict-clean
-@pytest.mark.parametrize("mu,nu", [("8bit", "8bit"), ("4bit", "4bit"),
-                                   ("e4m3", "e4m3"), ("4bit", "4bit_rank1")])
+@pytest.mark.parametrize("mu,nu", default_run_keeps(
+    [("8bit", "8bit"), ("4bit", "4bit"), ("e4m3", "e4m3"),
+     ("4bit", "4bit_rank1")], unpack=True))
 def test_low_bit_states_fsdp(mu, nu):
   """Params sharded FSDP-style on an explicit mesh: two jitted updates give
   the bits of the unsharded optimizer and of an Auto mesh, every stored
@@ -263,11 +265,10 @@ def _jax_differentiates_batch_sharded_dots():
     not _jax_differentiates_batch_sharded_dots(),
     reason="this jax cannot differentiate a plain batch-sharded matmul under "
     "explicit sharding (the policies keep the output head out of float8)")
-@pytest.mark.parametrize("route,m", [("with_policy", "fp8_rowwise"),
-                                     ("with_policy", "mxfp8"),
-                                     ("with_policy", "nvfp4"),
-                                     ("autocast", "fp8"),
-                                     ("linen", "fp8_delayed")])
+@pytest.mark.parametrize("route,m", default_run_keeps(
+    [("with_policy", "fp8_rowwise"), ("with_policy", "mxfp8"),
+     ("with_policy", "nvfp4"), ("autocast", "fp8"), ("linen", "fp8_delayed")],
+    unpack=True))
 def test_policy_routes(route, m):
   """with_policy, autocast and a linen policy (Flax's dot_general hook,
   delayed scaling's amax histories) on a batch-sharded input: the gradients

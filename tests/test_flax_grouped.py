@@ -23,6 +23,7 @@ import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
 from jmp_lite._src import compat
 from jmp_lite._src.flax import float8 as float8_lib
+from helpers import default_run_keeps
 
 E, D, F = 4, 32, 32
 X = jax.random.normal(jax.random.key(1), (16, D))
@@ -68,10 +69,10 @@ def _grouped_dtypes(fn, *args):
           if op == "ragged_dot_general"]
 
 
-@pytest.mark.parametrize("recipe,expected", [
+@pytest.mark.parametrize("recipe,expected", default_run_keeps([
     ("fp8", ("float8_e4m3fn", "float8_e4m3fn")),
     ("nvfp4", ("float32", "float32")),    # NVFP4's exact float32 emulation
-    ("int8", ("int8", "int8"))])
+    ("int8", ("int8", "int8"))], unpack=True))
 def test_linen_policy_runs_a_module_s_ragged_dot_in_its_recipe(recipe, expected):
   spec = f"p=f32,c=bf16,o=f32,m={recipe}"
   model = jlinen.apply_policy(LinenMoE(), spec)
@@ -130,12 +131,12 @@ def _ragged_operands(closed):
           if eqn.primitive.name == "ragged_dot_general"]
 
 
-@pytest.mark.parametrize("recipe,expected", [
+@pytest.mark.parametrize("recipe,expected", default_run_keeps([
     ("fp8_rowwise", ("float8_e4m3fn", "float8_e4m3fn")),
     ("nvfp4", ("float32", "float32")),   # NVFP4's exact float32 emulation
     ("mxfp8", ("float32", "float32")),   # MXFP8's emulation (dequantized)
     ("int8", ("int8", "int8")),
-    ("int8_switchback", ("int8", "int8"))])
+    ("int8_switchback", ("int8", "int8"))], unpack=True))
 def test_nnx_policy_runs_a_module_s_ragged_dot_in_its_recipe(recipe, expected):
   spec = f"p=f32,c=bf16,o=f32,m={recipe}"
   with warnings.catch_warnings():

@@ -105,8 +105,13 @@ def _starts(sizes):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("sizes", [JAGGED, ONE_EXPERT, (0, 0, 0, 0, 256)],
+# The default run keeps jagged-nvfp4; the rest of the grid runs in the slow
+# stage (pytest -m slow).
+@pytest.mark.parametrize("recipe", [
+    "nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sizes", [
+    JAGGED, pytest.param(ONE_EXPERT, marks=pytest.mark.slow),
+    pytest.param((0, 0, 0, 0, 256), marks=pytest.mark.slow)],
                          ids=["jagged", "one_expert", "last_expert"])
 def test_equals_the_per_group_loop_bit_for_bit(recipe, sizes):
   config = RTN[recipe]
@@ -115,14 +120,21 @@ def test_equals_the_per_group_loop_bit_for_bit(recipe, sizes):
             per_group_loop(config, x, w, sizes, dy))
 
 
+# The default run keeps nvfp4_late_switch; the rest of the grid runs in the
+# slow stage.
 @pytest.mark.parametrize("name,config", [
-    ("nvfp4_no_rht", fp4.Fp4Config(stochastic_rounding=False, rht=False)),
-    ("nvfp4_1d_weights", fp4.Fp4Config(stochastic_rounding=False,
-                                       two_d_weights=False)),
+    pytest.param("nvfp4_no_rht",
+                 fp4.Fp4Config(stochastic_rounding=False, rht=False),
+                 marks=pytest.mark.slow),
+    pytest.param("nvfp4_1d_weights",
+                 fp4.Fp4Config(stochastic_rounding=False, two_d_weights=False),
+                 marks=pytest.mark.slow),
     ("nvfp4_late_switch", fp4.Fp4Config(stochastic_rounding=False,
                                         quantize_forward=False)),
-    ("mxfp4_floor_no_rht", fp4.Fp4Config("mxfp4", stochastic_rounding=False,
-                                         mx_scale_rule="floor", rht=False)),
+    pytest.param("mxfp4_floor_no_rht",
+                 fp4.Fp4Config("mxfp4", stochastic_rounding=False,
+                               mx_scale_rule="floor", rht=False),
+                 marks=pytest.mark.slow),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_every_switch_equals_the_per_group_loop(name, config):
   del name
@@ -176,7 +188,8 @@ def test_recipe_ragged_dot_picks_the_grouped_matmul_by_recipe():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", [
+    "nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])  # rest: slow stage
 def test_one_experts_outliers_change_no_other_expert(recipe):
   """Expert 2's tokens, its incoming gradient and its weight times 1000:
   every other group's output, input gradient and weight gradient are bit
@@ -382,7 +395,8 @@ def _sqnr_db(signal, approx):
 SQNR_BARS = {"nvfp4": (15.0, 14.0, 12.0), "mxfp4": (14.5, 13.0, 13.0)}
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", [
+    "nvfp4", pytest.param("mxfp4", marks=pytest.mark.slow)])  # rest: slow stage
 def test_sqnr_against_the_float32_ragged_dot(recipe):
   x, w, dy = _normal((512, 128), 36), _normal((4, 128, 64), 37), \
       _normal((512, 64), 38)
@@ -419,7 +433,8 @@ def test_traced_group_sizes_leave_rows_past_their_sum_at_zero():
   _all_same([y[:231], dx[:231], dw], want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", [
+    jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])  # rest: slow stage
 def test_half_operands(dtype):
   """Half operands give a half result and half gradients: the float32
   computation on the same (exactly widened) values, rounded once."""

@@ -14,6 +14,7 @@ import jmp_lite
 from jmp_lite import fp4
 from jmp_lite._src.low_precision import fp4 as fp4_lib
 from jmp_lite._src.low_precision import fp4_matmul
+from helpers import default_run_keeps
 
 MATMUL = (((1,), (0,)), ((), ()))  # x (M, K) @ w (K, N)
 _DN = (((2,), (2,)), ((0,), (0,)))
@@ -161,7 +162,7 @@ def test_late_switch_runs_the_forward_in_high_precision_only():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["nvfp4", "mxfp4"]))
 def test_partial_blocks_are_zero_padded_exactly(recipe):
   """K = 40, M = 20, N = 24: the result equals the matmul of the operands
   zero-padded to whole blocks by hand (K to 64, M to 32, N to 32)."""

@@ -14,6 +14,7 @@ import pytest
 from jmp_lite import fp8
 from jmp_lite._src.low_precision import recipes
 from jmp_lite._src.low_precision import scaling
+from helpers import default_run_keeps
 
 RECIPES = ["fp8_blockwise", "mxfp8", "fp8_rowwise"]
 _KIND = {"blockwise": "tile", "mxfp8": "mxfp8", "row": "row"}
@@ -47,8 +48,9 @@ def _sqnr(ref, got):
   return 10 * np.log10(np.sum(ref**2) / np.sum((ref - got) ** 2))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("axes,tiled", [((0, 0), True), ((1, 0), False)])
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
+@pytest.mark.parametrize("axes,tiled", default_run_keeps(
+    [((0, 0), True), ((1, 0), False)], unpack=True))
 def test_quantize_then_dispatch_equals_dispatch_then_quantize(recipe, axes,
                                                               tiled):
   config = recipes.from_spec(recipe)

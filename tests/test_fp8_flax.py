@@ -23,6 +23,7 @@ from test_fp8_policy import cuda_ops
 from test_fp8_policy import cuda_program
 from test_fp8_policy import fp8_counts
 from test_fp8_policy import jaxpr_dots
+from helpers import default_run_keeps
 
 E4, BF = ("float8_e4m3fn",) * 2, ("bfloat16",) * 2
 DELAYED = "p=f32,c=bf16,o=f32,m=fp8_delayed"
@@ -493,7 +494,7 @@ def linen_training_losses(policy):
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("policy", ["mixed_fp8", DELAYED])
+@pytest.mark.parametrize("policy", default_run_keeps(["mixed_fp8", DELAYED]))
 def test_linen_training_is_finite_and_close_to_bf16(policy):
   bf16, f8 = linen_training_losses("mixed_bfloat16"), linen_training_losses(policy)
   assert all(np.isfinite(f8)) and f8[-1] < f8[0]

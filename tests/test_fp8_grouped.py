@@ -24,6 +24,7 @@ from jmp_lite._src.low_precision import recipes as config_lib
 from jmp_lite._src.low_precision import formats as formats_lib
 from jmp_lite._src.low_precision import fp8_grouped as grouped
 from jmp_lite._src.low_precision import scaling as scaling_lib
+from helpers import default_run_keeps
 
 DENSE = (((1,), (0,)), ((), ()))
 RECIPES = ("fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8", "fp8_delayed")
@@ -161,8 +162,8 @@ def _max_rel(a, b):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("split", SPLITS)
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("split", default_run_keeps(SPLITS))
+@pytest.mark.parametrize("name", default_run_keeps(RECIPES))
 def test_equals_the_per_group_loop_bit_for_bit_on_exact_data(name, split):
   got, want = _run_both(name, "exact", split)
   for part, a, b in zip(("y", "dx", "dw"), got, want):

@@ -19,6 +19,7 @@ from jmp_lite import fp4
 from jmp_lite import fp8
 from jmp_lite._src import markers
 from jmp_lite._src.low_precision import recipes as recipes_lib
+from helpers import default_run_keeps
 
 RECIPES = tuple(recipes_lib.FP8_RECIPES)
 CURRENT = tuple(r for r in RECIPES if r != "fp8_delayed")
@@ -725,8 +726,9 @@ LOSS_RTOL = 0.05
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("route", ["autocast", "with_policy"])
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("route", default_run_keeps(["autocast", "with_policy"]))
+@pytest.mark.parametrize("jit", default_run_keeps([True, False]),
+                         ids=["jit", "eager"])
 def test_training_is_finite_and_close_to_bf16(route, jit):
   def run(policy):
     opt, step = _train_step(route, policy)

@@ -320,6 +320,10 @@ def test_shard_map_gathers_one_byte_values(recipe):
   assert not wide, exported
 
 
+# Ten training steps compared with an unsharded run: the slow stage (the
+# jitted FSDP steps of test_ten_adam_steps_equal_unsharded and the shard_map
+# gathers above stay in the README's selection).
+@pytest.mark.slow
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("recipe", ["fp8", "int8"])
 def test_shard_map_ten_adam_steps_equal_unsharded(recipe):

@@ -37,6 +37,7 @@ import distributed_loss_scaling_worker as ls_worker
 import distributed_worker as worker
 import jmp_lite
 from jmp_lite._src import parallel  # The float32 pmean inside.
+from helpers import default_run_keeps
 
 N = 8
 F16 = np.dtype(jnp.float16)
@@ -194,7 +195,8 @@ def test_grouped_matches_ungrouped_gradient(compute):
   assert max(_max_rel_diff(grads, ref_grads)) <= TOLERANCE[compute]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("jit", default_run_keeps([False, True], keep=1),
+                         ids=["eager", "jit"])
 def test_grouped_train_step_with_loss_scaling_and_aux(jit):
   """Composes with scaled_value_and_grad, has_aux and the optax wrapper."""
   loss_fn = _loss_fn(F16)

@@ -22,10 +22,14 @@ from jmp_lite._src.autocast import rules as rules_lib
 
 from helpers import all_eqns
 from helpers import maybe_jit
+from helpers import default_run_keeps
 
 F16, BF16, F32 = (np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 HALF = pytest.mark.parametrize("half", [BF16, F16], ids=["bf16", "f16"])
-JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+# The jitted variant runs in the README's selection, the eager one (every
+# operation compiled on its own) in the slow stage.
+JIT = pytest.mark.parametrize("jit", default_run_keeps([False, True], keep=1),
+                              ids=["eager", "jit"])
 RAGGED = compat.primitive("ragged_dot_general_p")
 DOT = compat.primitive("dot_general_p")
 

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import jmp_lite
+from helpers import default_run_keeps
 
 N = 8
 BAD_DEVICE = 3
@@ -390,7 +391,8 @@ def _fsdp_steps(opt, params, state, n=4, bad_step=2):
 
 
 @pytest.mark.standard_promotion  # adam
-@pytest.mark.parametrize("name,make", FSDP_OPTIMIZERS,
+@pytest.mark.parametrize("name,make", default_run_keeps(FSDP_OPTIMIZERS,
+                                                         unpack=True),
                          ids=[c[0] for c in FSDP_OPTIMIZERS])
 def test_fsdp_state_shardings_the_optax_way(name, make):
   """optax.tree_map_params maps the params' shardings over the state (init

@@ -19,6 +19,7 @@ from jmp_lite._src.quantized_states import (
     QuantizedStatesState, bytes_per_parameter, quantized_states)
 
 from helpers import ROOT, lowered_functions
+from helpers import default_run_keeps
 
 # optax's adam raises float ** int32 under strict promotion (conftest.py).
 pytestmark = pytest.mark.standard_promotion
@@ -171,8 +172,8 @@ def test_tree_utilities():
   assert mapped.inner_state[0].count == P()
 
 
-@pytest.mark.parametrize("fmt,nu", [("8bit", "8bit"), ("4bit", "4bit"),
-                                    ("4bit", "4bit_rank1")])
+@pytest.mark.parametrize("fmt,nu", default_run_keeps(
+    [("8bit", "8bit"), ("4bit", "4bit"), ("4bit", "4bit_rank1")], unpack=True))
 def test_bit_identical_on_1_2_4_8_devices(fmt, nu):
   """FSDP sharding of the leading axis: state sharded like the params and
   the same bits on 1, 2, 4 and 8 devices (rank-1 scales too: their column
@@ -652,9 +653,9 @@ def _negative_extremes(shape, seed):
   return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("mu,nu", [("e4m3", "e4m3"), ("8bit", "8bit"),
-                                   ("4bit", "4bit"), ("4bit", "4bit_rank1"),
-                                   ("bf16_sr", "8bit")])
+@pytest.mark.parametrize("mu,nu", default_run_keeps(
+    [("e4m3", "e4m3"), ("8bit", "8bit"), ("4bit", "4bit"),
+     ("4bit", "4bit_rank1"), ("bf16_sr", "8bit")], unpack=True))
 def test_unchanged_moments_keep_their_bits(mu, nu):
   """MultiSteps' mini-steps (either side of with_state_dtype) and steps
   apply_if_finite skips leave every stored moment bit-identical, for blocks
