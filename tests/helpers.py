@@ -270,6 +270,9 @@ def default_run_keeps(values, keep=0, *, unpack=False):
   for i, v in enumerate(values):
     if i == keep:
       out.append(v)
+    elif isinstance(v, type(pytest.param(None))):  # already a pytest.param
+      out.append(pytest.param(*v.values, marks=(*v.marks, pytest.mark.slow),
+                              id=v.id))
     elif unpack:
       out.append(pytest.param(*v, marks=pytest.mark.slow))
     else:

@@ -27,6 +27,7 @@ from jmp_lite._src.autocast.rules import OP_RULE_NAMES
 from jmp_lite.autocast_rules import OpRuleContext
 
 from helpers import all_eqns
+from helpers import default_run_keeps
 
 
 def _eqns_of(jaxpr, kind):
@@ -229,7 +230,7 @@ def test_transformer_block_forward_dtypes(dtype, lm_batch):
   assert jaxpr.out_avals[0].dtype == F32
 
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", default_run_keeps(HALF_DTYPES), ids=str)
 def test_transformer_block_gradients_match_f32(dtype, lm_batch):
   params, x, labels = lm_batch
   grad_fn = jax.jit(jax.value_and_grad(autocast(lm_loss, dtype)))
@@ -814,7 +815,7 @@ class _Block(nn.Module):
     return nn.Dense(3)(x + h).mean(axis=1)
 
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", default_run_keeps(HALF_DTYPES), ids=str)
 def test_flax_linen_apply_autocast_unmodified(dtype):
   model = _Block()
   x = normal(7, (4, 5, 16))

@@ -20,6 +20,7 @@ import jmp_lite.linen as jlinen
 
 from helpers import assert_bit_identical
 from helpers import orbax_round_trip
+from helpers import default_run_keeps
 
 # optax's adam on bfloat16 params (loss_scaling alone) is not strict-clean.
 pytestmark = pytest.mark.standard_promotion
@@ -143,7 +144,7 @@ def test_loss_scaling_inject_hyperparams(tmp_path):
 # -- master_weights --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["copy", "stochastic_rounding", "kahan"])
+@pytest.mark.parametrize("method", default_run_keeps(["copy", "stochastic_rounding", "kahan"]))
 def test_master_weights(method, tmp_path):
   """Each method with bfloat16, float32 and integer params; inside
   loss_scaling (a skipped step among them)."""
@@ -213,7 +214,7 @@ STATE_FORMATS = [
 ]
 
 
-@pytest.mark.parametrize("formats", STATE_FORMATS,
+@pytest.mark.parametrize("formats", default_run_keeps(STATE_FORMATS),
                          ids=["-".join(map(str, f.values())) for f in
                               STATE_FORMATS])
 def test_with_state_dtype_inside_loss_scaling(formats, tmp_path):

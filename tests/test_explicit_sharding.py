@@ -297,7 +297,7 @@ def test_policy_routes(route, m):
   assert_bit_identical(results[0], results[1])
 
 
-@pytest.mark.parametrize("what", ["fp8_stats", "fp4_stats", "tensor_stats"])
+@pytest.mark.parametrize("what", default_run_keeps(["fp8_stats", "fp4_stats", "tensor_stats"]))
 def test_diagnostics(what):
   """fp8_stats (weights: MX blocks and 128x128 blocks along the sharded
   axis; FP4: 16x16 tiles) and tensor_stats (a histogram's scatter) of an

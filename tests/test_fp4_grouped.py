@@ -16,6 +16,7 @@ from jmp_lite._src import compat
 from jmp_lite._src.low_precision import fp4 as fp4_lib
 from jmp_lite._src.low_precision import fp4_grouped
 from jmp_lite._src.low_precision import recipe_matmuls
+from helpers import default_run_keeps
 
 MATMUL = (((1,), (0,)), ((), ()))  # x (m, K) @ w (K, N)
 F32 = np.float32
@@ -143,7 +144,7 @@ def test_every_switch_equals_the_per_group_loop(name, config):
             per_group_loop(config, x, w, JAGGED, dy))
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["nvfp4", "mxfp4"]))
 def test_close_to_the_per_group_loop_on_normal_data(recipe):
   """Random normal data: the float32 sums are XLA's (no order is promised
   for every shape), so within 1e-6 of the largest element."""
@@ -487,7 +488,7 @@ def test_every_product_is_a_float32_ragged_dot_at_highest_precision():
     assert precision in (highest, (highest, highest)), dots
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["nvfp4", "mxfp4"]))
 def test_cuda_program_lowers_the_grouped_step(recipe):
   """jax.export for CUDA (on a CPU machine): the grouped FP4 step lowers,
   its three products are ragged dots of float32 operands at HIGHEST

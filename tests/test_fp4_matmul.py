@@ -95,7 +95,7 @@ def _same(a, b):
                                 np.where(np.isnan(b), 0, b).view(np.uint32))
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+@pytest.mark.parametrize("name", default_run_keeps(sorted(RECIPES)))
 def test_forward_and_both_gradients_bit_for_bit(name):
   config = RECIPES[name]
   recipe = name if name == "mxfp4_floor" else config.recipe
@@ -207,9 +207,9 @@ def test_batch_dimensions_and_result_dtypes():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("where", ["x", "w", "g"])
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("recipe", default_run_keeps(["nvfp4", "mxfp4"]))
+@pytest.mark.parametrize("where", default_run_keeps(["x", "w", "g"]))
+@pytest.mark.parametrize("bad", default_run_keeps([np.nan, np.inf]))
 def test_nonfinite_values_stay_visible(recipe, where, bad):
   config = fp4.Fp4Config(recipe)
   arrays = {"x": _random((16, 32), 15), "w": _random((32, 16), 16),
@@ -429,8 +429,8 @@ def test_every_dot_accumulates_in_float32():
   assert all(pref == jnp.float32 for _, pref in dots), dots
 
 
-@pytest.mark.parametrize("recipe,scale_type", [("nvfp4", "f8E4M3FN"),
-                                               ("mxfp4", "f8E8M0FNU")])
+@pytest.mark.parametrize("recipe,scale_type", default_run_keeps([("nvfp4", "f8E4M3FN"),
+                                                                 ("mxfp4", "f8E8M0FNU")], unpack=True))
 def test_cuda_program_runs_fp4_operands_through_the_block_scaled_dot(
     recipe, scale_type):
   config = fp4.Fp4Config(recipe)

@@ -9,6 +9,7 @@ import pytest
 
 import fp4_reference as ref
 from jmp_lite._src.low_precision import fp4
+from helpers import default_run_keeps
 
 
 def _bits(x):
@@ -119,7 +120,7 @@ def test_nvfp4_random_tensors_bit_for_bit(two_d):
     _check_nvfp4(_random(shape, seed, scale=3.0), two_d)
 
 
-@pytest.mark.parametrize("case", sorted(ZOO))
+@pytest.mark.parametrize("case", default_run_keeps(sorted(ZOO)))
 def test_nvfp4_edge_zoo_bit_for_bit(case):
   x = np.tile(ZOO[case], (4, 1))  # (16, 32): whole 16x16 tiles too
   for two_d in (False, True):
@@ -184,7 +185,7 @@ def _check_mxfp4(x, rule):
   return q
 
 
-@pytest.mark.parametrize("rule", fp4.MX_SCALE_RULES)
+@pytest.mark.parametrize("rule", default_run_keeps(fp4.MX_SCALE_RULES))
 def test_mxfp4_random_and_edge_zoo_bit_for_bit(rule):
   for seed, shape in enumerate([(8, 64), (2, 4, 96)]):
     _check_mxfp4(_random(shape, seed, scale=5.0), rule)

@@ -21,6 +21,7 @@ from jmp_lite import fp4
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
 from jmp_lite._src.low_precision import fp4_matmul
+from helpers import default_run_keeps
 
 _DN = (((1,), (0,)), ((), ()))
 _BF16 = jnp.bfloat16
@@ -59,7 +60,7 @@ def _fp4_ops(ops):
   return [o for o in ops if "float4_e2m1fn" in o[1] and o[0] != "jit"]
 
 
-@pytest.mark.parametrize("recipe", fp4_matmul.FP4_RECIPES)
+@pytest.mark.parametrize("recipe", default_run_keeps(fp4_matmul.FP4_RECIPES))
 def test_with_policy_runs_fp4_bit_for_bit(recipe):
   params, x = _params(), _normal(0, (8, 32))
   spec = f"p=f32,c=bf16,o=f32,m={recipe}"

@@ -69,7 +69,7 @@ def test_quantize_then_dispatch_equals_dispatch_then_quantize(recipe, axes,
       np.asarray(_quantized(moved, config.forward_format, config), np.float32))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
 def test_the_gradient_travels_back_in_float8(recipe):
   config = recipes.from_spec(recipe)
   x = _tokens(dtype=jnp.float32)

@@ -24,6 +24,7 @@ from jmp_lite._src.diagnostics import fp8_stats as fp8_stats_lib
 
 import helpers
 from helpers import ROOT
+from helpers import default_run_keeps
 
 RECIPES = ("cast", "tensor", "row", "blockwise", "mxfp8")
 
@@ -637,7 +638,7 @@ def test_fp8_advice_granularities_are_a_tuple_of_distinct_names(ladder, error):
 # -- one advise for every format -----------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", [None, "e2m1", "int8"],
+@pytest.mark.parametrize("fmt", default_run_keeps([None, "e2m1", "int8"]),
                          ids=["float8", "fp4", "int8"])
 def test_advise_on_low_precision_statistics_is_the_fp8_advice(fmt):
   """diagnostics.advise on Fp8Stats gives what advise_fp8 gave (the

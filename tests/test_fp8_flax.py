@@ -133,7 +133,7 @@ def test_linen_module_rules_choose_per_module():
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("policy", ["mixed_fp8", DELAYED])
+@pytest.mark.parametrize("policy", default_run_keeps(["mixed_fp8", DELAYED]))
 def test_linen_exported_cuda_step(policy):
   model, variables = linen_model(policy)
   opt = jmp_lite.loss_scaling(optax.adam(1e-3), jmp_lite.NoOpLossScale())
@@ -200,7 +200,7 @@ def test_linen_apply_rolls_when_mutable_and_reads_otherwise():
   assert not np.array_equal(apply(huge, X), y)
 
 
-@pytest.mark.parametrize("margin", [0, 2, 8])
+@pytest.mark.parametrize("margin", default_run_keeps([0, 2, 8]))
 def test_linen_delayed_margin_and_algorithm(margin):
   policy = ("p=f32,c=bf16,o=f32,m=fp8_delayed(amax_algorithm=most_recent;"
             f"margin={margin})")
@@ -298,7 +298,7 @@ def test_linen_plain_optax_loop_keeps_the_state_intact():
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("accumulate", ["loss_scaling", "optax.MultiSteps"])
+@pytest.mark.parametrize("accumulate", default_run_keeps(["loss_scaling", "optax.MultiSteps"]))
 def test_linen_accumulation_history_covers_every_micro_batch(accumulate):
   model, variables = linen_model(DELAYED)
   k = 4

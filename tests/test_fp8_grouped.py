@@ -172,7 +172,7 @@ def test_equals_the_per_group_loop_bit_for_bit_on_exact_data(name, split):
   assert np.abs(np.asarray(got[2])).max() > 0
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", default_run_keeps(RECIPES))
 def test_equals_the_per_group_loop_to_rounding_on_random_data(name):
   got, want = _run_both(name, "normal", "jagged")
   for part, a, b in zip(("y", "dx", "dw"), got, want):
@@ -433,7 +433,7 @@ def _reference_fn():
   return jax.jit(run)
 
 
-@pytest.mark.parametrize("name", SQNR_FLOORS)
+@pytest.mark.parametrize("name", default_run_keeps(SQNR_FLOORS))
 def test_sqnr_against_the_float32_ragged_dot(name):
   m, k, n = 512, 256, 256
   x, w, dy = _operands("normal", SQNR_SIZES, m, k, n, seed=7)
@@ -547,7 +547,7 @@ EP_SIZES = (30, 34, 0, 64, 64, 0, 10, 54)  # 8 experts, 64 tokens per pair
 
 
 @needs_devices
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", default_run_keeps(RECIPES))
 def test_experts_sharded_under_shard_map_equal_the_unsharded_call(name):
   """Each of 4 devices holds 2 experts (and their scales) and the 64 tokens
   routed to them: with per-expert scales every device computes exactly its
@@ -575,7 +575,7 @@ def test_experts_sharded_under_shard_map_equal_the_unsharded_call(name):
 
 
 @needs_devices
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", default_run_keeps(RECIPES))
 def test_expert_sharded_weights_under_jit_equal_the_unsharded_call(name):
   mesh = Mesh(np.array(jax.devices()[:4]), ("e",))
   x, w, dy = _operands("exact", EP_SIZES, m=256, k=64, n=64)
@@ -708,9 +708,9 @@ def test_no_recompilation_on_a_second_call():
   assert fn._cache_size() == before == 1  # pylint: disable=protected-access
 
 
-@pytest.mark.parametrize("name,dtype", [
-    ("fp8", jnp.bfloat16), ("fp8", jnp.float16), ("fp8_rowwise", jnp.bfloat16),
-    ("fp8", jnp.float32)])
+@pytest.mark.parametrize("name,dtype", default_run_keeps([
+                      ("fp8", jnp.bfloat16), ("fp8", jnp.float16), ("fp8_rowwise", jnp.bfloat16),
+                      ("fp8", jnp.float32)], unpack=True))
 def test_half_operands_give_half_results(name, dtype):
   x, w, dy = (v.astype(dtype) for v in _operands("normal", seed=3))
   sizes = jnp.asarray(JAGGED, jnp.int32)
@@ -762,7 +762,7 @@ def test_second_derivative_is_refused():
   jax.grad(loss)(x)  # the first derivative is fine
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", default_run_keeps(RECIPES))
 def test_rows_past_the_sum_give_zeros_as_ragged_dot(name):
   """Traced sizes summing to less than M under jit: the rows past the sum
   belong to no group; their output and input gradient are zero, as

@@ -761,7 +761,7 @@ def test_training_is_finite_and_close_to_bf16(route, jit):
 GRAD_RTOL = 0.2
 
 
-@pytest.mark.parametrize("recipe", CURRENT)
+@pytest.mark.parametrize("recipe", default_run_keeps(CURRENT))
 def test_every_current_recipe_gives_gradients_close_to_f32(recipe):
   policy = f"p=f32,c=bf16,o=f32,m={recipe}"
   grad = jax.jit(jax.value_and_grad(jmp_lite.autocast(loss_fn, policy)))

@@ -20,6 +20,7 @@ import pytest
 import jmp_lite
 import jmp_lite.int8
 from jmp_lite import fp8
+from helpers import default_run_keeps
 
 N = 8
 WIDTH, BATCH = 256, 512       # the batch larger than a weight: XLA then
@@ -74,7 +75,7 @@ def _compiled(recipe, fsdp, axis_type=AxisType.Auto, layers=2):
     ).as_text()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
 def test_compiled_weight_gather_is_one_byte(recipe):
   gathers = _gathers(_compiled(recipe, fsdp=True))
   weight = WIDTH * WIDTH
@@ -125,7 +126,7 @@ def test_quantize_then_gather_equals_gather_then_quantize(recipe):
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
 def test_loss_and_gradients_equal_unsharded(recipe):
   params, x = _params()
   grad = lambda spec: jax.jit(jax.value_and_grad(
@@ -146,7 +147,7 @@ def test_loss_and_gradients_equal_unsharded(recipe):
 
 
 @pytest.mark.standard_promotion
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["fp8", "fp8_rowwise"]))
 def test_ten_adam_steps_equal_unsharded(recipe):
   params, x = _params(layers=3)
   opt = optax.adam(1e-3)
@@ -282,7 +283,7 @@ def _sm_vjp(recipe, fsdp):
                                out_specs=(P("fsdp"), P("fsdp"), w_spec)))
 
 
-@pytest.mark.parametrize("recipe", SM_RECIPES)
+@pytest.mark.parametrize("recipe", default_run_keeps(SM_RECIPES))
 def test_shard_map_quantize_then_gather_equals_gather_then_quantize(recipe):
   # Each shard quantized with the scales every shard shares, gathered as
   # bits, equals the whole (replicated) weight quantized: y, dx and the
@@ -413,7 +414,7 @@ def test_bad_fsdp_axis_teaches(bad, error):
     fp8.Fp8Config(fsdp_axis=bad)
 
 
-@pytest.mark.parametrize("recipe", ["int8", "int8_switchback"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["int8", "int8_switchback"]))
 def test_int8_weight_gather_is_one_byte_and_exact(recipe):
   gathers = _gathers(_compiled(recipe, fsdp=True))
   weight = WIDTH * WIDTH

@@ -381,8 +381,8 @@ def test_mapped_plain_pmean_reduces_in_grad_dtype_or_half(kind, params_dtype):
 
 
 @needs_devices
-@pytest.mark.parametrize("params_dtype", [F32, BF16], ids=lambda d: d.name)
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("params_dtype", default_run_keeps([F32, BF16], keep=1), ids=lambda d: d.name)
+@pytest.mark.parametrize("kind", default_run_keeps(KINDS))
 def test_pmean_value_and_grad_reduces_in_f32(kind, params_dtype):
   loss_fn = _loss_fn(F16)
   step = jmp_lite.pmean_value_and_grad(jax.value_and_grad(loss_fn), "i")

@@ -10,6 +10,7 @@ import pytest
 
 from jmp_lite import int8
 from jmp_lite._src.low_precision import int8_matmul
+from helpers import default_run_keeps
 
 DENSE = (((1,), (0,)), ((), ()))
 RECIPES = ["int8", "int8_switchback"]
@@ -76,10 +77,10 @@ SPLITS = [(44, 0, 84, 3, 125), (256, 0, 0, 0, 0), (0, 0, 256, 0, 0),
           (0, 0, 0, 0, 256), (0, 100, 56, 100, 0), (10, 20, 30, 40, 50)]
 
 
-@pytest.mark.parametrize("switchback_wgrad", [True, None],
+@pytest.mark.parametrize("switchback_wgrad", default_run_keeps([True, None]),
                          ids=["all_int8", "as_named"])
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("sizes", SPLITS, ids=lambda s: "-".join(map(str, s)))
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
+@pytest.mark.parametrize("sizes", default_run_keeps(SPLITS), ids=lambda s: "-".join(map(str, s)))
 def test_bit_for_bit_the_loop_of_dense_matmuls(sizes, recipe,
                                                switchback_wgrad):
   """Random data; the last split leaves rows past the sum (zeros there).

@@ -13,6 +13,7 @@ import pytest
 from jmp_lite import fp8 as fp8_public
 from jmp_lite import int8
 from jmp_lite._src.low_precision import int8_matmul
+from helpers import default_run_keeps
 
 DENSE = (((1,), (0,)), ((), ()))
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -169,9 +170,9 @@ def _config(recipe, switches=(None, None, None), **kwargs):
   return int8.Int8Config(recipe, **kwargs)
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("jit", default_run_keeps([True, False]), ids=["jit", "eager"])
+@pytest.mark.parametrize("dtype", default_run_keeps(["float32", "bfloat16"]))
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
 def test_dense_bit_for_bit_against_integer_reference(recipe, dtype, jit):
   """Gaussian data with row/column amaxes spread over e**6: every quantized
   product equals the integer reference exactly."""
@@ -514,7 +515,7 @@ def _chunked_reference(x, w, chunk):
   return total[0]
 
 
-@pytest.mark.parametrize("k,chunk", [(80, 48), (96, 32)])
+@pytest.mark.parametrize("k,chunk", default_run_keeps([(80, 48), (96, 32)], unpack=True))
 def test_long_contractions_are_chunked(monkeypatch, k, chunk):
   monkeypatch.setattr(int8_matmul, "EXACT_INT32_LENGTH", 64)
   monkeypatch.setattr(int8_matmul, "CHUNK", chunk)

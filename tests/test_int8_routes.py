@@ -24,6 +24,7 @@ import jmp_lite
 from jmp_lite import int8
 import jmp_lite.linen as jlinen
 import jmp_lite.nnx as jnnx
+from helpers import default_run_keeps
 
 _DN = (((1,), (0,)), ((), ()))
 _BF16 = jnp.bfloat16
@@ -82,7 +83,7 @@ def _expected_backward(recipe):
 
 
 @RECIPES
-@pytest.mark.parametrize("route", [jmp_lite.with_policy, jmp_lite.autocast],
+@pytest.mark.parametrize("route", default_run_keeps([jmp_lite.with_policy, jmp_lite.autocast]),
                          ids=["with_policy", "autocast"])
 def test_functional_routes_run_int8_bit_for_bit(route, recipe):
   params, x = _params(), _normal(0, (8, 32))

@@ -44,6 +44,7 @@ from test_master_weights import _params
 from test_master_weights import HALF
 from test_master_weights import INNERS
 from test_master_weights import JIT
+from helpers import default_run_keeps
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -301,8 +302,8 @@ def test_kahan_long_run_of_tiny_updates_lands_on_float32(dtype, jit):
   assert state.compensation["w"].dtype == np.int16
 
 
-@pytest.mark.parametrize("make_inner", INNERS)
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("make_inner", default_run_keeps(INNERS))
+@pytest.mark.parametrize("dtype", default_run_keeps(HALF))
 def test_kahan_holds_the_master_copy_values_bit_for_bit(make_inner, dtype):
   """With the same gradients, params + compensation are the float32 values the
   master copy holds, bit for bit, in 2 bytes per parameter instead of 4."""
@@ -463,8 +464,8 @@ def _float16_baselines():
 
 
 @standard_promotion
-@pytest.mark.parametrize("method", LOW_MEMORY)
-@pytest.mark.parametrize("jit", JIT)
+@pytest.mark.parametrize("method", default_run_keeps(LOW_MEMORY))
+@pytest.mark.parametrize("jit", default_run_keeps(JIT))
 def test_float16_params_with_dynamic_loss_scaling(method, jit):
   """float16 params at 1.0 pulled to 0 by Adam(1e-4): each step is below half
   float16's spacing there (2**-12), so plain float16 params never move; both
@@ -638,7 +639,7 @@ def _sharded_copy_counts():
 
 
 @standard_promotion
-@pytest.mark.parametrize("method", LOW_MEMORY)
+@pytest.mark.parametrize("method", default_run_keeps(LOW_MEMORY))
 def test_named_sharding_state_and_compilations(method):
   """The compensation and the moments take the params' sharding; the step
   compiles as often as with method='copy' (an eager init's uncommitted
@@ -663,7 +664,7 @@ def test_named_sharding_state_and_compilations(method):
                                atol=2.0**-6)
 
 
-@pytest.mark.parametrize("method", LOW_MEMORY)
+@pytest.mark.parametrize("method", default_run_keeps(LOW_MEMORY))
 def test_pmap_replicas_agree_with_a_single_device_run(method):
   """Replicas hold the same key, so they draw the same bits and stay equal."""
   n = min(jax.device_count(), 8)

@@ -406,7 +406,7 @@ HEAD = "output head (include_output_head=False)"
 
 @JIT
 @ROUTES
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise", "nvfp4", "int8"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["fp8", "fp8_rowwise", "nvfp4", "int8"]))
 def test_router_and_combine_stay_in_the_compute_dtype(route, recipe, jit):
   f = route(model, policy(recipe))
   ops = matmul_ops(f, PARAMS, X)

@@ -503,7 +503,7 @@ def _linen_fp8():
   return variables, step
 
 
-@pytest.mark.parametrize("kind", ["pmap", "shard_map"])
+@pytest.mark.parametrize("kind", default_run_keeps(["pmap", "shard_map"]))
 def test_delayed_fp8_histories_agree_across_replicas_by_default(kind):
   """Issue 36, item 4: without axis_name each replica kept its own shard's
   amaxes. By default the amaxes are reduced over every bound axis: each

@@ -18,6 +18,7 @@ import pytest
 
 import jmp_lite
 import jmp_lite as jmp
+from helpers import default_run_keeps
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -168,7 +169,7 @@ def test_import_does_not_import_flax():
   assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("module", ["jmp_lite.linen", "jmp_lite.nnx"])
+@pytest.mark.parametrize("module", default_run_keeps(["jmp_lite.linen", "jmp_lite.nnx"]))
 def test_flax_modules_without_flax_name_the_extra(module):
   code = (
       "import sys\n"

@@ -69,8 +69,8 @@ def _float32_run(name):
   return _run(INNERS[name](), _params())
 
 
-@pytest.mark.parametrize("name", list(INNERS))
-@pytest.mark.parametrize("fmt", ["8bit", "4bit", "e4m3"])
+@pytest.mark.parametrize("name", default_run_keeps(list(INNERS)))
+@pytest.mark.parametrize("fmt", default_run_keeps(["8bit", "4bit", "e4m3"]))
 def test_one_wrapper_for_every_optimizer(name, fmt):
   """The inner optimizer's own math on decoded moments: close to the float32
   run, the quantized leaves stored in their format, the rest float32."""

@@ -10,6 +10,7 @@ import pytest
 
 from jmp_lite._src import state_codes as sc
 from tests import state_codes_reference as ref
+from helpers import default_run_keeps
 
 BLOCK_FORMATS = ("e4m3", "8bit", "4bit")
 
@@ -142,7 +143,7 @@ def test_quantizers_bit_for_bit_on_edge_zoo(fmt, non_negative):
   assert np.all(np.isfinite(got[[0, 1, 2, 4, 5, 6]]))
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", default_run_keeps(BLOCK_FORMATS))
 def test_no_zero_code_reachable_for_non_negative_states(fmt):
   """Every value of a non-negative block whose absmax is not 0 decodes to a
   positive number, however small (exact zeros included)."""
@@ -212,7 +213,7 @@ def test_layout_and_padding():
   _same(codes[:, 2, 300 - 256:], np.full((2, 84), zero_code, np.uint8))
 
 
-@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+@pytest.mark.parametrize("fmt", default_run_keeps(BLOCK_FORMATS))
 def test_short_rows_use_a_smaller_block(fmt):
   """A row shorter than the block uses the next power of two (>= 32)."""
   for shape, block in [((5, 40), 64), ((3, 10), 32)]:

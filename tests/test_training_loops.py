@@ -58,6 +58,7 @@ from helpers import example_env
 from helpers import is_finite_number
 from helpers import ROOT
 from helpers import run_example
+from helpers import default_run_keeps
 
 F16 = np.dtype(jnp.float16)
 BF16 = np.dtype(jnp.bfloat16)
@@ -518,8 +519,8 @@ COMPOSITIONS = [
 
 
 @standard_promotion
-@pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("make_inner,dtype", COMPOSITIONS)
+@pytest.mark.parametrize("k", default_run_keeps([1, 3]))
+@pytest.mark.parametrize("make_inner,dtype", default_run_keeps(COMPOSITIONS, unpack=True))
 def test_fault_sequence_through_compositions(make_inner, dtype, k):
   """Eager, bitwise against the same inner optimizer alone."""
   params = _fault_params(dtype)
@@ -574,8 +575,8 @@ INSIDE = [
 
 
 @standard_promotion
-@pytest.mark.parametrize("k", [1, 2])
-@pytest.mark.parametrize("make_inner", INSIDE)
+@pytest.mark.parametrize("k", default_run_keeps([1, 2]))
+@pytest.mark.parametrize("make_inner", default_run_keeps(INSIDE))
 def test_fault_sequence_with_optax_wrappers_inside(make_inner, k, request):
   # optax's schedule_free makes a NaN array of its own in every update
   # (jnp.full(shape, nan), selected away): eagerly, jax_debug_nans flags it.
@@ -1113,8 +1114,8 @@ def _stalled_multi_steps_updates(opt, update, micro_steps, **extra):
 
 @standard_promotion  # optax.MultiSteps
 @pytest.mark.parametrize(
-    "scale,jit", [("dynamic", False), ("dynamic", True), ("noop", True),
-                  ("shared", True)],
+    "scale,jit", default_run_keeps([("dynamic", False), ("dynamic", True), ("noop", True),
+                                    ("shared", True)], unpack=True),
     ids=["dynamic-eager", "dynamic-jit", "noop-jit", "shared-jit"])
 def test_multi_steps_around_loss_scaling_stalls_loudly_through_update(
     scale, jit):

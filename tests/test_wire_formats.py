@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
+from helpers import default_run_keeps
 
 #: Unit roundoff (round to nearest) of the wire formats' significands.
 U = {"bfloat16": 2.0**-8, "e4m3": 2.0**-4}
@@ -75,8 +76,8 @@ def _bound(wire, per, n):
           + E4M3_ABS * amax2 / E4M3_MAX * (1 + u) + sums)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("wire", ["float32", "bfloat16", "e4m3"])
+@pytest.mark.parametrize("n", default_run_keeps([2, 4, 8]))
+@pytest.mark.parametrize("wire", default_run_keeps(["float32", "bfloat16", "e4m3"], keep=2))
 def test_the_mean_is_within_the_formats_bound(n, wire):
   w, xs = _problem(n)
   per = _per_device_grads(w, xs, n)
@@ -135,8 +136,8 @@ def test_float32_is_one_float32_all_reduce_of_the_gradients():
                    text) or "f32[37,5]" in text
 
 
-@pytest.mark.parametrize("wire", ["float32", "bfloat16", "e4m3"])
-@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("wire", default_run_keeps(["float32", "bfloat16", "e4m3"], keep=2))
+@pytest.mark.parametrize("bad", default_run_keeps([np.nan, np.inf]))
 def test_a_non_finite_gradient_on_one_device_reaches_every_device(wire, bad):
   n = 4
   w, xs = _problem(n)
