@@ -314,13 +314,9 @@ def _quantize_operand_values(x, fmt, kind, config, scale, shared_over):
   b, p, c = x.shape
   pow2 = config.power_of_two_scales
   if kind == "tensor":
-    names = tuple(n for part in (config.axis_name, shared_over)
-                  if part is not None
-                  for n in (part if isinstance(part, tuple) else (part,)))
     q = scaling_lib.quantize_blocks(
         x, fmt, (b, p, c), scale, pow2, scalar_scale=True,
-        axis_name=(tuple(dict.fromkeys(names)) if len(set(names)) > 1
-                   else names[0] if names else None))
+        axis_name=scaling_lib.joined_axis_names(config.axis_name, shared_over))
     return _Operand(q.values, q.scale, "row"), q.amax
   if kind == "row":
     q = scaling_lib.quantize_blocks(x, fmt, (1, 1, c), None, pow2,

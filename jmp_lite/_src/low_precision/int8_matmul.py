@@ -73,6 +73,7 @@ from jmp_lite._src.low_precision import collectives as collectives_lib
 from jmp_lite._src.low_precision import fp4_matmul as fp4_matmul_lib
 from jmp_lite._src.low_precision import fp8_matmul as fp8_matmul_lib
 from jmp_lite._src.low_precision import recipes as recipes_lib
+from jmp_lite._src.low_precision import scaling as scaling_lib
 
 _F32 = np.dtype(np.float32)
 Int8Config = recipes_lib.Int8Config
@@ -132,11 +133,8 @@ def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
   """
   x = x.astype(_F32)
   axes = tuple(range(x.ndim)) if per_tensor else (axis % x.ndim,)
-  names = tuple(n for part in (axis_name if per_tensor else None, shared_over)
-                if part is not None
-                for n in (part if isinstance(part, tuple) else (part,)))
-  names = tuple(dict.fromkeys(names))
-  amax = amax_of(x, axes, names[0] if len(names) == 1 else names or None)
+  amax = amax_of(x, axes, scaling_lib.joined_axis_names(
+      axis_name if per_tensor else None, shared_over))
   scale = scale_from_amax(amax)
   return rounded(x, scale, key), scale
 

@@ -298,6 +298,16 @@ def scale_from_history(history: Any, fmt: Any = "e4m3", *, margin: float = 0,
 # ---------------------------------------------------------------------------
 
 
+def joined_axis_names(*parts: Any) -> Any:
+  """The mapped axes of every part (each None, a name or a tuple of names),
+  once each in order: None, one name, or a tuple of them (as
+  ``lax.pmax`` takes them)."""
+  names = tuple(dict.fromkeys(
+      n for part in parts if part is not None
+      for n in (part if isinstance(part, tuple) else (part,))))
+  return None if not names else names[0] if len(names) == 1 else names
+
+
 def global_amax(amax: jax.Array, axis_name: Any) -> jax.Array:
   """The maximum of ``amax`` over the mapped axes ``axis_name`` (a name or a
   tuple of names; ``amax`` itself where None): every replica gets the same.
