@@ -269,11 +269,12 @@ def fsdp_weight_shape(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   n = fsdp_shards(axis)
   try:
     (lc, rc), _ = dimension_numbers
-    lc, rc = tuple(lc), tuple(rc)
-    lc = tuple(int(d) % lhs.ndim for d in lc)
-    rc = tuple(int(d) % rhs.ndim for d in rc)
   except (TypeError, ValueError):
     return tuple(rhs.shape)
+  lc, rc = checks.integer_axes(lc), checks.integer_axes(rc)
+  if (lc is None or rc is None or not all(0 <= a < lhs.ndim for a in lc)
+      or not all(0 <= a < rhs.ndim for a in rc)):
+    return tuple(rhs.shape)     # (the caller's check names the problem)
   found = None
   if len(rc) != 1 or len(lc) != 1:
     found = f"the dimension numbers contract {len(rc)} dimensions"
@@ -301,6 +302,19 @@ def manual_gathered(x: jax.Array, axis: Any, dim: int) -> jax.Array:
       bits, axis, axis=dim, tiled=True))
 
 
+def fsdp_gathered(x: jax.Array, config: Any, dim: int,
+                  along: bool = True) -> jax.Array:
+  """A quantized weight's values or scales, gathered for
+  ``config.fsdp_axis`` as their bits: under ``jax.shard_map`` all-gathered
+  along ``dim`` (its K axis) where they vary along it (``along``; a scale
+  shared by every shard stays as it is); under ``jax.jit`` constrained to
+  be replicated (:func:`fsdp_replicated`: the partitioner gathers them)."""
+  axis = manual_fsdp_axis(config)
+  if axis is not None:
+    return manual_gathered(x, axis, dim) if along else x
+  return gathered(x, fsdp_replicated(config.fsdp_axis))
+
+
 def manual_scattered(x: jax.Array, axis: Any, dim: int) -> jax.Array:
   """The weight gradient of a gathered weight: ``x`` summed over the manual
   axes ``axis`` and scattered (tiled) along ``dim``, as the derivative of
@@ -321,7 +335,7 @@ def fsdp_replicated(axis: Any) -> jax.sharding.NamedSharding:
       to fix it.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  names = axis if isinstance(axis, tuple) else (axis,)
+  names = _axis_names(axis)
   if mesh.empty:
     raise ValueError(NO_FSDP_MESH.format(axis=axis, found="no mesh is set"))
   missing = [n for n in names if n not in mesh.axis_names]
@@ -329,9 +343,6 @@ def fsdp_replicated(axis: Any) -> jax.sharding.NamedSharding:
     raise ValueError(NO_FSDP_MESH.format(
         axis=axis, found=f"the mesh set has no axis {missing[0]!r} (its axes: "
         f"{', '.join(map(repr, mesh.axis_names))})"))
-  manual = set(getattr(mesh, "manual_axes", ()))
-  if manual & set(names):   # (callers check manual_fsdp_axis first)
-    raise ValueError(FSDP_PARTLY_MANUAL.format(axis=axis))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 

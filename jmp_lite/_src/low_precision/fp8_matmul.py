@@ -531,15 +531,9 @@ def _gathered_weight(op: _Operand, config: Fp8Config, dim: int,
   under ``jax.jit`` the partitioner gathers it."""
   if config.fsdp_axis is None:
     return op
-  axis = collectives_lib.manual_fsdp_axis(config)
-  if axis is not None:
-    scale = (collectives_lib.manual_gathered(op.scale, axis, dim)
-             if scale_along else op.scale)
-    return _Operand(collectives_lib.manual_gathered(op.values, axis, dim),
-                    scale, op.kind)
-  sharding = collectives_lib.fsdp_replicated(config.fsdp_axis)
-  return _Operand(collectives_lib.gathered(op.values, sharding),
-                  collectives_lib.gathered(op.scale, sharding), op.kind)
+  return _Operand(collectives_lib.fsdp_gathered(op.values, config, dim),
+                  collectives_lib.fsdp_gathered(op.scale, config, dim,
+                                                scale_along), op.kind)
 
 
 def _forward(a, b, scales, config):

@@ -273,14 +273,9 @@ def _weight(b: jax.Array, config: Int8Config,
                       shared_over=fsdp if axis == 2 or per_tensor else None)
   if config.fsdp_axis is None:
     return q, scale
-  if fsdp is not None:
-    scale_along = axis != 2 and not per_tensor    # (B, 1, K): one per k
-    return (collectives_lib.manual_gathered(q, fsdp, 2),
-            collectives_lib.manual_gathered(scale, fsdp, 2) if scale_along
-            else scale)
-  sharding = collectives_lib.fsdp_replicated(config.fsdp_axis)
-  return (collectives_lib.gathered(q, sharding),
-          collectives_lib.gathered(scale, sharding))
+  scale_along = axis != 2 and not per_tensor    # (B, 1, K): one per k
+  return (collectives_lib.fsdp_gathered(q, config, 2),
+          collectives_lib.fsdp_gathered(scale, config, 2, scale_along))
 
 
 def _whole(b: jax.Array, config: Int8Config) -> jax.Array:
