@@ -368,8 +368,8 @@ def test_a_non_finite_value_stays_in_its_row(recipe, bad, k):
   """A NaN or inf in row 3 of x: row 3 of the output is non-finite, every
   other row finite and equal to the reference (SwitchBack's per-tensor
   weight is unaffected: the bad value is in the activation). Rows of 128:
-  XLA:CPU's float row maximum skips a NaN there (the quantizer takes the
-  maximum of the magnitudes' bit patterns, as integers)."""
+  XLA:CPU's float row maximum skips a NaN there (the quantizer takes NaN as
+  inf in its maximum)."""
   x = _spread((64, k), 8)
   x[3, 7] = bad
   w = _spread((k, 16), 9)
@@ -737,9 +737,9 @@ def test_shard_map_shares_the_tensor_wise_weight_amax():
 
 
 def test_a_nan_in_one_replicas_weight_slice_stays_visible():
-  """A float lax.pmax across replicas skips a NaN on CPU; the quantizer's
-  integer pmax of the magnitudes' bit patterns cannot: the replica holding
-  the NaN makes its output non-finite."""
+  """A float lax.pmax across replicas skips a NaN on CPU; the quantizer
+  takes NaN as inf, which no maximum skips: the replica holding the NaN
+  makes its output non-finite."""
   spec = jax.sharding.PartitionSpec
   x = _spread((8, 64), 31, 1.0)
   w = _spread((64, 32), 32, 1.0)

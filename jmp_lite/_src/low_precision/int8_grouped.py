@@ -101,12 +101,12 @@ def _rows_product(x, w, groups, config, key=None):
 def _columns(x, groups, key=None):
   """``x`` ``[M, P]`` quantized per group and column along the group's
   rows: int8 ``[M, P]`` and the scale ``[G, P]``."""
-  # The amax per group and column as the maximum of the magnitudes' bit
-  # patterns (int8_matmul.magnitude_bits: a float scatter-max can skip a
-  # NaN, an integer one cannot); 0 for an empty group.
-  bits = jnp.zeros((groups.count + 1,) + x.shape[1:], jnp.int32).at[
-      groups.ids].max(int8_lib.magnitude_bits(x))[:groups.count]
-  scale = int8_lib.scale_from_amax(int8_lib.amax_from_bits(bits))
+  # The amax per group and column: the maximum of the magnitudes with NaN
+  # taken as inf (int8_matmul.magnitude: a float scatter-max can skip a
+  # NaN, never an inf); 0 for an empty group.
+  amax = jnp.zeros((groups.count + 1,) + x.shape[1:], jnp.float32).at[
+      groups.ids].max(int8_lib.magnitude(x))[:groups.count]
+  scale = int8_lib.scale_from_amax(amax)
   rows = grouped_lib.per_row(scale, groups, 1.0)
   return int8_lib.rounded(x, rows, key), scale
 

@@ -48,11 +48,12 @@ How it computes (every platform):
    their own (compute) dtype with float32 accumulation.
 
 **Non-finite values stay visible**: a NaN or inf makes its row's (or the
-tensor's) scale NaN or inf (the amax is the maximum of the magnitudes'
-float32 bit patterns as int32 (:func:`amax_of`), which no compiler can
-skip a NaN in, as XLA:CPU's float maximum can), and the rescale carries it into every output
-element that row feeds (a NaN element itself is quantized to 0 first, so
-that no undefined float-to-int conversion happens).
+tensor's) scale inf (the amax is a float maximum of the magnitudes with
+NaN taken as inf (:func:`magnitude`), so that no compiler can skip a NaN
+in it, as XLA:CPU's float maximum can), which zeroes the row's int8
+values, and the rescale makes every output element that row feeds
+``0 * inf = NaN`` (a NaN element itself is quantized to 0 first, so that
+no undefined float-to-int conversion happens).
 
 **Second derivatives** are refused with a teaching error
 (:data:`SECOND_ORDER_HELP`): the backward pass rounds to int8.
@@ -139,33 +140,38 @@ def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
   return rounded(x, scale, key), scale
 
 
-def magnitude_bits(x: jax.Array) -> jax.Array:
-  """int32 bit patterns of ``|x|`` in float32. A non-negative float's bits
-  order as the float does, and a NaN's above inf's: their integer maximum
-  is the amax, NaN wherever a NaN is met. XLA:CPU's float maximum can skip
-  a NaN (a row reduction of 64 or more elements, and ``lax.pmax`` across
-  replicas); an integer maximum cannot."""
-  x = jax.lax.convert_element_type(x, _F32)
-  return jax.lax.bitcast_convert_type(jax.lax.abs(x), jnp.int32)
-
-
-def amax_from_bits(bits: jax.Array) -> jax.Array:
-  """float32 from :func:`magnitude_bits`' patterns (after a maximum)."""
+def magnitude(x: jax.Array) -> jax.Array:
+  """float32 ``|x|``, with ``+inf`` in place of a NaN. A float maximum over
+  these is the amax, ``inf`` wherever a NaN or an inf is met: XLA:CPU's
+  float maximum can skip a NaN (in a row reduction of 128 elements, a
+  scatter-max, ``lax.pmax`` across replicas), never an inf. Computed on
+  the bits (the sign cleared, then at most inf's pattern, which every NaN's
+  exceeds), so that no inf is made where there was none (``jax_debug_infs``
+  stays quiet). An infinite scale zeroes the row's int8 values and makes
+  every output it feeds ``0 * inf = NaN``, as a NaN scale would."""
+  bits = jax.lax.bitcast_convert_type(
+      jax.lax.convert_element_type(x, _F32), jnp.int32)
+  bits = jax.lax.min(jax.lax.bitwise_and(bits, _MAGNITUDE_MASK), _INF_BITS)
   return jax.lax.bitcast_convert_type(bits, _F32)
+
+
+#: The magnitude bits of a float32, and +inf's pattern (below every NaN's).
+_MAGNITUDE_MASK = np.int32(0x7FFFFFFF)
+_INF_BITS = np.int32(0x7F800000)
 
 
 def amax_of(x: jax.Array, axes: Any, axis_name: Any = None) -> jax.Array:
   """float32 ``max |x|`` over ``axes`` (kept as size 1), and over the mapped
-  axis ``axis_name`` when given; 0 for no elements; NaN where a NaN is met,
-  inf where an inf is (:func:`magnitude_bits`)."""
+  axis ``axis_name`` when given; 0 for no elements; inf where a NaN or an
+  inf is met (:func:`magnitude`)."""
   kept = tuple(1 if i in axes else d for i, d in enumerate(x.shape))
   if all(x.shape[i] for i in axes):
-    bits = jax.lax.reduce_max(magnitude_bits(x), axes).reshape(kept)
+    amax = jax.lax.reduce_max(magnitude(x), axes).reshape(kept)
   else:                                     # nothing to reduce: amax 0
-    bits = jnp.zeros(kept, jnp.int32)
+    amax = jnp.zeros(kept, _F32)
   if axis_name is not None:
-    bits = jax.lax.pmax(bits, axis_name)
-  return amax_from_bits(bits)
+    amax = jax.lax.pmax(amax, axis_name)
+  return amax
 
 
 #: float32 ``1 / 127``: a scale is ``amax * INV_INT8_MAX`` (what XLA makes
