@@ -358,6 +358,15 @@ def _int8_matmul_bwd(static, residuals, g):
   # Whatever would differentiate the backward pass (a second derivative)
   # meets the refusal.
   a, b, g = _first_order_only(a), _first_order_only(b), _first_order_only(g)
+  # JAX calls a custom_vjp's bwd once per call site; jitted (inline=True), a
+  # deep model's matmuls of one shape share one trace of it.
+  return _backward(a, b, g, weight, static=static)
+
+
+@functools.partial(jax.jit, inline=True, static_argnames=("static",))
+def _backward(a, b, g, weight, *, static):
+  """The int8 backward pass of :func:`_int8_matmul`, in the operands'
+  dtypes."""
   da, db = backward_products(a, b, g, static.config, weight)
   return da.astype(static.lhs_dtype), db.astype(static.rhs_dtype)
 
