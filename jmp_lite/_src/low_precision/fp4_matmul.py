@@ -356,8 +356,17 @@ def _fp4_matmul_bwd(static, residuals, g):
   # Whatever would differentiate the backward pass (a second derivative)
   # meets _first_order_only's refusal.
   a, b, g = _first_order_only(a), _first_order_only(b), _first_order_only(g)
+  # JAX calls a custom_vjp's bwd once per call site; jitted (inline=True), a
+  # deep model's matmuls of one shape share one trace of it.
+  return _backward(a, b, g, key, static=static) + (None,)
+
+
+@functools.partial(jax.jit, inline=True, static_argnames=("static",))
+def _backward(a, b, g, key, *, static):
+  """The FP4 backward pass of :func:`_fp4_matmul`, in the operands'
+  dtypes."""
   da, db = backward_products(a, b, g, key, static.config)
-  return da.astype(static.lhs_dtype), db.astype(static.rhs_dtype), None
+  return da.astype(static.lhs_dtype), db.astype(static.rhs_dtype)
 
 
 _fp4_matmul.defvjp(_fp4_matmul_fwd, _fp4_matmul_bwd)
