@@ -283,13 +283,20 @@ def test_quantizer_rounds_half_to_even_and_never_gives_minus_128():
       np.asarray(q[0]),
       [127, 0, 2, 2, 4, 0, -2, -2, -4, 0, 0, 126, -126, 0, 1, -127])
   assert q.dtype == jnp.int8
-  # The amax element maps to exactly +-127, whatever the amax (its quotient
-  # may round above 127 in float32: clipped, never wrapped to -128).
+  # The amax element maps to exactly +-127, whatever the amax: its quotient
+  # is within four float32 roundings of 127 (above it by 2**-22 * 127 at
+  # most), so that rounding half to even gives 127 with no clip (there is
+  # none on that path), never 128 or -128. Rows with amaxes drawn from the
+  # whole float32 range of bit patterns, as well as typical ones.
   rng = np.random.default_rng(0)
+  # (from 2**-118: a smaller amax gets scale 1 and all zeros, below)
+  amaxes = rng.integers(0x04800000, 0x7F7FFFFF, (256, 1), dtype=np.int64)
   adversarial = np.concatenate([
       rng.standard_normal((64, 33)) * np.exp(rng.uniform(-20, 20, (64, 1))),
       rng.uniform(0.1, 3.3, (16, 33)) * 1e38,               # near float max
       rng.standard_normal((8, 33)) * 2e-36,   # scales just above the tiny
+      np.c_[np.ones(256), rng.uniform(-1, 1, (256, 32))]
+      * amaxes.astype(np.uint32).view(np.float32),
   ]).astype(np.float32)
   adversarial[:, 5] = -np.abs(adversarial).max(axis=1)   # amax negative
   q, scale = int8_matmul.quantize(jnp.asarray(adversarial))

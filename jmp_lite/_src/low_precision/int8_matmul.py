@@ -27,7 +27,9 @@ How it computes (every platform):
    smallest normal float32 (amax 0, or below ``127 * 2**-126``, about
    1.5e-36, where ``r`` could overflow) gets ``s = 1`` (all its values
    quantize to 0). The amax element maps to exactly +-127; -128 is never
-   produced: the range is symmetric.
+   produced: the range is symmetric. Rounded half to even, no value can
+   pass 127 (the amax's quotient is within four float32 roundings of 127),
+   so the clip is applied where it can bind: stochastic rounding.
 3. The product is an integer product: ``dot_general`` of the two int8
    arrays with ``preferred_element_type=int32`` (``s8 x s8 -> s32``: the
    int8 matrix units' instruction on TPU and on NVIDIA GPUs), then one
@@ -50,10 +52,11 @@ How it computes (every platform):
 **Non-finite values stay visible**: a NaN or inf makes its row's (or the
 tensor's) scale inf (the amax is a float maximum of the magnitudes with
 NaN taken as inf (:func:`magnitude`), so that no compiler can skip a NaN
-in it, as XLA:CPU's float maximum can), which zeroes the row's int8
-values, and the rescale makes every output element that row feeds
-``0 * inf = NaN`` (a NaN element itself is quantized to 0 first, so that
-no undefined float-to-int conversion happens).
+in it, as XLA:CPU's float maximum can), which zeroes the row's finite
+int8 values, and the rescale makes every output element that row feeds
+non-finite (``acc * inf``: NaN where ``acc`` is 0). The NaN or inf element
+itself converts as XLA converts a NaN to int8 (0 on CPU and GPU); whatever
+it becomes, it only feeds those outputs.
 
 **Second derivatives** are refused with a teaching error
 (:data:`SECOND_ORDER_HELP`): the backward pass rounds to int8.
@@ -137,7 +140,8 @@ def quantize(x: jax.Array, *, axis: int = -1, per_tensor: bool = False,
   amax = amax_of(x, axes, scaling_lib.joined_axis_names(
       axis_name if per_tensor else None, shared_over))
   scale = scale_from_amax(amax)
-  return rounded(x, scale, key), scale
+  # Stochastic rounding can reach 128 (the amax plus u): clipped.
+  return rounded(x, scale, key, clip=key is not None), scale
 
 
 def magnitude(x: jax.Array) -> jax.Array:
@@ -191,18 +195,27 @@ def scale_from_amax(amax: jax.Array) -> jax.Array:
   return jax.lax.select(scale < _TINY, jnp.ones_like(scale), scale)
 
 
-def rounded(x: jax.Array, scale: jax.Array, key: Any = None) -> jax.Array:
+def rounded(x: jax.Array, scale: jax.Array, key: Any = None, *,
+            clip: bool = True) -> jax.Array:
   """int8 ``clip(round(x * (1 / scale)), -127, 127)`` (``scale``
   broadcasting against ``x``; its float32 reciprocal taken first, one per
-  scale): half to even, or ``floor(x * (1 / scale) + u)`` with ``key``; a
-  NaN product becomes 0 (its scale carries the NaN)."""
+  scale): half to even, or ``floor(x * (1 / scale) + u)`` with ``key``.
+
+  ``clip=False`` where no value can pass 127.5 in magnitude: a scale from
+  this data's own amax (:func:`quantize`) rounded half to even, where
+  ``|x| * r <= amax * fl(1 / fl(amax * fl(1 / 127)))``, within four float32
+  roundings of 127 (``127 * (1 + 2**-22)`` at most), rounds to at most 127.
+  The conversion to int8 is XLA's (the same on CPU and GPU: saturating,
+  NaN to 0). A NaN product (a NaN or inf element, whose scale is inf) is
+  left to it: whatever int8 it becomes, every output it feeds is
+  ``acc * inf``, non-finite."""
   v = jax.lax.convert_element_type(x, _F32) * (np.float32(1) / scale)
   if key is None:
     v = jax.lax.round(v, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
   else:
     v = jnp.floor(v + jax.random.uniform(key, v.shape, _F32))
-  v = jax.lax.clamp(np.float32(-INT8_MAX), v, np.float32(INT8_MAX))
-  v = jax.lax.select(jax.lax.ne(v, v), jnp.zeros_like(v), v)   # NaN -> 0
+  if clip:
+    v = jax.lax.clamp(np.float32(-INT8_MAX), v, np.float32(INT8_MAX))
   return jax.lax.convert_element_type(v, jnp.int8)
 
 
