@@ -23,7 +23,10 @@ in three families, each against the hand-cast step of its own family:
   matmuls through ``jmp_lite.int8.dot_general``), ``with_policy_int8``,
   ``with_policy_int8_switchback`` and ``autocast_int8``, each against the
   float8 route of the same door (``ratios_int8_fp8``: ``hand_fp8``,
-  ``with_policy_fp8``, ``autocast_fp8``; target <= 1.3);
+  ``with_policy_fp8``, ``autocast_fp8``; target <= 1.3), and
+  ``with_policy_int8`` also against ``with_policy_fp8_rowwise``
+  (``ratios_int8_rowwise``: the float8 recipe that quantizes as ``m=int8``
+  does, six quantizations per linear where per-tensor float8 makes three);
 * linen (a linen twin of ``CharLM``): ``linen_hand`` (params cast to bfloat16
   by hand) and ``linen_policy`` (``jmp_lite.linen.apply_policy``);
 * NNX (``models/flax_models.py``'s ``CharLM``): ``nnx_hand`` and
@@ -88,6 +91,8 @@ ROUTES = {
     "with_policy_int8_switchback": ("jax", "with_policy(apply_lm, "
                                     "'p=f32,c=bf16,o=f32,m=int8_switchback')"),
     "autocast_int8": ("jax", "autocast(loss, 'mixed_int8')"),
+    "with_policy_fp8_rowwise": ("jax", "with_policy(apply_lm, "
+                                "'p=f32,c=bf16,o=f32,m=fp8_rowwise')"),
     "linen_hand": ("linen", "linen LM, params cast to bfloat16 by hand"),
     "linen_policy": ("linen", "jmp_lite.linen.apply_policy(lm, 'mixed_bfloat16')"),
     "nnx_hand": ("nnx", "NNX CharLM, params cast to bfloat16 by hand"),
@@ -110,6 +115,15 @@ INT8_ROUTES = {
     "with_policy_int8_switchback": ("int8_switchback", "with_policy_fp8"),
     "autocast_int8": ("int8", "autocast_fp8"),
 }
+#: The float8 recipe that quantizes as ``m=int8`` does: each operand of each
+#: of a linear's three products along that product's own contracted axis (six
+#: quantizations per linear, where per-tensor float8 makes three and reuses
+#: them), so that a comparison separates the recipe's work from the cost of
+#: the int8 machinery.
+FP8_ROWWISE = "with_policy_fp8_rowwise"
+#: An int8 route -> the float8 route with its quantization structure
+#: (``ratios_int8_rowwise``).
+INT8_STRUCTURE_TWINS = {"with_policy_int8": FP8_ROWWISE}
 #: The issue's target for an int8 route against its float8 twin (trace +
 #: lower, and compile).
 TARGET_INT8_VS_FP8 = 1.3
@@ -195,6 +209,7 @@ def _jax_program(route: str, size: dict, layers: int, scan: bool, seed: int):
   workload = wl.transformer(size["batch"], cfg)
   params, batch = wl.setup(workload, seed)
   recipe_name = ("fp8" if route in FP8_ROUTES
+                 else "fp8_rowwise" if route == FP8_ROWWISE
                  else INT8_ROUTES[route][0]
                  if route in INT8_ROUTES and route != HAND_INT8 else None)
   policy = wl.policy("bf16", recipe_name)
@@ -386,7 +401,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
   every jmp_lite float8 row's, ``hand_fp8``'s included (``ratios_plain``), to
   the plain float8 matmul's step (``plain_fp8``), and an int8 route's
   (``ratios_int8_fp8``) to the float8 route of the same door
-  (:data:`INT8_ROUTES`)."""
+  (:data:`INT8_ROUTES`) and (``ratios_int8_rowwise``) to the float8 route
+  that quantizes as it does (:data:`INT8_STRUCTURE_TWINS`)."""
   hand = {(r["family"], r["layers"], r["scan"]): r for r in rows if r["route"] in HAND.values()}
   hand_fp8 = {(r["layers"], r["scan"]): r for r in rows if r["route"] == HAND_FP8}
   plain = {(r["layers"], r["scan"]): r for r in rows if r["route"] == PLAIN_FP8}
@@ -400,6 +416,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     if r["route"] in INT8_ROUTES:
       twin = INT8_ROUTES[r["route"]][1]
       r["ratios_int8_fp8"] = _ratios(r, by_route.get((twin, r["layers"], r["scan"])))
+    if r["route"] in INT8_STRUCTURE_TWINS:
+      twin = INT8_STRUCTURE_TWINS[r["route"]]
+      r["ratios_int8_rowwise"] = _ratios(r, by_route.get((twin, r["layers"], r["scan"])))
 
 
 def measure_all(args) -> dict[str, Any]:
@@ -421,7 +440,8 @@ def measure_all(args) -> dict[str, Any]:
           b: {k: by_route[b, r["layers"], r["scan"]][k] for k in ("trace_lower_s", "compile_s")}
           | {"hlo_instructions":
              by_route[b, r["layers"], r["scan"]]["optimized_hlo"]["instructions"]}
-          for b in (HAND["jax"], INT8_ROUTES[r["route"]][1])
+          for b in (HAND["jax"], INT8_ROUTES[r["route"]][1],
+                    INT8_STRUCTURE_TWINS.get(r["route"]))
           if (b, r["layers"], r["scan"]) in by_route}
   return {"results": rows}
 
@@ -559,6 +579,21 @@ def table(report: dict[str, Any]) -> list[str]:
                    f"| {r['layers']}{' (scan)' if r['scan'] else ''} "
                    + "".join(f"| {runner.fmt(r['ratios_int8_fp8'].get(k), '.2f')} "
                              for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
+  rowwise_rows = [r for r in rows if r.get("ratios_int8_rowwise")]
+  if rowwise_rows:
+    lines += ["", "The int8 routes against the float8 route that quantizes as they do "
+              "(`m=fp8_rowwise`: each operand of each of a linear's three products along "
+              "that product's own contracted axis, six quantizations per linear where "
+              "per-tensor float8 makes three), same run:",
+              "",
+              "| route | float8 twin | blocks | trace+lower / fp8 | compile / fp8 "
+              "| HLO / fp8 |",
+              "|---|---|---|---:|---:|---:|"]
+    for r in rowwise_rows:
+      lines.append(f"| {r['route']} | {INT8_STRUCTURE_TWINS[r['route']]} "
+                   f"| {r['layers']}{' (scan)' if r['scan'] else ''} "
+                   + "".join(f"| {runner.fmt(r['ratios_int8_rowwise'].get(k), '.2f')} "
+                             for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
   for what, key in (("compile time", lambda r: r["compile_s"]),
                     ("trace + lower", lambda r: r["trace_lower_s"])):
     lines += ["", f"Per block (unrolled depths in order), milliseconds of {what}:", ""]
@@ -602,8 +637,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if any(ROUTES[r][0] == family for r in args.routes) and hand not in args.routes:
       args.routes.insert(0, hand)  # Ratios need the family's baseline.
   for route, (_, twin) in INT8_ROUTES.items():
-    if route in args.routes and twin not in args.routes:
-      args.routes.insert(args.routes.index(route), twin)  # int8's ratios need it.
+    for twin in (twin, INT8_STRUCTURE_TWINS.get(route)):
+      if route in args.routes and twin and twin not in args.routes:
+        args.routes.insert(args.routes.index(route), twin)  # int8's ratios need it.
   if any(r in FP8_ROUTES for r in args.routes) and HAND_FP8 not in args.routes:
     args.routes.insert(args.routes.index(HAND["jax"]) + 1, HAND_FP8)
   if HAND_FP8 in args.routes and PLAIN_FP8 not in args.routes:

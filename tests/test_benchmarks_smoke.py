@@ -350,7 +350,8 @@ def test_compile_time_int8_routes():
   in bf16); each int8 row gets its ratios to its float8 twin, reported."""
   from benchmarks import compile_time  # pylint: disable=g-import-not-at-top
   assert compile_time.parse(["--routes", "with_policy_int8"]).routes == [
-      "hand", "hand_fp8", "plain_fp8", "with_policy_fp8", "with_policy_int8"]
+      "hand", "hand_fp8", "plain_fp8", "with_policy_fp8", "with_policy_fp8_rowwise",
+      "with_policy_int8"]
   assert compile_time.parse(["--routes", "hand_int8"]).routes == [
       "hand", "hand_fp8", "plain_fp8", "hand_int8"]
 
@@ -374,8 +375,11 @@ def test_compile_time_int8_routes():
                           "optimized_hlo": {"instructions": 10 * t}}
   rows = [row("hand", 1.0), row("hand_fp8", 2.0), row("with_policy_fp8", 2.0),
           row("hand_int8", 3.0), row("with_policy_int8", 2.2),
-          row("with_policy_int8_switchback", 1.0)]
+          row("with_policy_int8_switchback", 1.0), row("with_policy_fp8_rowwise", 4.4)]
   compile_time.add_ratios(rows)
+  # with_policy_int8 against the float8 recipe that quantizes as it does.
+  assert rows[4]["ratios_int8_rowwise"]["compile"] == pytest.approx(0.5)
+  assert "ratios_int8_rowwise" not in rows[3] and "ratios_int8_rowwise" not in rows[5]
   assert rows[3]["ratios_int8_fp8"]["compile"] == 1.5
   assert rows[4]["ratios_int8_fp8"]["trace_lower"] == pytest.approx(1.1)
   assert rows[5]["ratios_int8_fp8"]["hlo_instructions"] == 0.5
@@ -385,6 +389,10 @@ def test_compile_time_int8_routes():
                                            "vocab": 32, "batch": 2}, "repeats": 1}}))
   assert "| hand_int8 | hand_fp8 | 1 | 1.50 | 1.50 | 1.50 |" in text
   assert "| with_policy_int8_switchback | with_policy_fp8 | 1 |" in text
+  assert "| with_policy_int8 | with_policy_fp8_rowwise | 1 | 0.50 | 0.50 | 0.50 |" in text
+  # The float8 twin with int8's structure runs m=fp8_rowwise.
+  assert re.search(r"stablehlo\.dot_general[^\n]*f8E4M3FN",
+                   lowered("with_policy_fp8_rowwise"))
 
 
 def test_compile_time_merge_keeps_rows_it_did_not_measure(tmp_path):
