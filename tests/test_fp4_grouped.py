@@ -584,7 +584,7 @@ def test_second_derivatives_are_refused():
 def test_errors_name_the_value():
   x, w = jnp.ones((6, 32)), jnp.ones((3, 32, 16))
   sizes = jnp.asarray((4, 0, 2), jnp.int32)
-  with pytest.raises(TypeError, match="fp4_ragged_dot: group_sizes must be "
+  with pytest.raises(TypeError, match="jmp_lite.fp4.ragged_dot: group_sizes must be "
                      "an integer array, got dtype float32"):
     fp4.ragged_dot(x, w, jnp.asarray((4.0, 0.0, 2.0)))
   with pytest.raises(ValueError, match=r"group_sizes \[4, 0, 1\] sum to 5, "

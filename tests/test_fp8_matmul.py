@@ -977,8 +977,9 @@ def test_argument_errors(args, kwargs, error, pattern):
     ((((1, 1), (0, 0)), ((), ())), "the lhs axes (1, 1) repeat an axis"),
     ((((1,), (0,)), ((1,), (0,))), "the lhs axes (1, 1) repeat an axis"),
 ])
-@pytest.mark.parametrize("dot,owner", [(fp8.fp8_dot_general, "fp8_dot_general"),
-                                       (fp4.dot_general, "fp4_dot_general")])
+@pytest.mark.parametrize("dot,owner", [
+    (fp8.fp8_dot_general, "jmp_lite.fp8.dot_general"),
+    (fp4.dot_general, "jmp_lite.fp4.dot_general")])
 def test_dimension_numbers_errors_teach(dn, problem, dot, owner):
   """fp8.fp8_dot_general and fp4.dot_general refuse malformed dimension numbers
   through one check: the owner, the problem, the value and the form."""

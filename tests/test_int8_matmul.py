@@ -646,9 +646,9 @@ def test_a_config_that_is_not_an_int8_config():
 def test_integer_operands_are_refused(dtype):
   x = np.ones((4, 16), dtype)
   w = np.ones((16, 8), np.float32)
-  with pytest.raises((TypeError, ValueError), match="int8_dot_general's lhs"):
+  with pytest.raises((TypeError, ValueError), match="jmp_lite.int8.dot_general's lhs"):
     int8.dot_general(x, w, DENSE)
-  with pytest.raises((TypeError, ValueError), match="int8_dot_general's rhs"):
+  with pytest.raises((TypeError, ValueError), match="jmp_lite.int8.dot_general's rhs"):
     int8.dot_general(w.T, x.T, DENSE)
 
 

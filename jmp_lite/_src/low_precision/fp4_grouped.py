@@ -438,7 +438,7 @@ def fp4_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
         f"{config!r}. Build one with e.g. Fp4Config('nvfp4').")
   del precision
   lhs, rhs, sizes = grouped_lib.check_operands(lhs, rhs, group_sizes,
-                                               "fp4_ragged_dot")
+                                               "jmp_lite.fp4.ragged_dot")
   fp8_matmul_lib.check_axis_bound(config)
   out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, np.dtype(out_dtype), np.dtype(lhs.dtype),

@@ -88,8 +88,8 @@ FP4_RECIPES = recipes_lib.FP4_RECIPES
 DATA_KEY_SEED = 0x4F50
 
 SECOND_ORDER_HELP = (
-    "fp4_dot_general has no second derivative: its backward pass quantizes "
-    "(rounds) the gradient and the operands, so differentiating it would "
+    "jmp_lite.fp4.dot_general has no second derivative: its backward pass "
+    "quantizes (rounds) the gradient and the operands, so differentiating it would "
     "silently give zero. Compute gradient penalties and Hessian-vector "
     "products of this part of the model in high precision (jax.lax."
     "dot_general), or stop the gradient through it."
@@ -386,7 +386,7 @@ def _operand(x: Any, what: str) -> jax.Array:
   quantizes them itself, with scales computed from the high-precision
   values); JAX refuses what is no array."""
   x = jnp.asarray(x)
-  dtypes_lib.canonical_dtype(x.dtype, f"fp4_dot_general's {what}")
+  dtypes_lib.canonical_dtype(x.dtype, f"jmp_lite.fp4.dot_general's {what}")
   return x
 
 
@@ -454,10 +454,10 @@ def fp4_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   del precision
   fp8_matmul_lib.check_axis_bound(config)
   dimension_numbers = checks.dimension_numbers(
-      dimension_numbers, lhs.shape, rhs.shape, "fp4_dot_general")
+      dimension_numbers, lhs.shape, rhs.shape, "jmp_lite.fp4.dot_general")
   out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   # Canonical forms, shard_map's varying types, explicit sharding: as float8's.
   return fp8_matmul_lib.as_dot_general(
       _fp4_matmul, static, lhs, rhs, dimension_numbers, out_dtype,
-      out_sharding, "fp4_dot_general", key)
+      out_sharding, "jmp_lite.fp4.dot_general", key)

@@ -278,7 +278,8 @@ def _rows_product(a, b, groups, rhs_contract):
 def _check_shape(scale, g, what):
   if scale is not None and scale.shape not in ((), (g,)):
     raise ValueError(
-        f"fp8_ragged_dot: scales.{what} must hold one scale per group, shape "
+        f"jmp_lite.fp8.ragged_dot: scales.{what} must hold one scale per "
+        f"group, shape "
         f"({g},) (or a scalar), got shape {scale.shape}.")
 
 
@@ -679,9 +680,10 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
         f"config must be an Fp8Config, got {type(config).__name__}: "
         f"{config!r}. Build one with e.g. Fp8Config(granularity='row').")
   del precision
-  lhs, rhs, sizes = check_operands(lhs, rhs, group_sizes, "fp8_ragged_dot")
+  lhs, rhs, sizes = check_operands(lhs, rhs, group_sizes,
+                                   "jmp_lite.fp8.ragged_dot")
   per_group = checks.flag(per_group_scales, "per_group_scales",
-                          "fp8_ragged_dot")
+                          "jmp_lite.fp8.ragged_dot")
   scales = _check_scales(scales, config, rhs.shape[0])
   config = _bound_axes(config, scales)
   matmul_lib.check_axis_bound(config)

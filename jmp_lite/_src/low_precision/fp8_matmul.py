@@ -198,7 +198,7 @@ class DelayedScales(NamedTuple):
 
 
 def _scalar_scale(value: jax.Array, name: str) -> jax.Array:
-  checks.real_scalar(value, f"scales.{name}", "fp8_dot_general")
+  checks.real_scalar(value, f"scales.{name}", "jmp_lite.fp8.dot_general")
   return value.astype(_F32)
 
 
@@ -775,8 +775,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   del precision
   dimension_numbers = checks.dimension_numbers(
       dimension_numbers, lhs.shape, collectives_lib.fsdp_weight_shape(
-          lhs, rhs, dimension_numbers, config, "fp8_dot_general"),
-      "fp8_dot_general")
+          lhs, rhs, dimension_numbers, config, "jmp_lite.fp8.dot_general"),
+      "jmp_lite.fp8.dot_general")
   scales = check_scales(scales, config)
   # Delayed amaxes are global under pmap/shard_map by default.
   config = scaling_lib.with_bound_axes(config)
@@ -785,8 +785,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
                            config.compute_dtype)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return as_dot_general(_fp8_matmul, static, lhs, rhs, dimension_numbers,
-                        out_dtype, out_sharding, "fp8_dot_general", scales,
-                        rhs_contract_first=_forward_dn(config) == _DN_FORWARD)
+                        out_dtype, out_sharding, "jmp_lite.fp8.dot_general",
+                        scales, rhs_contract_first=_forward_dn(config) == _DN_FORWARD)
 
 
 def as_dot_general(matmul: Any, static: Any, lhs: jax.Array, rhs: jax.Array,

@@ -226,7 +226,7 @@ def int8_ragged_dot(lhs: Any, rhs: Any, group_sizes: Any,
         f"config must be an Int8Config, got {type(config).__name__}: "
         f"{config!r}. Build one with e.g. Int8Config('int8').")
   lhs, rhs, sizes = grouped_lib.check_operands(lhs, rhs, group_sizes,
-                                               "int8_ragged_dot")
+                                               "jmp_lite.int8.ragged_dot")
   fp8_matmul_lib.check_axis_bound(config)
   out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, np.dtype(out_dtype), np.dtype(lhs.dtype),

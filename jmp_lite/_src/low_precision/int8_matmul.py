@@ -96,7 +96,7 @@ _DN = (((2,), (2,)), ((0,), (0,)))
 
 SECOND_ORDER_HELP = (
     "A second derivative through an int8 matmul (jmp_lite.int8."
-    "int8_dot_general, or a policy with m=int8 / m=int8_switchback) is not "
+    "dot_general, or a policy with m=int8 / m=int8_switchback) is not "
     "supported: its backward pass rounds the gradient to int8, which has no "
     "useful derivative. For a gradient penalty or a Hessian-vector product, "
     "run that part of the model outside the int8 recipe (e.g. a 16-bit "
@@ -400,7 +400,7 @@ def _operand(x: Any, what: str) -> jax.Array:
   matmul quantizes them itself, with scales from the high-precision
   values)."""
   x = jnp.asarray(x)
-  dtypes_lib.canonical_dtype(x.dtype, f"int8_dot_general's {what}")
+  dtypes_lib.canonical_dtype(x.dtype, f"jmp_lite.int8.dot_general's {what}")
   return x
 
 
@@ -459,10 +459,10 @@ def int8_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any,
   fp8_matmul_lib.check_axis_bound(config)
   dimension_numbers = checks.dimension_numbers(
       dimension_numbers, lhs.shape, collectives_lib.fsdp_weight_shape(
-          lhs, rhs, dimension_numbers, config, "int8_dot_general"),
-      "int8_dot_general")
+          lhs, rhs, dimension_numbers, config, "jmp_lite.int8.dot_general"),
+      "jmp_lite.int8.dot_general")
   out_dtype = fp8_matmul_lib.result_dtype(lhs, rhs, preferred_element_type)
   static = _Static(config, out_dtype, np.dtype(lhs.dtype), np.dtype(rhs.dtype))
   return fp8_matmul_lib.as_dot_general(
       _int8_matmul, static, lhs, rhs, dimension_numbers, out_dtype,
-      out_sharding, "int8_dot_general")
+      out_sharding, "jmp_lite.int8.dot_general")

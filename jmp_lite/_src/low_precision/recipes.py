@@ -143,8 +143,8 @@ DELAYED_ONLY_HELP = (
     "'fp8_delayed', or scaling='delayed')."
 )
 POLICY_COMPUTE_DTYPE = (
-    "Fp8Config.compute_dtype is the result dtype of fp8_dot_general called "
-    "directly; in a policy the policy's compute dtype applies. Leave it None "
+    "Fp8Config.compute_dtype is the result dtype of jmp_lite.fp8.dot_general "
+    "called directly; in a policy the policy's compute dtype applies. Leave it None "
     "(e.g. dataclasses.replace(config, compute_dtype=None))."
 )
 
