@@ -151,8 +151,9 @@ def magnitude(x: jax.Array) -> jax.Array:
   scatter-max, ``lax.pmax`` across replicas), never an inf. Computed on
   the bits (the sign cleared, then at most inf's pattern, which every NaN's
   exceeds), so that no inf is made where there was none (``jax_debug_infs``
-  stays quiet). An infinite scale zeroes the row's int8 values and makes
-  every output it feeds ``0 * inf = NaN``, as a NaN scale would."""
+  stays quiet). An infinite scale zeroes the row's finite int8 values and
+  makes every output it feeds non-finite (``acc * inf``), as a NaN scale
+  would."""
   bits = jax.lax.bitcast_convert_type(
       jax.lax.convert_element_type(x, _F32), jnp.int32)
   bits = jax.lax.min(jax.lax.bitwise_and(bits, _MAGNITUDE_MASK), _INF_BITS)
