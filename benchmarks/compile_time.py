@@ -566,33 +566,27 @@ def table(report: dict[str, Any]) -> list[str]:
                    + "".join(f"| {runner.fmt(r['ratios_plain'].get(k), '.2f')} "
                              for k in ("trace_lower", "compile", "total",
                                        "hlo_instructions")) + "|")
-  int8_rows = [r for r in rows if r.get("ratios_int8_fp8")]
-  if int8_rows:
-    lines += ["", "The int8 routes against the float8 route of the same door (issue 38's "
-              f"target: <= {TARGET_INT8_VS_FP8} for trace + lower and for compile), same run:",
-              "",
+  int8_tables = (
+      ("ratios_int8_fp8", lambda route: INT8_ROUTES[route][1],
+       "The int8 routes against the float8 route of the same door (issue 38's "
+       f"target: <= {TARGET_INT8_VS_FP8} for trace + lower and for compile), same run:"),
+      ("ratios_int8_rowwise", INT8_STRUCTURE_TWINS.get,
+       "The int8 routes against the float8 route that quantizes as they do "
+       "(`m=fp8_rowwise`: each operand of each of a linear's three products along "
+       "that product's own contracted axis, six quantizations per linear where "
+       "per-tensor float8 makes three), same run:"))
+  for ratios, twin, title in int8_tables:
+    int8_rows = [r for r in rows if r.get(ratios)]
+    if not int8_rows:
+      continue
+    lines += ["", title, "",
               "| route | float8 twin | blocks | trace+lower / fp8 | compile / fp8 "
               "| HLO / fp8 |",
               "|---|---|---|---:|---:|---:|"]
     for r in int8_rows:
-      lines.append(f"| {r['route']} | {INT8_ROUTES[r['route']][1]} "
+      lines.append(f"| {r['route']} | {twin(r['route'])} "
                    f"| {r['layers']}{' (scan)' if r['scan'] else ''} "
-                   + "".join(f"| {runner.fmt(r['ratios_int8_fp8'].get(k), '.2f')} "
-                             for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
-  rowwise_rows = [r for r in rows if r.get("ratios_int8_rowwise")]
-  if rowwise_rows:
-    lines += ["", "The int8 routes against the float8 route that quantizes as they do "
-              "(`m=fp8_rowwise`: each operand of each of a linear's three products along "
-              "that product's own contracted axis, six quantizations per linear where "
-              "per-tensor float8 makes three), same run:",
-              "",
-              "| route | float8 twin | blocks | trace+lower / fp8 | compile / fp8 "
-              "| HLO / fp8 |",
-              "|---|---|---|---:|---:|---:|"]
-    for r in rowwise_rows:
-      lines.append(f"| {r['route']} | {INT8_STRUCTURE_TWINS[r['route']]} "
-                   f"| {r['layers']}{' (scan)' if r['scan'] else ''} "
-                   + "".join(f"| {runner.fmt(r['ratios_int8_rowwise'].get(k), '.2f')} "
+                   + "".join(f"| {runner.fmt(r[ratios].get(k), '.2f')} "
                              for k in ("trace_lower", "compile", "hlo_instructions")) + "|")
   for what, key in (("compile time", lambda r: r["compile_s"]),
                     ("trace + lower", lambda r: r["trace_lower_s"])):
