@@ -107,7 +107,7 @@ LOSS_SCALES = {
 }
 
 
-@pytest.mark.parametrize("name", list(LOSS_SCALES))
+@pytest.mark.parametrize("name", default_run_keeps(list(LOSS_SCALES)))
 def test_loss_scaling(name, tmp_path):
   params = _params()
   opt = jmp_lite.loss_scaling(optax.adam(1e-2), LOSS_SCALES[name]())

@@ -40,6 +40,7 @@ from jmp_lite._src.diagnostics.report import plot_histograms
 from jmp_lite._src.diagnostics.stats import ROOT_NAME
 
 from helpers import JIT
+from helpers import default_run_keeps
 from helpers import ROOT
 from helpers import maybe_jit
 
@@ -242,7 +243,7 @@ def test_histogram_clips_at_both_ends():
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16, F32], ids=["f16", "bf16", "f32"])
-@pytest.mark.parametrize("scale", [1.0, 2.0**15, 3.0, 0.7, 2.0**-20, 1e10])
+@pytest.mark.parametrize("scale", default_run_keeps([1.0, 2.0**15, 3.0, 0.7, 2.0**-20, 1e10]))
 def test_matches_exact_reference_on_random_arrays(dtype, scale):
   rng = np.random.default_rng(0)
   x = rng.standard_normal(3000) * np.exp2(rng.uniform(-150, 128, 3000))
@@ -434,7 +435,7 @@ def saturated_f32(value):
   return float(rounded)
 
 
-@JIT
+@pytest.mark.parametrize("jit", default_run_keeps([False, True]), ids=["eager", "jit"])
 def test_numpy_float64_counts_are_exact_without_x64(jit):
   assert jnp.asarray(np.float64(1)).dtype == F32   # x64 is off here
   for scale, x in float64_cases():
@@ -555,7 +556,7 @@ def test_no_recompilation_for_a_new_scale():
   assert fn._cache_size() == 1
 
 
-@JIT
+@pytest.mark.parametrize("jit", default_run_keeps([False, True]), ids=["eager", "jit"])
 def test_group_stats_by_prefix_suffix_and_function(jit):
   grads = {"params": {"Dense_0": {"kernel": jnp.array([0.0, 1.0, 1e6]),
                                   "bias": jnp.array([0.0])},

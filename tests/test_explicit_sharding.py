@@ -132,7 +132,7 @@ def test_quantized_matmul_batch_sharded(recipe):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("recipe", ["row", "nvfp4"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["row", "nvfp4"]))
 def test_out_sharding_for_a_sharded_contraction(recipe):
   """A contraction over a sharded axis (a row-parallel layer) has no
   inferable result sharding: as jax.lax.dot_general, the matmul asks for
@@ -316,7 +316,7 @@ def test_diagnostics(what):
                got, want)
 
 
-@pytest.mark.parametrize("m", ["fp8_rowwise", "nvfp4"])
+@pytest.mark.parametrize("m", default_run_keeps(["fp8_rowwise", "nvfp4"]))
 def test_policy_route_keeps_the_traced_out_sharding(m):
   """A row-parallel matmul written with out_sharding= under with_policy: the
   float8/FP4 product it becomes takes the same out_sharding (the rule passes

@@ -269,7 +269,7 @@ def test_mxfp4_smallest_scale_reaches_the_product():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("two_d", [True, False])
+@pytest.mark.parametrize("two_d", default_run_keeps([True, False]))
 def test_nvfp4_tiny_tensor_scales_reach_the_product(two_d):
   """An activation of amax 1.5e-35 (its tensor scale 1 / S_enc a float32
   subnormal) whose other blocks have amax below 5e-38 (their block scale

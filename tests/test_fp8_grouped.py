@@ -217,7 +217,7 @@ def _others(y, dx, dw):
   return np.asarray(y)[rows], np.asarray(dx)[rows], np.asarray(dw)[keep]
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", default_run_keeps(RECIPES))
 def test_one_experts_outliers_change_no_other_group(name):
   """Expert _J's tokens, its weight and its rows of the incoming gradient
   multiplied by 1000: every other group's output rows, input-gradient rows
@@ -252,7 +252,7 @@ def test_shared_scales_let_one_expert_change_the_others():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("name", default_run_keeps(["fp8_blockwise", "mxfp8"]))
 def test_weight_gradient_blocks_never_hold_two_groups(name):
   """Group 0 (44 rows) and group 2 (84 rows) would share the first block of
   128 (blockwise) and rows 32..63 (MX, 32) in an unpadded layout. Group 2's
@@ -322,7 +322,7 @@ def test_padded_layout_starts_every_group_at_a_block(block, jit):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", default_run_keeps(RECIPES))
 def test_empty_experts_are_finite_with_zero_weight_gradients(name):
   sizes = (0, 0, 256, 0, 0)  # all groups empty but one
   x, w, dy = _operands("normal", sizes)
@@ -882,7 +882,7 @@ def test_docs_table_is_the_code_s_scaling_table():
     assert line in guide, line
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", default_run_keeps(["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8"]))
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_a_non_finite_weight_stays_in_its_expert(recipe, bad):
   """XLA:CPU expands ragged_dot into every row times every expert's matrix

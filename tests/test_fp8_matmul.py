@@ -118,7 +118,7 @@ def _check_against_reference(granularity, x, w, g, exact=False):
 _GRANULARITIES = ["tensor", "row", "blockwise", "mxfp8"]
 
 
-@pytest.mark.parametrize("granularity", _GRANULARITIES)
+@pytest.mark.parametrize("granularity", default_run_keeps(_GRANULARITIES))
 def test_forward_and_backward_are_float32_dots_of_the_reference(granularity):
   """Forward: the e4m3 operands. Backward: g in e5m2 times the other operand
   requantized along the backward matmul's contracting dimension (dx
@@ -283,7 +283,7 @@ def test_result_and_gradient_dtypes(lhs_dtype, rhs_dtype, kwargs, expected):
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "mxfp8"])
+@pytest.mark.parametrize("granularity", default_run_keeps(["tensor", "mxfp8"]))
 def test_grad_under_jit_vmap_checkpoint_and_scan(granularity):
   """Per tensor (float8 residuals) and MX (the platform switch and its vmap
   rule); the other granularities share their code with one or the other."""

@@ -150,7 +150,7 @@ def test_jit_plain_step_reduces_weight_grads_in_half(compute, tmp_path):
 
 @needs_devices
 @pytest.mark.parametrize("params_dtype", [F32, BF16], ids=lambda d: d.name)
-@pytest.mark.parametrize("compute", [F16, BF16], ids=lambda d: d.name)
+@pytest.mark.parametrize("compute", default_run_keeps([F16, BF16]), ids=lambda d: d.name)
 def test_jit_grouped_step_reduces_weight_grads_in_f32(compute, params_dtype,
                                                       tmp_path):
   grad_fn = jmp_lite.pmean_value_and_grad(

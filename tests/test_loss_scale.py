@@ -19,6 +19,7 @@ import pytest
 import jmp_lite
 
 from helpers import JIT
+from helpers import default_run_keeps
 from helpers import maybe_jit
 from helpers import orbax_round_trip
 
@@ -149,7 +150,7 @@ def _run_scan(ls, flags):
 
 @pytest.mark.parametrize("runner", [_run_eager, _run_jit, _run_scan],
                          ids=["eager", "jit", "scan"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", default_run_keeps([0, 1]))
 @pytest.mark.parametrize("config", STATE_MACHINE_CONFIGS,
                          ids=lambda c: f"p{c['period']}-f{c['factor']}-"
                          f"min{c['min_loss_scale']}-max{c['max_loss_scale']}")

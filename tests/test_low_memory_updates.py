@@ -270,7 +270,7 @@ def test_leaf_writes_are_inlined_into_a_jitted_update(method):
 # -- Kahan compensation ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("dtype", default_run_keeps(HALF))
 @pytest.mark.parametrize("jit", JIT)
 def test_kahan_long_run_of_tiny_updates_lands_on_float32(dtype, jit):
   """3000 sgd steps (300 eagerly), each 1/40 of the params' spacing at their
@@ -322,7 +322,7 @@ def test_kahan_holds_the_master_copy_values_bit_for_bit(make_inner, dtype):
                   <= np.abs(np.asarray(m)) * 2.0**-(8 if dtype == BF16 else 11))
 
 
-@pytest.mark.parametrize("make_inner", INNERS)
+@pytest.mark.parametrize("make_inner", default_run_keeps(INNERS))
 def test_kahan_jitted_follows_the_master_copy(make_inner):
   """Jitted, XLA may fuse the two programs' float32 arithmetic differently
   (a multiply-add contracted in one and not the other, adafactor's
@@ -410,7 +410,7 @@ def test_rounding_survives_excess_precision_rewrites(method):
   assert len(to_half) == (2 if method == "kahan" else 0)
 
 
-@pytest.mark.parametrize("method", LOW_MEMORY)
+@pytest.mark.parametrize("method", default_run_keeps(LOW_MEMORY))
 @pytest.mark.parametrize("jit", JIT)
 @pytest.mark.parametrize("poison", [np.inf, np.nan], ids=["inf", "nan"])
 def test_skipped_step_changes_nothing_and_keeps_the_key_stream(

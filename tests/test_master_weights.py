@@ -31,6 +31,7 @@ from jmp_lite._src.master_weights import MasterWeightsState
 from jmp_lite import with_state_dtype
 
 from helpers import assert_bit_identical
+from helpers import default_run_keeps
 from helpers import assert_exited_cleanly
 from helpers import maybe_jit
 from helpers import pull_to_zero
@@ -161,7 +162,7 @@ def test_master_dtype_accepts_names_and_scalar_types():
     assert state.master_params["w"].dtype == F32
 
 
-@pytest.mark.parametrize("make_inner", INNERS)
+@pytest.mark.parametrize("make_inner", default_run_keeps(INNERS))
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("jit", JIT)
 def test_params_are_the_rounded_master_bit_for_bit(make_inner, dtype, jit):
@@ -239,7 +240,7 @@ def test_float32_params_train_exactly_as_the_inner_optimizer():
 
 
 @standard_promotion
-@pytest.mark.parametrize("make_inner", INNERS)
+@pytest.mark.parametrize("make_inner", default_run_keeps(INNERS))
 def test_mixed_params_land_on_the_master_with_only_update_jitted(make_inner):
   """The issue's case: only opt.update is jitted, apply_updates runs eagerly.
   XLA contracted a float32 master's m + u into an FMA there, and float32
@@ -308,7 +309,7 @@ def test_stall_of_bf16_params_and_its_cure(jit):
 # -- dtypes, jit ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make_inner", INNERS)
+@pytest.mark.parametrize("make_inner", default_run_keeps(INNERS))
 @pytest.mark.parametrize("jit", JIT)
 @pytest.mark.parametrize("method", METHODS)
 def test_state_dtypes_unchanged_by_update(make_inner, jit, method):

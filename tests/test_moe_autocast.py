@@ -285,7 +285,7 @@ RECIPES = ["fp8", "fp8_rowwise", "fp8_blockwise", "mxfp8", "nvfp4", "mxfp4",
 
 
 @ROUTES
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", default_run_keeps(RECIPES))
 def test_the_rule_runs_the_recipes_grouped_matmul(route, recipe):
   from jmp_lite._src.low_precision import recipe_matmuls  # pylint: disable=g-import-not-at-top
   config = jmp_lite.get_policy(policy(recipe)).fp8_recipe

@@ -16,6 +16,7 @@ import pytest
 
 import jmp_lite
 from helpers import assert_bit_identical
+from helpers import default_run_keeps
 from helpers import debug_nans_and_infs
 from helpers import faulty
 
@@ -106,7 +107,7 @@ def _update_fn(opt, jit):
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("grad_dtype", HALF_AND_FULL, ids=lambda d: d.name)
-@pytest.mark.parametrize("make_inner", INNERS)
+@pytest.mark.parametrize("make_inner", default_run_keeps(INNERS))
 def test_finite_skipped_and_recovered_steps(make_inner, grad_dtype, jit):
   """A finite step applies; inf/-inf/nan steps are skipped; finite recovers."""
   params = _params()

@@ -106,7 +106,7 @@ def _check_against_reference(x, fmt, non_negative):
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-@pytest.mark.parametrize("non_negative", [False, True],
+@pytest.mark.parametrize("non_negative", default_run_keeps([False, True]),
                          ids=["signed", "non_negative"])
 def test_quantizers_bit_for_bit_on_random_states(fmt, non_negative):
   x = _random((3, 2, 300), seed=0)
@@ -116,7 +116,7 @@ def test_quantizers_bit_for_bit_on_random_states(fmt, non_negative):
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
-@pytest.mark.parametrize("non_negative", [False, True],
+@pytest.mark.parametrize("non_negative", default_run_keeps([False, True]),
                          ids=["signed", "non_negative"])
 def test_quantizers_bit_for_bit_on_edge_zoo(fmt, non_negative):
   book = (sc.FORMATS[fmt].book(non_negative).values if fmt != "e4m3"
@@ -351,7 +351,7 @@ def test_rank1_leaves_that_are_not_2d_use_the_4bit_blocks():
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("non_negative", [False, True],
                          ids=["signed", "non_negative"])
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("jit", default_run_keeps([True, False]), ids=["jit", "eager"])
 def test_huge_and_tiny_blocks_bit_for_bit(fmt, non_negative, jit):
   """Blocks whose absmax is 2**127, 3e38, float32's max or near 2**-126 are
   coded as the docs say (no reciprocal that flushes): bit for bit against
@@ -375,9 +375,9 @@ def test_huge_and_tiny_blocks_bit_for_bit(fmt, non_negative, jit):
   assert np.all(np.isfinite(decoded))
 
 
-@pytest.mark.parametrize("fmt,non_negative", [
+@pytest.mark.parametrize("fmt,non_negative", default_run_keeps([
     (f, n) for f in BLOCK_FORMATS for n in (False, True)] + [
-        ("4bit_rank1", True)])
+        ("4bit_rank1", True)], unpack=True))
 def test_encode_of_decode_is_the_identity(fmt, non_negative):
   """encode(decode(s)) == s bitwise for random states (blocks whose extreme
   is negative included): a moment that did not change keeps its bits."""

@@ -213,7 +213,7 @@ RUNNERS = [pytest.param(_run_eager, id="eager"),
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", default_run_keeps([0, 1]))
 @pytest.mark.parametrize("config,exact", [c[1:] for c in NEW_OPTION_CONFIGS],
                          ids=[c[0] for c in NEW_OPTION_CONFIGS])
 def test_new_options_match_the_reference(config, exact, seed, runner):
@@ -480,14 +480,14 @@ DTYPES = pytest.mark.parametrize("dtype", HALF_AND_FULL, ids=lambda d: d.name)
 
 @JIT_IDS
 @DTYPES
-@pytest.mark.parametrize("make_inner", [SGD_MOMENTUM, ADAM])
+@pytest.mark.parametrize("make_inner", default_run_keeps([SGD_MOMENTUM, ADAM]))
 def test_fault_sequence_plain(make_inner, dtype, jit):
   check_fault_run(make_inner, dtype, 1, jit)
 
 
 @JIT_IDS
 @DTYPES
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", default_run_keeps([2, 3]))
 def test_fault_sequence_accumulation(k, dtype, jit):
   """A bad micro-batch first, in the middle, last, or two in one window: the
   whole window is skipped once; half gradients accumulate in float32."""
@@ -535,7 +535,7 @@ def test_fault_sequence_through_compositions(make_inner, dtype, k):
 
 
 @standard_promotion
-@pytest.mark.parametrize("make_inner,dtype", COMPOSITIONS)
+@pytest.mark.parametrize("make_inner,dtype", default_run_keeps(COMPOSITIONS, unpack=True))
 def test_fault_sequence_through_compositions_jit(make_inner, dtype):
   check_fault_run(make_inner, dtype, 3, jit=True,
                   params=_fault_params(dtype))
@@ -693,7 +693,7 @@ def _refusals(state, params):
 
 
 @standard_promotion
-@pytest.mark.parametrize("shared", [False, True], ids=["own_scale", "shared"])
+@pytest.mark.parametrize("shared", default_run_keeps([False, True]), ids=["own_scale", "shared"])
 @pytest.mark.parametrize("name,make,pattern", AROUND_REFUSED,
                          ids=[c[0] for c in AROUND_REFUSED])
 def test_optax_wrappers_around_loss_scaling_are_refused_from_the_layout(

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jmp_lite
+from helpers import default_run_keeps
 from jmp_lite._src import compat
 
 FLAGS = ("jax_remat3", "jax_custom_vjp3", "jax_custom_jvp3")
@@ -82,8 +83,8 @@ def _grads(policy, body):
   return jax.jit(jax.grad(jmp_lite.autocast(loss, policy), argnums=1))(X, W)
 
 
-@pytest.mark.parametrize("name", ["checkpoint", "custom_vjp", "custom_jvp",
-                                  "scan"])
+@pytest.mark.parametrize("name", default_run_keeps(["checkpoint", "custom_vjp", "custom_jvp",
+                                  "scan"]))
 def test_autocast_enters_every_body_under_the_flag(flag, name):
   body = _bodies()[name]
   if (flag == "jax_custom_vjp3" and name == "custom_vjp"
