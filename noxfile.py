@@ -41,7 +41,10 @@ stage there by hand (arguments after ``--`` are added to every pytest run of
 a session; a later ``-m`` replaces the session's own).
 
 The default environment is the README's own test command, which ``.ci/run``
-runs before this matrix.
+runs before this matrix. Every session that runs the README's selection here
+runs it with ``-m "not slow"``: also the cases of parametrize grids that the
+README's command leaves out (marker ``grid``, ``tests/helpers.py``'s
+``default_run_keeps``, which keeps one case of each such grid there).
 
 A session whose interpreter is missing fails (it is never skipped). Python
 versions installed with pyenv are found even when they are not on ``PATH``.
@@ -70,6 +73,9 @@ RANGED = ("jax", "jaxlib", "flax", "optax")
 PYTEST = ("python", "-m", "pytest", "-q")
 #: The slow stage: the runs of whole programs (the PyTorch ones: ``bench``).
 SLOW = ("-m", "slow and not torch")
+#: The behavioural tests: the README's selection and the grid cases it leaves
+#: out (marker ``grid``: tests/helpers.py's ``default_run_keeps``).
+BEHAVIOUR = ("-m", "not slow")
 #: Every test of tests/test_gpu_suite.py, the PyTorch ones included.
 ALL = ("-m", "slow or not slow")
 #: jax's upgrade flags (config flags read ``JAX_<NAME>`` environment variables).
@@ -127,14 +133,14 @@ def newest(session: nox.Session) -> None:
     session.run(*PYTEST, *SLOW, *session.posargs)
     _upgrade_flags_run(session)
   else:
-    session.run(*PYTEST, *session.posargs)
+    session.run(*PYTEST, *BEHAVIOUR, *session.posargs)
 
 
 def _upgrade_flags_run(session: nox.Session) -> None:
   session.run("python", "-c", "import jax; print('upgrade flags:', "
               "jax.config.jax_remat3, jax.config.jax_custom_vjp3, "
               "jax.config.jax_custom_jvp3)", env=UPGRADE_FLAGS)
-  session.run(*PYTEST, *session.posargs, env=UPGRADE_FLAGS)
+  session.run(*PYTEST, *BEHAVIOUR, *session.posargs, env=UPGRADE_FLAGS)
 
 
 @nox.session(python="3.12", name="upgrade-flags")
@@ -151,7 +157,7 @@ def plain_312(session: nox.Session) -> None:
   """The README's selection on the newest releases, Python 3.12."""
   session.install("--upgrade", "-e", ".[test]")
   _versions(session)
-  session.run(*PYTEST, *session.posargs)
+  session.run(*PYTEST, *BEHAVIOUR, *session.posargs)
 
 
 @nox.session(python="3.11")
@@ -162,7 +168,7 @@ def floor(session: nox.Session) -> None:
   constraints.write_text("\n".join(floor_pins()) + "\n")
   session.install("-e", ".[test]", "-c", str(constraints))
   _versions(session)
-  session.run(*PYTEST, *session.posargs)
+  session.run(*PYTEST, *BEHAVIOUR, *session.posargs)
 
 
 @nox.session(python="3.11")

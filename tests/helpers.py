@@ -261,22 +261,23 @@ JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
 def default_run_keeps(values, keep=0, *, unpack=False):
   """A parametrize grid whose case ``values[keep]`` runs in the README's
-  selection and whose other cases are marked ``slow``: the slow stage
-  (``pytest -m 'slow and not torch'``, which CI runs) still runs the whole
-  grid. ``unpack`` for several argnames (each value a tuple). The ids do not
-  change."""
+  selection and whose other cases are marked ``grid``: the README's command
+  leaves them out (pyproject.toml's ``-m 'not slow and not grid'``), every
+  nox session that runs the behavioural tests runs them (``-m 'not slow'``:
+  newest-3.13, floor, and the upgrade-flag run of newest-3.12). ``unpack``
+  for several argnames (each value a tuple). The ids do not change."""
   values = list(values)
   out = []
   for i, v in enumerate(values):
     if i == keep:
       out.append(v)
     elif isinstance(v, type(pytest.param(None))):  # already a pytest.param
-      out.append(pytest.param(*v.values, marks=(*v.marks, pytest.mark.slow),
+      out.append(pytest.param(*v.values, marks=(*v.marks, pytest.mark.grid),
                               id=v.id))
     elif unpack:
-      out.append(pytest.param(*v, marks=pytest.mark.slow))
+      out.append(pytest.param(*v, marks=pytest.mark.grid))
     else:
-      out.append(pytest.param(v, marks=pytest.mark.slow))
+      out.append(pytest.param(v, marks=pytest.mark.grid))
   return out
 
 
