@@ -401,6 +401,22 @@ def test_a_non_finite_value_stays_in_its_row(recipe, bad, k):
                                 np.delete(rdx, 5, axis=0))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_row_gets_an_inf_scale_and_zeros(bad):
+  """docs/int8.md's promise: a NaN or inf makes its row's scale inf (NaN
+  taken as inf in the maximum), its finite values quantize to 0, and the bad
+  element converts as XLA converts a NaN to int8 (0 on CPU); the other rows
+  are untouched."""
+  x = _spread((4, 1024), 14)
+  x[2, 700] = bad
+  q, scale = (np.asarray(v) for v in int8_matmul.quantize(jnp.asarray(x)))
+  assert np.isposinf(scale[2, 0]) and np.all(np.isfinite(np.delete(scale, 2, 0)))
+  np.testing.assert_array_equal(q[2], 0)
+  rq, rs = ref_quantize(np.delete(x, 2, 0))
+  np.testing.assert_array_equal(np.delete(q, 2, 0), rq)
+  np.testing.assert_array_equal(np.delete(scale, 2, 0), rs)
+
+
 # Op by op under jax_debug_nans/infs: a whole program's run (the slow stage).
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
